@@ -1,0 +1,21 @@
+"""dpsql: differentially private stream release as ordinary SQL and dataframe work."""
+
+from dpsql import testing
+from dpsql.accountant import Budget
+from dpsql.api import PartitionedRelease, laplace_stream, publish
+from dpsql.errors import (
+    BudgetExhausted,
+    DPError,
+    InvalidData,
+    InvalidParameter,
+    InvalidTimeKey,
+    NonPrivateRelease,
+    NotionMismatch,
+)
+from dpsql.release import Release
+
+__all__ = [
+    "Budget", "BudgetExhausted", "DPError", "InvalidData", "InvalidParameter", "InvalidTimeKey",
+    "NonPrivateRelease", "NotionMismatch", "PartitionedRelease", "Release", "laplace_stream", "publish",
+    "testing",
+]

@@ -1,0 +1,138 @@
+"""Argument and data checks shared by every mechanism and front end.
+
+They run before any noise is drawn or budget is charged, and raise the typed errors
+of :mod:`dpsql.errors` with messages naming the parameter or column.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable
+
+import numpy as np
+
+from dpsql.errors import InvalidData, InvalidParameter
+
+
+def epsilon(value, name: str = "epsilon") -> float:
+    """A finite, strictly positive real number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidParameter(f"{name} must be a real number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise InvalidParameter(f"{name} must be finite, got {value!r}")
+    if value <= 0:
+        raise InvalidParameter(f"{name} must be > 0, got {value!r}")
+    return value
+
+
+def delta(value, *, pure: bool, method: str, name: str = "delta") -> float:
+    """0 <= delta < 1, and exactly 0 for a pure-DP method."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidParameter(f"{name} must be a real number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise InvalidParameter(f"{name} must be finite, got {value!r}")
+    if not 0 <= value < 1:
+        raise InvalidParameter(f"{name} must satisfy 0 <= {name} < 1, got {value!r}")
+    if pure and value > 0:
+        raise InvalidParameter(f"{name} must be 0 for {method!r}, a pure epsilon-DP method; got {value!r}")
+    return value
+
+
+def real(value, name: str, *, minimum: float | None = None, strict: bool = False) -> float:
+    """A finite real number, optionally bounded below."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidParameter(f"{name} must be a real number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise InvalidParameter(f"{name} must be finite, got {value!r}")
+    if minimum is not None and (value <= minimum if strict else value < minimum):
+        raise InvalidParameter(f"{name} must be {'>' if strict else '>='} {minimum}, got {value!r}")
+    return value
+
+
+def integer(value, name: str, *, minimum: int | None = None) -> int:
+    """An integer (not a bool), optionally bounded below."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidParameter(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise InvalidParameter(f"{name} must be >= {minimum}, got {value!r}")
+    return value
+
+
+def probability(value, name: str) -> float:
+    """A real number strictly between 0 and 1."""
+    value = real(value, name)
+    if not 0 < value < 1:
+        raise InvalidParameter(f"{name} must satisfy 0 < {name} < 1, got {value!r}")
+    return value
+
+
+def bounds(lower, upper) -> tuple[float, float]:
+    """Public clipping bounds with lower < upper, both finite."""
+    lower = real(lower, "lower")
+    upper = real(upper, "upper")
+    if not lower < upper:
+        raise InvalidParameter(f"upper must be > lower, got lower={lower!r}, upper={upper!r}")
+    return lower, upper
+
+
+def choice(value, name: str, choices: Iterable[str]) -> str:
+    """One of a fixed set of names."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise InvalidParameter(f"unknown {name} {value!r}; expected one of {', '.join(map(repr, choices))}")
+    return value
+
+
+def holdout(m, n: int, *, default: int) -> int:
+    """The hold-out length: ``1 <= m < n``."""
+    m = default if m is None else integer(m, "m", minimum=1)
+    if m >= n:
+        raise InvalidParameter(f"m (hold-out length) must be < the number of values ({n}), got m={m}")
+    return m
+
+
+def values(data, column: str = "values") -> np.ndarray:
+    """A non-empty, 1-D, finite float64 array; the message names ``column``.
+
+    Accepts numpy arrays, sequences, pyarrow arrays and polars Series. Nulls (None,
+    Arrow or Polars nulls), NaN and infinities are refused, each with its own message.
+    """
+    null_count = getattr(data, "null_count", None)
+    if callable(null_count):  # polars Series
+        null_count = null_count()
+    if null_count:
+        raise InvalidData(f"column {column!r} contains {null_count} null value(s); "
+                          "drop or impute them before a private release")
+    if hasattr(data, "to_numpy") and not isinstance(data, np.ndarray):
+        try:
+            data = data.to_numpy(zero_copy_only=False)
+        except TypeError:
+            data = data.to_numpy()
+    arr = np.asarray(data)
+    if arr.dtype == object:
+        nulls = sum(v is None for v in arr.ravel())
+        if nulls:
+            raise InvalidData(f"column {column!r} contains {nulls} null value(s); "
+                              "drop or impute them before a private release")
+    if arr.dtype.kind not in "biuf" and arr.dtype != object:
+        raise InvalidData(f"column {column!r} must be numeric, got dtype {arr.dtype}")
+    try:
+        arr = arr.astype(np.float64, copy=False)
+    except (TypeError, ValueError):
+        raise InvalidData(f"column {column!r} must be numeric") from None
+    if arr.ndim != 1:
+        raise InvalidData(f"column {column!r} must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        raise InvalidData(f"column {column!r} is empty: nothing to release")
+    finite = np.isfinite(arr)
+    if not finite.all():
+        bad = np.flatnonzero(~finite)
+        kind = "NaN" if np.isnan(arr[bad[0]]) else "infinite"
+        raise InvalidData(f"column {column!r} contains {kind} values ({bad.size} non-finite, first at row "
+                          f"{bad[0]}); clean them before a private release")
+    return arr

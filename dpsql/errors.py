@@ -1,0 +1,40 @@
+"""Typed errors. Every refusal dpsql makes is a :class:`DPError` subclass.
+
+Messages name the parameter or column and the problem, so the same text reaches a
+user whether the call came from Python, SQL or a Polars expression.
+"""
+
+from __future__ import annotations
+
+
+class DPError(Exception):
+    """Base class of every error dpsql raises on purpose."""
+
+
+class InvalidParameter(DPError, ValueError):
+    """A mechanism parameter (epsilon, delta, bounds, method, ...) is unusable."""
+
+
+class InvalidData(DPError, ValueError):
+    """The data column is unusable: NaN, null, infinite, empty, wrong shape or type."""
+
+
+class InvalidTimeKey(InvalidData):
+    """The order / time column has nulls or duplicates within a partition."""
+
+
+class BudgetExhausted(DPError):
+    """A charge would exceed the ledger's budget. Nothing was charged or released."""
+
+    def __init__(self, message: str, *, remaining: tuple[float, float], requested: tuple[float, float]):
+        super().__init__(message)
+        self.remaining = remaining
+        self.requested = requested
+
+
+class NonPrivateRelease(DPError):
+    """A release made with test (seeded) noise was offered to a real ledger."""
+
+
+class NotionMismatch(DPError):
+    """A release's privacy notion differs from the notion the ledger scope was created with."""

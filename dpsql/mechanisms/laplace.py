@@ -1,0 +1,89 @@
+"""Float-safe Laplace mechanism on a power-of-two lattice.
+
+Privacy cost (stated where it is defined): releasing ``f(x) + LaplaceLattice(s, eps)``
+noise for a query ``f`` whose L1 sensitivity is at most ``s`` is ``eps``-DP
+(pure, delta = 0), exactly, for the discrete Laplace distribution drawn.
+
+How: the lattice spacing ``gamma`` is the largest power of two with
+``gamma <= s * 2**-LATTICE_BITS``; it depends on public ``s`` only. The private
+value is rounded to ``k = round(f / gamma)``. Rounding moves each of two
+neighbouring values by at most ``gamma / 2``, so ``|k - k'| <= ceil(s / gamma) + 1
+=: s_units``. Adding discrete Laplace noise of scale ``s_units / eps`` to ``k`` is
+``eps``-DP for that integer sensitivity, and ``gamma * (k + Z)`` is exact in float64.
+The price of rounding is a noise scale larger by the factor ``s_units * gamma / s``,
+at most ``1 + 2**(1 - LATTICE_BITS)`` (0.05 %), and a deterministic rounding error of
+at most ``gamma / 2`` per value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dpsql.noise import NoiseSource
+
+LATTICE_BITS = 12
+
+
+@dataclass(frozen=True)
+class LaplaceLattice:
+    """Calibrated Laplace noise for sensitivity ``sensitivity`` at ``epsilon``.
+
+    ``sensitivity = 0`` (a query that is constant on the clipped domain) draws no noise.
+
+    Examples
+    --------
+    >>> lap = LaplaceLattice(sensitivity=1.0, epsilon=0.5)
+    >>> lap.granularity == 2.0**-12
+    True
+    >>> round(lap.variance / (2 * (1.0 / 0.5) ** 2), 3)  # ~ 2 (s / eps)^2
+    1.0
+    """
+
+    sensitivity: float
+    epsilon: float
+    granularity: float = field(init=False)
+    scale_units: float = field(init=False)
+
+    def __post_init__(self):
+        if self.sensitivity > 0:
+            gamma = 2.0 ** (math.floor(math.log2(self.sensitivity)) - LATTICE_BITS)
+            units = (math.ceil(self.sensitivity / gamma) + 1) / self.epsilon
+        else:
+            gamma, units = 1.0, 0.0
+        object.__setattr__(self, "granularity", gamma)
+        object.__setattr__(self, "scale_units", units)
+
+    @property
+    def scale(self) -> float:
+        """Laplace scale in data units (``~ sensitivity / epsilon``)."""
+        return self.scale_units * self.granularity
+
+    @property
+    def variance(self) -> float:
+        """Exact variance of one noise draw in data units: ``gamma^2 * 2a / (1-a)^2``."""
+        if self.scale_units == 0:
+            return 0.0
+        a = math.exp(-1.0 / self.scale_units)
+        return self.granularity**2 * 2.0 * a / (1.0 - a) ** 2
+
+    def to_units(self, values: np.ndarray) -> np.ndarray:
+        """Private values rounded to the lattice, as int64 lattice units."""
+        return np.rint(np.asarray(values, dtype=np.float64) / self.granularity).astype(np.int64)
+
+    def noise_units(self, noise: NoiseSource, size: int) -> np.ndarray:
+        """``size`` independent noise draws in lattice units (int64)."""
+        return noise.discrete_laplace(self.scale_units, size)
+
+    def from_units(self, units: np.ndarray) -> np.ndarray:
+        """Lattice units back to data units; exact because ``gamma`` is a power of two."""
+        return units.astype(np.float64) * self.granularity
+
+    def release(self, values: np.ndarray, noise: NoiseSource) -> np.ndarray:
+        """``values`` plus independent noise, each on the lattice: ``eps``-DP per
+        coordinate for sensitivity ``s`` in that coordinate."""
+        units = self.to_units(values)
+        units += self.noise_units(noise, units.size).reshape(units.shape)
+        return self.from_units(units)

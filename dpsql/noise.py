@@ -1,0 +1,171 @@
+"""The only place randomness comes from.
+
+Every random draw in dpsql goes through a :class:`NoiseSource`. In private mode the
+source is :class:`SystemNoise`, which reads the operating system's CSPRNG
+(``os.urandom``, i.e. ``getrandom(2)``) and has no seed. A reproducible
+:class:`SeededNoise` exists for tests only: it is installed by
+:func:`dpsql.testing.seeded`, every release drawn from it is marked
+``private=False``, and a persistent :class:`dpsql.Budget` refuses such releases.
+
+Float safety
+------------
+Textbook ``x + laplace()`` on doubles leaks ``x`` through the rounding of the sum
+(Mironov, CCS 2012): the set of reachable outputs depends on the input. dpsql never
+adds continuous noise to a private float. Mechanisms snap the private quantity to a
+lattice ``gamma * Z`` whose power-of-two spacing ``gamma`` depends only on public
+parameters, add *integer* noise from :meth:`NoiseSource.discrete_laplace`, and
+multiply back by ``gamma``. Every step is exact in int64 / float64, so the released
+value is ``gamma * (round(x / gamma) + Z)``: the output lattice is the same for every
+input and the noise is exactly input-independent (see
+:class:`dpsql.mechanisms.LaplaceLattice`).
+
+The discrete Laplace draw ``P(Z = k) ∝ exp(-|k| / scale)`` uses one 64-bit word per
+candidate: one bit for the sign, 53 bits for a uniform ``U`` in (0, 1], and
+``|Z| = floor(-scale * ln U)`` (a geometric variable); the pair (negative sign, 0)
+is rejected and redrawn so that zero is not counted twice. The geometric inversion
+is computed in floating point from public quantities only; its relative error is
+that of ``log`` (about 1e-16), far below any privacy-relevant probability.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+_TWO_POW_M53 = 2.0**-53
+# Words drawn per os.urandom call: large enough to amortise the syscall, small
+# enough that each piece stays in cache while it is turned into noise.
+_PIECE = 1 << 18
+
+
+class NoiseSource:
+    """Base class: a stream of uniformly random 64-bit words plus the draws built on it.
+
+    Subclasses implement :meth:`words`. Everything else is shared, so the seeded
+    test source and the CSPRNG source produce identically distributed noise.
+    """
+
+    #: True only for the OS CSPRNG source. Releases inherit this flag.
+    private: bool = False
+
+    def words(self, n: int) -> np.ndarray:
+        """``n`` independent uniform ``uint64`` words."""
+        raise NotImplementedError
+
+    def uniform(self, size: int) -> np.ndarray:
+        """Uniform doubles in the open interval (0, 1), on the 2^-53 grid shifted by half a step."""
+        w = self.words(size)
+        return ((w >> np.uint64(11)).astype(np.float64) + 0.5) * _TWO_POW_M53
+
+    def discrete_laplace(self, scale: float, size: int) -> np.ndarray:
+        """Integers with ``P(Z = k) = (1-a)/(1+a) * a**|k|``, ``a = exp(-1/scale)``.
+
+        Mean 0, variance ``2a / (1-a)**2`` (about ``2 * scale**2`` for large scale).
+        ``scale = 0`` returns zeros.
+        """
+        if scale == 0:
+            return np.zeros(size, dtype=np.int64)
+        if not (scale > 0 and np.isfinite(scale)):
+            raise ValueError(f"discrete_laplace scale must be positive and finite, got {scale!r}")
+        return self._parallel(size, lambda n: self._discrete_laplace_piece(scale, n))
+
+    def _discrete_laplace_piece(self, scale: float, size: int) -> np.ndarray:
+        out = np.empty(size, dtype=np.int64)
+        for start in range(0, size, _PIECE):
+            piece = out[start:start + _PIECE]
+            rejected = self._fill_discrete_laplace(scale, piece)
+            while rejected.size:
+                redraw = np.empty(rejected.size, dtype=np.int64)
+                still = self._fill_discrete_laplace(scale, redraw)
+                keep = np.ones(rejected.size, dtype=bool)
+                keep[still] = False
+                piece[rejected[keep]] = redraw[keep]
+                rejected = rejected[still]
+        return out
+
+    def _fill_discrete_laplace(self, scale: float, out: np.ndarray) -> np.ndarray:
+        """Fill ``out`` with signed geometric draws; return the indices to redraw."""
+        w = self.words(out.size)
+        u = (w & np.uint64((1 << 53) - 1)).astype(np.float64)
+        u += 1.0
+        u *= _TWO_POW_M53
+        np.log(u, out=u)
+        u *= -scale
+        out[:] = u  # truncation toward zero is floor here: the value is >= 0
+        negative = w >= np.uint64(1 << 63)
+        rejected = np.flatnonzero(negative & (out == 0))
+        np.negative(out, out=out, where=negative)
+        return rejected
+
+    def _parallel(self, size: int, piece_fn) -> np.ndarray:
+        return piece_fn(size)
+
+
+class SystemNoise(NoiseSource):
+    """The OS CSPRNG. No seed can be set. Large requests are filled by two threads
+    (``os.urandom`` and numpy both release the GIL)."""
+
+    private = True
+    _pool: ThreadPoolExecutor | None = None
+    _pool_lock = threading.Lock()
+
+    def words(self, n: int) -> np.ndarray:
+        return np.frombuffer(os.urandom(8 * n), dtype=np.uint64)
+
+    def _parallel(self, size: int, piece_fn) -> np.ndarray:
+        if size <= 2 * _PIECE:
+            return piece_fn(size)
+        pool = self._executor()
+        bounds = [*list(range(0, size, _PIECE)), size]
+        pieces = pool.map(piece_fn, [b - a for a, b in itertools.pairwise(bounds)])
+        return np.concatenate(list(pieces))
+
+    @classmethod
+    def _executor(cls) -> ThreadPoolExecutor:
+        with cls._pool_lock:
+            if cls._pool is None:
+                cls._pool = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
+                                               thread_name_prefix="dpsql-noise")
+            return cls._pool
+
+
+class SeededNoise(NoiseSource):
+    """Reproducible, **non-private** noise for tests (numpy PCG64). Thread-safe."""
+
+    private = False
+
+    def __init__(self, seed: int):
+        self._bits = np.random.PCG64(seed)
+        self._lock = threading.Lock()
+
+    def words(self, n: int) -> np.ndarray:
+        with self._lock:
+            return self._bits.random_raw(n).astype(np.uint64, copy=False)
+
+
+_SYSTEM = SystemNoise()
+_override: NoiseSource | None = None
+_override_lock = threading.Lock()
+
+
+def current() -> NoiseSource:
+    """The noise source in force: the OS CSPRNG unless a test installed a seeded one."""
+    return _override if _override is not None else _SYSTEM
+
+
+@contextlib.contextmanager
+def _installed(source: NoiseSource):
+    """Install ``source`` process-wide (all threads, so engine worker threads see it too)."""
+    global _override
+    with _override_lock:
+        previous, _override = _override, source
+    try:
+        yield source
+    finally:
+        with _override_lock:
+            _override = previous

@@ -1,0 +1,227 @@
+"""What every algorithm returns, and the protocol every online algorithm implements.
+
+A :class:`Release` holds the private values (one per input row, input order), the
+privacy cost, the public parameters actually used, and an :class:`ErrorModel` from
+which error bars of any range sum follow. Releases are built by pure functions that
+never touch a ledger; :func:`dpsql.api.publish` charges for them.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from statistics import NormalDist
+from typing import Any
+
+import numpy as np
+
+from dpsql.errors import InvalidParameter
+
+#: Neighbour relations, recorded with every release.
+REPLACE_ONE = "replace-one-value (time order and partition keys public)"
+ADD_REMOVE_EVENT = "add/remove one event (time domain and partition keys public)"
+
+
+class ErrorModel(ABC):
+    """Noise structure of a release: the variance of the noise in any range sum.
+
+    The variance is that of the *noise only*. Clipping to the public bounds or to a
+    private threshold, and block smoothing, add a data-dependent bias that no error
+    bar drawn from the release can know; :meth:`Release.range_ci` says so.
+    """
+
+    #: An upper bound on the excess kurtosis of the noise of any range sum. Any
+    #: weighted sum of i.i.d. Laplace variables has excess kurtosis <= 3.
+    excess_kurtosis: float = 3.0
+
+    @abstractmethod
+    def range_variance(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+        """Noise variance of ``values[start:stop].sum()`` for each pair (int64 arrays)."""
+
+
+class IndependentNoise(ErrorModel):
+    """Independent noise per row with known per-row variances (e.g. per-value Laplace)."""
+
+    def __init__(self, row_variance: np.ndarray | float, n: int, excess_kurtosis: float = 3.0):
+        row_variance = np.broadcast_to(np.asarray(row_variance, dtype=np.float64), (n,))
+        self._cumulative = np.concatenate([[0.0], np.cumsum(row_variance)])
+        self.excess_kurtosis = excess_kurtosis
+
+    def range_variance(self, starts, stops):
+        return self._cumulative[stops] - self._cumulative[starts]
+
+
+def _cornish_fisher(level: float, excess_kurtosis: float) -> float:
+    """Two-sided quantile multiplier with a kurtosis correction (symmetric noise).
+
+    For one Laplace variable at 95 % this gives 2.17 sigma against the exact 2.12;
+    the Gaussian 1.96 would under-cover (93.7 %).
+    """
+    z = NormalDist().inv_cdf(0.5 + level / 2)
+    return z + (z**3 - 3 * z) * excess_kurtosis / 24
+
+
+@dataclass(frozen=True, eq=False)
+class Release:
+    """A private stream. Everything in it is safe to publish.
+
+    Attributes
+    ----------
+    values : numpy.ndarray
+        float64, one private value per input row, input order.
+    method, params :
+        The algorithm and the public parameters actually used (defaults resolved).
+    epsilon, delta :
+        The privacy cost of this release under ``notion`` and ``neighbour``.
+    threshold :
+        The privately estimated clipping threshold, when the method estimates one.
+    private :
+        False when test (seeded) noise was used; a persistent ledger refuses those.
+    components :
+        Per-component cost, e.g. ``{"threshold": (eps, 0), "hierarchy": (eps, 0)}``.
+    reports :
+        Raw local-DP reports, for local-DP methods.
+    release_id :
+        The ledger's id for this release, once charged.
+    """
+
+    values: np.ndarray
+    method: str
+    params: Mapping[str, Any]
+    epsilon: float
+    delta: float
+    error: ErrorModel
+    private: bool
+    neighbour: str = REPLACE_ONE
+    notion: str = "central"
+    threshold: float | None = None
+    components: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    reports: np.ndarray | None = None
+    release_id: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def _check_range(self, i, j) -> tuple[np.ndarray, np.ndarray]:
+        i = np.asarray(i, dtype=np.int64)
+        j = np.asarray(j, dtype=np.int64)
+        n = len(self.values)
+        if np.any(i < 0) or np.any(j > n) or np.any(i > j):
+            raise InvalidParameter(f"range [i, j) must satisfy 0 <= i <= j <= {n}")
+        return i, j
+
+    def range_sum(self, i, j):
+        """Private sum of rows ``i`` to ``j - 1`` (Python slice semantics); arrays broadcast."""
+        i, j = self._check_range(i, j)
+        cumulative = np.concatenate([[0.0], np.cumsum(self.values)])
+        out = cumulative[j] - cumulative[i]
+        return float(out) if out.ndim == 0 else out
+
+    def range_variance(self, i, j):
+        """Noise variance of :meth:`range_sum` (noise only, see :meth:`range_ci`)."""
+        i, j = self._check_range(i, j)
+        out = self.error.range_variance(np.atleast_1d(i), np.atleast_1d(j)).reshape(np.shape(i + j))
+        return float(out) if out.ndim == 0 else out
+
+    def range_ci(self, i, j, level: float = 0.95):
+        """``(low, high)`` interval for the sum of rows ``i..j-1`` at confidence ``level``.
+
+        Derived from the mechanism's noise structure: ``sum ± k * sqrt(variance)`` with
+        ``k`` the Cornish-Fisher quantile for the noise's excess kurtosis bound. The
+        interval covers the noise only; bias from clipping at the public bounds or at a
+        private threshold, and from block smoothing, is not included.
+        """
+        if not 0 < level < 1:
+            raise InvalidParameter(f"level must satisfy 0 < level < 1, got {level!r}")
+        total = np.asarray(self.range_sum(i, j))
+        half = _cornish_fisher(level, self.error.excess_kurtosis) * np.sqrt(
+            np.asarray(self.range_variance(i, j)))
+        low, high = total - half, total + half
+        if low.ndim == 0:
+            return float(low), float(high)
+        return low, high
+
+    def with_id(self, release_id: str) -> Release:
+        return replace(self, release_id=release_id)
+
+    def to_polars(self):
+        """A Polars DataFrame: ``row`` (input position) and ``value``."""
+        import polars as pl
+
+        return pl.DataFrame({"row": np.arange(len(self.values)), "value": self.values})
+
+    def to_arrow(self):
+        """A pyarrow Table with the same columns; the cost and method travel in its metadata."""
+        import pyarrow as pa
+
+        table = pa.table({"row": np.arange(len(self.values)), "value": self.values})
+        meta = {"dpsql": json.dumps({"method": self.method, "epsilon": self.epsilon, "delta": self.delta,
+                                     "threshold": self.threshold, "private": self.private,
+                                     "release_id": self.release_id, "neighbour": self.neighbour,
+                                     "notion": self.notion}, default=str)}
+        return table.replace_schema_metadata(meta)
+
+    def __repr__(self) -> str:
+        thr = "" if self.threshold is None else f", threshold={self.threshold:.6g}"
+        priv = "" if self.private else ", private=False"
+        return (f"Release({self.method}, n={len(self.values)}, epsilon={self.epsilon:g}, "
+                f"delta={self.delta:g}{thr}{priv})")
+
+
+class StreamMachine(ABC):
+    """An online algorithm: state plus the next chunk of values -> outputs.
+
+    A machine is constructed from ``n`` (the public stream length) and its parameters;
+    the constructor validates them and draws no noise, so a refused call costs nothing.
+    ``feed`` may hold back outputs (a hold-out waits for its threshold); ``close``
+    returns everything still held. Over a whole stream the outputs, concatenated, are
+    one value per input row in input order.
+
+    Class attributes say what a release costs and under which notion; after ``close``,
+    :meth:`describe` gives the rest of what a :class:`Release` needs.
+    """
+
+    #: (epsilon, delta) of the whole release, known at construction.
+    cost: tuple[float, float]
+    notion: str = "central"
+    #: The window of a w-event notion, else None.
+    w: int | None = None
+    neighbour: str = REPLACE_ONE
+
+    @abstractmethod
+    def feed(self, chunk: np.ndarray) -> np.ndarray:
+        """Consume ``chunk`` (already validated float64) and return new outputs."""
+
+    @abstractmethod
+    def close(self) -> np.ndarray:
+        """End of stream: return the outputs still held back."""
+
+    @abstractmethod
+    def describe(self) -> dict:
+        """``method``, ``params``, ``error`` and, where they apply, ``threshold``,
+        ``components`` and ``reports`` (keyword arguments of :class:`Release`)."""
+
+
+def run_machine(machine: StreamMachine, chunks, n: int) -> np.ndarray:
+    """Drive ``machine`` over ``chunks`` and collect its ``n`` outputs in order."""
+    out = np.empty(n, dtype=np.float64)
+    filled = 0
+    for chunk in chunks:
+        piece = machine.feed(chunk)
+        out[filled:filled + len(piece)] = piece
+        filled += len(piece)
+    piece = machine.close()
+    out[filled:filled + len(piece)] = piece
+    filled += len(piece)
+    if filled != n:
+        raise AssertionError(f"{type(machine).__name__} produced {filled} outputs for {n} rows")
+    return out
+
+
+def chunks_of(values: np.ndarray, size: int = 1 << 20):
+    """Views of ``values`` in consecutive chunks of ``size`` rows."""
+    for start in range(0, len(values), size):
+        yield values[start:start + size]
+

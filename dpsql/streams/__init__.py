@@ -1,0 +1,24 @@
+"""The paper algorithms as online state machines, registered by method name.
+
+Each module defines a :class:`dpsql.release.StreamMachine` and registers its factory
+with :func:`dpsql.api.register_method`; :func:`run` drives one over a whole array
+with an explicit noise source, without any ledger (used by tests and benchmarks).
+"""
+
+from __future__ import annotations
+
+from dpsql import _validate
+from dpsql.api import machine_for, register_method
+from dpsql.noise import NoiseSource
+from dpsql.release import Release, chunks_of, run_machine
+from dpsql.streams.laplace import LaplaceStream
+
+register_method("laplace", LaplaceStream)
+
+def run(method: str, values, *, noise: NoiseSource, chunk: int = 1 << 20, **params) -> Release:
+    """Pure release: ``values`` through ``method`` with ``noise``; charges nothing."""
+    data = _validate.values(values)
+    machine = machine_for(method, len(data), noise, params)
+    out = run_machine(machine, chunks_of(data, chunk), len(data))
+    return Release(values=out, epsilon=machine.cost[0], delta=machine.cost[1], private=noise.private,
+                   neighbour=machine.neighbour, notion=machine.notion, **machine.describe())
