@@ -189,6 +189,9 @@ class StreamMachine(ABC):
     #: The window of a w-event notion, else None.
     w: int | None = None
     neighbour: str = REPLACE_ONE
+    #: Number of outputs over the whole stream; None means one per input row. A
+    #: scalar release (a threshold) sets 1.
+    n_outputs: int | None = None
 
     @abstractmethod
     def feed(self, chunk: np.ndarray) -> np.ndarray:
@@ -205,7 +208,8 @@ class StreamMachine(ABC):
 
 
 def run_machine(machine: StreamMachine, chunks, n: int) -> np.ndarray:
-    """Drive ``machine`` over ``chunks`` and collect its ``n`` outputs in order."""
+    """Drive ``machine`` over ``chunks`` of ``n`` rows and collect its outputs in order."""
+    n = n if machine.n_outputs is None else machine.n_outputs
     out = np.empty(n, dtype=np.float64)
     filled = 0
     for chunk in chunks:
@@ -216,7 +220,7 @@ def run_machine(machine: StreamMachine, chunks, n: int) -> np.ndarray:
     out[filled:filled + len(piece)] = piece
     filled += len(piece)
     if filled != n:
-        raise AssertionError(f"{type(machine).__name__} produced {filled} outputs for {n} rows")
+        raise AssertionError(f"{type(machine).__name__} produced {filled} outputs, expected {n}")
     return out
 
 

@@ -1,0 +1,48 @@
+"""Write one benchmark's section into BENCHMARKS.md, replacing its previous version.
+
+Each script owns the section between ``<!-- name:start -->`` and ``<!-- name:end -->``,
+so scripts can be rerun in any order and the file always holds each one's latest run.
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+HEADER = ("# Benchmarks\n\nEvery section below is written by the script it names; rerun that command to "
+          "refresh it. Ratios are measured within one process run, so they compare like with like on "
+          "whatever machine ran them.\n")
+
+
+def machine() -> str:
+    import os
+
+    import numpy as np
+
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
+            f"{platform.python_version()}, numpy {np.__version__}")
+
+
+def write_section(name: str, title: str, body: str, command: str | None = None) -> None:
+    """Replace section ``name`` of BENCHMARKS.md with ``body`` (markdown)."""
+    command = command or "python " + " ".join(sys.argv)
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    section = (f"<!-- {name}:start -->\n## {title}\n\nReproduce: `{command}`  \n"
+               f"Measured {stamp} on {machine()}.\n\n{body.strip()}\n<!-- {name}:end -->")
+    text = BENCHMARKS.read_text() if BENCHMARKS.exists() else HEADER
+    pattern = re.compile(rf"<!-- {re.escape(name)}:start -->.*?<!-- {re.escape(name)}:end -->", re.S)
+    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section + "\n"
+    BENCHMARKS.write_text(text)
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A GitHub markdown table; floats in compact scientific notation."""
+    def fmt(x):
+        return f"{x:.3g}" if isinstance(x, float) else str(x)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines)
