@@ -53,6 +53,42 @@ class IndependentNoise(ErrorModel):
         return self._cumulative[stops] - self._cumulative[starts]
 
 
+class SegmentedNoise(ErrorModel):
+    """Independent noise on consecutive row segments (e.g. hold-out, then chunks):
+    variances of the pieces of a range add up.
+
+    ``boundaries`` are ``[0, b_1, ..., n]``; segment ``k`` covers rows
+    ``boundaries[k]:boundaries[k+1]`` and ``models[k]`` sees segment-local row indices.
+    """
+
+    def __init__(self, boundaries, models):
+        self._boundaries = np.asarray(boundaries, dtype=np.int64)
+        self._models = list(models)
+        self.excess_kurtosis = max(m.excess_kurtosis for m in self._models)
+
+    def range_variance(self, starts, stops):
+        total = np.zeros(np.shape(starts), dtype=np.float64)
+        for a, b, model in zip(self._boundaries[:-1], self._boundaries[1:], self._models):
+            s = np.clip(starts, a, b) - a
+            e = np.clip(stops, a, b) - a
+            hit = e > s
+            if hit.any():
+                total[hit] += model.range_variance(s[hit], e[hit])
+        return total
+
+
+class SharedTotalNoise(ErrorModel):
+    """``m`` rows that each carry ``1/m`` of one noisy total (a hold-out's published sum):
+    a range over ``k`` of them has variance ``(k/m)^2 * total_variance``."""
+
+    def __init__(self, total_variance: float, m: int):
+        self._total_variance = total_variance
+        self._m = m
+
+    def range_variance(self, starts, stops):
+        return ((np.asarray(stops) - np.asarray(starts)) / self._m) ** 2 * self._total_variance
+
+
 def _cornish_fisher(level: float, excess_kurtosis: float) -> float:
     """Two-sided quantile multiplier with a kurtosis correction (symmetric noise).
 
