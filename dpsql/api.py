@@ -9,6 +9,7 @@ charges or adds noise by itself.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -64,7 +65,17 @@ def machine_for(method: str, n: int, source: noise.NoiseSource, params: dict) ->
 
     if method not in METHODS:
         raise InvalidParameter(f"unknown method {method!r}; expected one of {', '.join(map(repr, sorted(METHODS)))}")
-    return METHODS[method](n, noise=source, **params)
+    factory = METHODS[method]
+    accepted = inspect.signature(factory).parameters
+    params = dict(params)
+    if "delta" in params and "delta" not in accepted:
+        _validate.delta(params.pop("delta"), pure=True, method=method)
+    unknown = sorted(set(params) - set(accepted) - {"n", "noise"})
+    if unknown:
+        known = sorted(set(accepted) - {"n", "noise"})
+        raise InvalidParameter(f"unknown parameter(s) {', '.join(map(repr, unknown))} for method {method!r}; "
+                               f"expected {', '.join(map(repr, known))}")
+    return factory(n, noise=source, **params)
 
 
 def publish(method: str, values, *, budget: Budget | None = None, column: str = "values",

@@ -1,0 +1,160 @@
+"""The single charging path, input validation and the Release object."""
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pytest
+
+import dpsql
+from dpsql import api
+from dpsql.errors import BudgetExhausted, DPError, InvalidData, InvalidParameter
+
+
+def test_publish_charges_once_and_returns_a_charged_release():
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    with dpsql.testing.seeded(0):
+        rel = api.publish("laplace", np.arange(10.0), budget=budget, note="hello", epsilon=0.4, upper=10.0)
+    history = budget.history()
+    assert history.height == 1
+    row = history.row(0, named=True)
+    assert (row["method"], row["epsilon"], row["rows"], row["partitions"], row["note"]) == ("laplace", 0.4, 10, 1,
+                                                                                           "hello")
+    assert row["release_id"] == rel.release_id
+    assert "replace-one-value" in row["neighbour"]
+
+
+def test_partitioned_release_is_charged_once_at_the_max():
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    values = np.arange(30.0)
+    with dpsql.testing.seeded(1):
+        rel = api.publish("laplace", values, budget=budget, partition_offsets=[0, 10, 25, 30], epsilon=0.5,
+                          upper=30.0)
+    assert isinstance(rel, api.PartitionedRelease)
+    assert budget.spent == (0.5, 0.0)
+    assert budget.history()["partitions"].to_list() == [3]
+    assert [len(p) for p in rel.parts] == [10, 15, 5]
+    np.testing.assert_array_equal(rel.values, np.concatenate([p.values for p in rel.parts]))
+
+
+@pytest.mark.parametrize("offsets", [[0, 10], [1, 30], [0, 10, 10, 30], [0, 40]])
+def test_bad_partition_offsets_are_refused(offsets):
+    with pytest.raises(InvalidParameter, match="partition_offsets"):
+        api.publish("laplace", np.arange(30.0), partition_offsets=offsets, epsilon=0.5, upper=30.0)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    (np.array([1.0, np.nan]), "column 'kwh' contains NaN"),
+    (np.array([1.0, np.inf]), "column 'kwh' contains infinite"),
+    (np.array([]), "column 'kwh' is empty"),
+    (np.ones((2, 2)), "column 'kwh' must be 1-D"),
+    (np.array(["a", "b"]), "column 'kwh' must be numeric"),
+    ([1.0, None], "column 'kwh' contains 1 null"),
+    (pa.array([1.0, None, 2.0]), "column 'kwh' contains 1 null"),
+    (pl.Series([1.0, None]), "column 'kwh' contains 1 null"),
+])
+def test_bad_values_get_a_typed_error_naming_the_column_and_nothing_is_charged(values, message):
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    with pytest.raises(InvalidData, match=message):
+        api.publish("laplace", values, budget=budget, column="kwh", epsilon=0.5, upper=1.0)
+    assert budget.spent == (0.0, 0.0)
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"epsilon": 0, "upper": 1.0}, "epsilon must be > 0"),
+    ({"epsilon": -1, "upper": 1.0}, "epsilon must be > 0"),
+    ({"epsilon": float("nan"), "upper": 1.0}, "epsilon must be finite"),
+    ({"epsilon": float("inf"), "upper": 1.0}, "epsilon must be finite"),
+    ({"epsilon": 1.0, "upper": 0.0}, "upper must be > lower"),
+    ({"epsilon": 1.0, "upper": float("inf")}, "upper must be finite"),
+    ({"epsilon": 1.0, "upper": 1.0, "delta": 0.1}, "delta"),
+])
+def test_bad_parameters_get_a_typed_error_and_nothing_is_charged(params, message):
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    with pytest.raises(DPError, match=message):
+        api.publish("laplace", np.ones(5), budget=budget, **params)
+    assert budget.spent == (0.0, 0.0)
+
+
+def test_unknown_method_lists_the_known_ones():
+    with pytest.raises(InvalidParameter, match=r"unknown method 'magic'.*'laplace'"):
+        api.publish("magic", np.ones(3), epsilon=1.0)
+
+
+def test_exhausted_budget_releases_nothing_and_charges_nothing():
+    budget = dpsql.Budget.in_memory(epsilon=0.3)
+    with pytest.raises(BudgetExhausted):
+        dpsql.laplace_stream(np.ones(4), epsilon=0.5, upper=1.0, budget=budget)
+    assert budget.history().height == 0
+
+
+def test_an_exception_inside_the_algorithm_charges_nothing(monkeypatch):
+    from dpsql.streams.laplace import LaplaceStream
+
+    def boom(self, chunk):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(LaplaceStream, "feed", boom)
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    with pytest.raises(RuntimeError):
+        dpsql.laplace_stream(np.ones(4), epsilon=0.5, upper=1.0, budget=budget)
+    assert budget.spent == (0.0, 0.0)
+
+
+def test_budget_must_be_a_budget():
+    with pytest.raises(InvalidParameter, match=r"dpsql\.Budget"):
+        dpsql.laplace_stream(np.ones(4), epsilon=0.5, upper=1.0, budget=1.0)
+
+
+def test_values_outside_the_bounds_are_clipped_not_refused():
+    with dpsql.testing.seeded(0):
+        rel = dpsql.laplace_stream(np.array([-1e9, 1e9]), epsilon=1e6, upper=1.0)
+    np.testing.assert_allclose(rel.values, [0.0, 1.0], atol=1e-3)
+
+
+def test_laplace_release_is_unbiased_with_the_analytic_variance():
+    values = np.linspace(0, 10, 200_000)
+    with dpsql.testing.seeded(7):
+        rel = dpsql.laplace_stream(values, epsilon=0.5, upper=10.0)
+    err = rel.values - values
+    assert abs(err.mean()) < 5 * np.sqrt(2 * 20.0**2 / values.size)
+    assert abs(err.var() / (2 * 20.0**2) - 1) < 0.02
+    assert abs(rel.range_variance(0, 1) / (2 * 20.0**2) - 1) < 1e-3
+    assert rel.range_variance(5, 15) == pytest.approx(10 * rel.range_variance(0, 1))
+
+
+@pytest.mark.parametrize("level", [0.9, 0.95])
+@pytest.mark.parametrize("width", [1, 4, 100])
+def test_range_ci_coverage_is_at_least_nominal(width, level):
+    values = np.full(400, 3.0)
+    starts = np.arange(0, 400, width)
+    covered = []
+    with dpsql.testing.seeded(width):
+        for _ in range(2000 // len(starts)):
+            rel = dpsql.laplace_stream(values, epsilon=1.0, upper=5.0)
+            low, high = rel.range_ci(starts, starts + width, level=level)
+            covered.append((low <= 3.0 * width) & (3.0 * width <= high))
+    rate = np.mean(covered)
+    se = np.sqrt(level * (1 - level) / np.size(covered))
+    assert level - 3 * se <= rate <= level + 0.03
+
+
+def test_unknown_parameters_are_refused_and_delta_zero_is_fine_for_pure_methods():
+    with pytest.raises(InvalidParameter, match=r"unknown parameter\(s\) 'fanout' for method 'laplace'"):
+        api.publish("laplace", np.ones(3), epsilon=1.0, upper=1.0, fanout=16)
+    with dpsql.testing.seeded(0):
+        assert api.publish("laplace", np.ones(3), epsilon=1.0, upper=1.0, delta=0.0).delta == 0.0
+
+
+def test_release_exports_and_range_arguments():
+    with dpsql.testing.seeded(0):
+        rel = dpsql.laplace_stream(np.arange(5.0), epsilon=1.0, upper=5.0)
+    assert rel.to_polars().columns == ["row", "value"]
+    table = rel.to_arrow()
+    assert b"dpsql" in table.schema.metadata and table.num_rows == 5
+    assert rel.range_sum(0, 5) == pytest.approx(rel.values.sum())
+    np.testing.assert_allclose(rel.range_sum([0, 1], [2, 3]), [rel.values[:2].sum(), rel.values[1:3].sum()])
+    with pytest.raises(InvalidParameter, match="range"):
+        rel.range_sum(3, 2)
+    with pytest.raises(InvalidParameter, match="level"):
+        rel.range_ci(0, 2, level=1.5)
+    assert "private=False" in repr(rel)

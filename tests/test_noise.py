@@ -1,0 +1,127 @@
+"""Noise sources and the float-safe Laplace lattice."""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+import dpsql
+from dpsql import noise
+from dpsql.mechanisms import LATTICE_BITS, LaplaceLattice, report_noisy_max
+
+
+def test_default_source_is_the_os_csprng_and_private():
+    source = noise.current()
+    assert isinstance(source, noise.SystemNoise)
+    assert source.private
+    assert not hasattr(source, "seed")
+    a, b = source.words(4), source.words(4)
+    assert not np.array_equal(a, b)
+
+
+def test_seeded_context_is_reproducible_non_private_and_restored():
+    with dpsql.testing.seeded(3) as s1:
+        assert not s1.private and noise.current() is s1
+        a = s1.discrete_laplace(10.0, 100)
+    with dpsql.testing.seeded(3) as s2:
+        b = s2.discrete_laplace(10.0, 100)
+    np.testing.assert_array_equal(a, b)
+    assert isinstance(noise.current(), noise.SystemNoise)
+
+
+def test_seeded_source_is_visible_from_other_threads():
+    import threading
+
+    seen = []
+    with dpsql.testing.seeded(1) as source:
+        t = threading.Thread(target=lambda: seen.append(noise.current()))
+        t.start()
+        t.join()
+    assert seen == [source]
+
+
+@pytest.mark.parametrize("scale", [0.7, 5.0, 4096.0])
+def test_discrete_laplace_matches_its_pmf(scale):
+    with dpsql.testing.seeded(11) as source:
+        z = source.discrete_laplace(scale, 400_000)
+    a = math.exp(-1 / scale)
+    # exact moments: mean 0, variance 2a/(1-a)^2
+    var = 2 * a / (1 - a) ** 2
+    assert abs(z.mean()) < 5 * math.sqrt(var / z.size)
+    assert abs(z.var() / var - 1) < 0.02
+    # pmf at a few points, within 5 standard errors
+    for k in (0, 1, -1, 3):
+        p = (1 - a) / (1 + a) * a ** abs(k)
+        observed = np.mean(z == k)
+        assert abs(observed - p) < 5 * math.sqrt(p * (1 - p) / z.size) + 1e-12
+
+
+def test_system_source_parallel_path_has_the_right_distribution():
+    z = noise.SystemNoise().discrete_laplace(100.0, 3_000_000)  # > 2 pieces: threaded path
+    a = math.exp(-1 / 100.0)
+    assert abs(z.var() / (2 * a / (1 - a) ** 2) - 1) < 0.01
+    assert z.dtype == np.int64
+
+
+def test_uniform_is_strictly_inside_the_unit_interval():
+    with dpsql.testing.seeded(0) as source:
+        u = source.uniform(200_000)
+    assert u.min() > 0 and u.max() < 1
+    assert stats.kstest(u, "uniform").pvalue > 1e-3
+
+
+def test_lattice_is_a_power_of_two_fixed_by_public_parameters():
+    lap = LaplaceLattice(sensitivity=3.0, epsilon=0.1)
+    assert lap.granularity == 2.0 ** (1 - LATTICE_BITS)
+    assert math.log2(lap.granularity).is_integer()
+    # rounding costs at most a factor 1 + 2^(1 - LATTICE_BITS) on the scale
+    assert 1 <= lap.scale / (3.0 / 0.1) <= 1 + 2.0 ** (1 - LATTICE_BITS)
+
+
+def test_released_values_lie_on_the_lattice_for_any_float_input():
+    x = np.array([0.1, 1 / 3, math.pi, 1e-9, 123456.789, -2.5e-5])
+    lap = LaplaceLattice(sensitivity=1.0, epsilon=0.5)
+    with dpsql.testing.seeded(5) as source:
+        out = lap.release(x, source)
+    units = out / lap.granularity
+    np.testing.assert_array_equal(units, np.round(units))
+
+
+def test_mironov_attack_does_not_apply_noise_is_exactly_input_independent():
+    """Two neighbouring inputs with the same noise draw: the outputs differ exactly by the
+    difference of the lattice-rounded inputs, so low-order bits carry nothing about x."""
+    lap = LaplaceLattice(sensitivity=1.0, epsilon=1.0)
+    x, x_neighbour = np.full(1000, 0.1), np.full(1000, 0.1 + 1.0)
+    with dpsql.testing.seeded(9) as source:
+        out = lap.release(x, source)
+    with dpsql.testing.seeded(9) as source:
+        out_neighbour = lap.release(x_neighbour, source)
+    shift = (lap.to_units(x_neighbour) - lap.to_units(x)) * lap.granularity
+    np.testing.assert_array_equal(out_neighbour - out, shift)
+    # the set of reachable outputs is the same lattice for both inputs
+    assert np.all(np.mod(out, lap.granularity) == 0) and np.all(np.mod(out_neighbour, lap.granularity) == 0)
+
+
+def test_laplace_lattice_variance_is_exact():
+    lap = LaplaceLattice(sensitivity=2.0, epsilon=0.25)
+    with dpsql.testing.seeded(2) as source:
+        draws = lap.from_units(lap.noise_units(source, 400_000))
+    assert abs(draws.var() / lap.variance - 1) < 0.02
+    assert abs(lap.variance / (2 * (2.0 / 0.25) ** 2) - 1) < 2e-3
+    assert stats.kstest(draws, stats.laplace(scale=lap.scale).cdf).statistic < 0.005
+
+
+def test_zero_sensitivity_draws_no_noise():
+    lap = LaplaceLattice(sensitivity=0.0, epsilon=1.0)
+    with dpsql.testing.seeded(0) as source:
+        assert np.all(lap.release(np.zeros(5), source) == 0)
+    assert lap.variance == 0
+
+
+def test_report_noisy_max_tracks_a_clear_leader_and_is_random_on_ties():
+    with dpsql.testing.seeded(4) as source:
+        picks = [report_noisy_max(np.array([0.0, 0.0, 5.0]), epsilon=10.0, noise=source) for _ in range(200)]
+        assert picks.count(2) == 200
+        ties = [report_noisy_max(np.zeros(2), epsilon=1.0, noise=source) for _ in range(2000)]
+    assert 0.45 < np.mean(ties) < 0.55
