@@ -244,3 +244,321 @@ class SquareWave(Randomiser):
 
 #: The shared Square Wave randomiser.
 SQUARE_WAVE = SquareWave()
+
+
+class Piecewise(Randomiser):
+    """Piecewise Mechanism (Wang et al. ICDE 2019; ALGORITHMS.md P9) on inputs in ``[-1, 1]``.
+
+    With ``C = (e^{eps/2} + 1) / (e^{eps/2} - 1)`` the report density on ``[-C, C]`` is
+    ``p = (e^eps - e^{eps/2}) / (2 e^{eps/2} + 2)`` on ``[l(x), l(x) + C - 1]``,
+    ``l(x) = (C + 1) x / 2 - (C - 1) / 2``, and ``q = p / e^eps`` elsewhere. Unbiased, variance
+    ``x^2 / (e^{eps/2} - 1) + (e^{eps/2} + 3) / (3 (e^{eps/2} - 1)^2)``. Cost: ``eps``-LDP.
+
+    The reference code (``primitive.pm``) maps its draws back with the per-sample ``l(x)``
+    in place of the domain bound ``-C`` (ALGORITHMS.md P9 [!]); here the density is
+    parameterised directly on ``[-C, C]``, so the domain bounds are the only bounds used.
+
+    Examples
+    --------
+    >>> round(PIECEWISE.output_range(1.0)[1], 4)
+    4.083
+    """
+
+    domain = (-1.0, 1.0)
+    name = "piecewise"
+
+    @staticmethod
+    def bound(eps: float) -> float:
+        """``C``: reports lie in ``[-C, C]``."""
+        half = math.exp(eps / 2.0)
+        return (half + 1.0) / (half - 1.0)
+
+    def density(self, x, eps: float) -> _BandDensity:
+        x = self.clip(x)
+        c = self.bound(eps)
+        half = math.exp(eps / 2.0)
+        p = (math.exp(eps) - half) / (2.0 * half + 2.0)
+        left = (c + 1.0) / 2.0 * x - (c - 1.0) / 2.0
+        return _BandDensity(-c, c, left, left + c - 1.0, p, p / math.exp(eps))
+
+    def perturb(self, x, eps, noise):
+        x = self.clip(x)
+        return self.density(x, eps).sample(noise.uniform(x.size).reshape(x.shape))
+
+    def variance(self, x, eps):
+        half_minus_one = math.expm1(eps / 2.0)
+        return self.clip(x) ** 2 / half_minus_one + (half_minus_one + 4.0) / (3.0 * half_minus_one**2)
+
+    def worst_variance(self, eps):
+        return float(self.variance(1.0, eps))
+
+    def output_range(self, eps):
+        c = self.bound(eps)
+        return -c, c
+
+    def pdf(self, y, x, eps):
+        return self.density(x, eps).pdf(y)
+
+    def cell_probabilities(self, x, eps):
+        return self.density(float(x), eps).cell_probabilities()
+
+
+class StochasticRounding(Randomiser):
+    """Stochastic Rounding (Duchi et al.; ALGORITHMS.md P10) on inputs in ``[-1, 1]``.
+
+    Reports ``+C`` with probability ``1/2 + x (e^eps - 1) / (2 (e^eps + 1))``, else ``-C``,
+    ``C = (e^eps + 1) / (e^eps - 1)``: unbiased, variance ``C^2 - x^2``. The two outputs
+    are public, so no lattice is needed; the probability ratio is at most
+    ``(e^eps / (e^eps + 1)) / (1 / (e^eps + 1)) = e^eps``. Cost: ``eps``-LDP.
+
+    Examples
+    --------
+    >>> round(STOCHASTIC_ROUNDING.output_range(1.0)[1], 4)
+    2.164
+    """
+
+    domain = (-1.0, 1.0)
+    name = "stochastic_rounding"
+
+    @staticmethod
+    def bound(eps: float) -> float:
+        """``C``: the two reports are ``±C``."""
+        return (math.exp(eps) + 1.0) / math.expm1(eps)
+
+    @staticmethod
+    def positive_probability(x, eps: float) -> np.ndarray:
+        return 0.5 + x * math.expm1(eps) / (2.0 * (math.exp(eps) + 1.0))
+
+    def perturb(self, x, eps, noise):
+        x = self.clip(x)
+        positive = noise.uniform(x.size).reshape(x.shape) < self.positive_probability(x, eps)
+        c = self.bound(eps)
+        return np.where(positive, c, -c)
+
+    def variance(self, x, eps):
+        return self.bound(eps) ** 2 - self.clip(x) ** 2
+
+    def worst_variance(self, eps):
+        return self.bound(eps) ** 2
+
+    def output_range(self, eps):
+        c = self.bound(eps)
+        return -c, c
+
+    def pdf(self, y, x, eps):
+        """Point masses: ``P(report = y | x)``."""
+        y = _as_array(y)
+        c = self.bound(eps)
+        up = self.positive_probability(self.clip(x), eps)
+        return np.where(y == c, up, np.where(y == -c, 1.0 - up, 0.0))
+
+    def cell_probabilities(self, x, eps):
+        c = self.bound(eps)
+        up = float(self.positive_probability(float(np.clip(x, -1.0, 1.0)), eps))
+        return np.array([-c, c]), np.array([1.0 - up, up])
+
+
+#: Hybrid mechanism threshold: at or below it, Stochastic Rounding alone has the smaller worst-case variance.
+HYBRID_THRESHOLD = 0.61
+
+
+class Hybrid(Randomiser):
+    """Hybrid Mechanism (Wang et al. ICDE 2019; ALGORITHMS.md P11) on inputs in ``[-1, 1]``.
+
+    For ``eps > 0.61`` it runs :class:`Piecewise` with probability ``alpha = 1 - e^{-eps/2}``
+    and :class:`StochasticRounding` otherwise; for ``eps <= 0.61`` (the paper's boundary;
+    the reference code used ``<``) it always runs SR. The coin is input-independent, so
+    the mixture of two ``eps``-LDP randomisers is ``eps``-LDP. Unbiased. For ``eps > 0.61``
+    the variance ``alpha Var_PM(x) + (1 - alpha)(C_sr^2 - x^2)`` does not depend on ``x``
+    (the ``x^2`` terms cancel) and equals the worst case of ToPS Eq. 22.
+
+    This is the true HM; the ToPS experiment code (``hm.py``) instead switched between PM
+    and SR at ``eps = 1.29``.
+
+    Examples
+    --------
+    >>> round(HYBRID.worst_variance(1.0), 4), round(HYBRID.pm_probability(1.0), 4)
+    (4.289, 0.3935)
+    """
+
+    domain = (-1.0, 1.0)
+    name = "hybrid"
+
+    @staticmethod
+    def pm_probability(eps: float) -> float:
+        return -math.expm1(-eps / 2.0) if eps > HYBRID_THRESHOLD else 0.0
+
+    def perturb(self, x, eps, noise):
+        x = self.clip(x)
+        use_pm = noise.uniform(x.size).reshape(x.shape) < self.pm_probability(eps)
+        out = np.empty_like(x)
+        out[use_pm] = PIECEWISE.perturb(x[use_pm], eps, noise)
+        out[~use_pm] = STOCHASTIC_ROUNDING.perturb(x[~use_pm], eps, noise)
+        return out
+
+    def variance(self, x, eps):
+        alpha = self.pm_probability(eps)
+        return alpha * PIECEWISE.variance(x, eps) + (1.0 - alpha) * STOCHASTIC_ROUNDING.variance(x, eps)
+
+    def worst_variance(self, eps):
+        """The variance is ``a + c x^2``, so its maximum over ``[-1, 1]`` is at ``x = 0`` or ``|x| = 1``."""
+        return float(max(self.variance(0.0, eps), self.variance(1.0, eps)))
+
+    def output_range(self, eps):
+        return PIECEWISE.output_range(eps) if self.pm_probability(eps) > 0 else STOCHASTIC_ROUNDING.output_range(eps)
+
+    def pdf(self, y, x, eps):
+        """``alpha`` times the PM density plus ``1 - alpha`` times the SR point masses."""
+        alpha = self.pm_probability(eps)
+        return alpha * PIECEWISE.pdf(y, x, eps) + (1.0 - alpha) * STOCHASTIC_ROUNDING.pdf(y, x, eps)
+
+    def cell_probabilities(self, x, eps):
+        alpha = self.pm_probability(eps)
+        pm_reports, pm_mass = PIECEWISE.cell_probabilities(x, eps)
+        sr_reports, sr_mass = STOCHASTIC_ROUNDING.cell_probabilities(x, eps)
+        reports, where = np.unique(np.concatenate([pm_reports, sr_reports]), return_inverse=True)
+        mass = np.bincount(where, weights=np.concatenate([alpha * pm_mass, (1.0 - alpha) * sr_mass]))
+        return reports, mass
+
+
+PIECEWISE = Piecewise()
+STOCHASTIC_ROUNDING = StochasticRounding()
+HYBRID = Hybrid()
+
+
+# -- Square Wave density estimation (server side, post-processing of SW reports) ---------------------
+
+
+def sw_transition_matrix(eps: float, n_out: int = 1024, n_in: int = 1024) -> np.ndarray:
+    """``K[j, i] = P(report in output bin j | input uniform in input bin i)``, exactly.
+
+    Output bins split ``[-b, 1 + b]`` into ``n_out`` equal bins whose inner edges are
+    rounded to the report lattice, so a lattice report falls in bin ``j`` exactly when the
+    continuous draw does (see :func:`sw_histogram`); input bins split ``[0, 1]``. For a
+    fixed input ``v``, ``P(y <= a) = q (a + b) + (p - q) |[-b, a] ∩ [v - b, v + b]|``; the
+    overlap term averaged over ``v`` in ``[c1, c2]`` integrates in closed form to
+    ``(R(a+b-c1) - R(a+b-c2) - R(a-b-c1) + R(a-b-c2)) / (c2 - c1)``, ``R(t) = max(t, 0)^2 / 2``.
+    Columns sum to 1 (up to rounding).
+    """
+    b, p, q = SQUARE_WAVE.constants(eps)
+    edges = sw_output_edges(eps, n_out)[:, None]
+    inputs = np.linspace(0.0, 1.0, n_in + 1)
+    c1, c2 = inputs[:-1][None, :], inputs[1:][None, :]
+
+    def ramp_square(t):
+        return np.maximum(t, 0.0) ** 2 / 2.0
+
+    overlap = (ramp_square(edges + b - c1) - ramp_square(edges + b - c2)
+               - ramp_square(edges - b - c1) + ramp_square(edges - b - c2)) / (c2 - c1)
+    cdf = q * (edges + b) + (p - q) * overlap
+    return np.maximum(np.diff(cdf, axis=0), 0.0)
+
+
+def sw_output_edges(eps: float, n_out: int = 1024) -> np.ndarray:
+    """Edges of the EM output bins: ``n_out`` equal bins on ``[-b, 1 + b]``, inner edges on the lattice."""
+    lo, hi = SQUARE_WAVE.output_range(eps)
+    g = lattice_spacing(hi - lo)
+    edges = np.linspace(lo, hi, n_out + 1)
+    edges[1:-1] = np.round(edges[1:-1] / g) * g
+    return edges
+
+
+def sw_histogram(reports, eps: float, n_out: int = 1024) -> np.ndarray:
+    """Counts of SW reports in the EM output bins of :func:`sw_output_edges`."""
+    inner = sw_output_edges(eps, n_out)[1:-1]
+    return np.bincount(np.searchsorted(inner, _as_array(reports), side="right"), minlength=n_out).astype(np.float64)
+
+
+def _binomial_smooth(density: np.ndarray) -> np.ndarray:
+    """``[1, 2, 1] / 4`` smoothing, renormalised at the two ends (weights ``[2, 1] / 3``)."""
+    padded = np.concatenate([[0.0], density, [0.0]])
+    weights = np.full(density.size, 4.0)
+    weights[[0, -1]] = 3.0
+    return (padded[:-2] + 2.0 * padded[1:-1] + padded[2:]) / weights
+
+
+def sw_em(reports, eps: float, *, n_out: int = 1024, n_in: int = 1024, smoothing: bool = False,
+          max_iterations: int = 10_000, tolerance: float = 1e-3) -> np.ndarray:
+    """Estimate the input distribution on ``[0, 1]`` from SW reports by EM (or EMS).
+
+    Returns the probability mass of each of ``n_in`` equal input bins (sums to 1).
+    Iterates ``theta <- theta * K^T (hist / K theta)``, normalised, with the exact
+    :func:`sw_transition_matrix`; ``smoothing=True`` applies the binomial kernel after each
+    step (EMS). Stops when the L1 change is at most ``1 / len(reports)`` or, after two
+    iterations, when the log-likelihood improves by less than ``tolerance``, or after
+    ``max_iterations`` (the reference code's rules). Post-processing: costs nothing.
+
+    Examples
+    --------
+    >>> import dpsql
+    >>> with dpsql.testing.seeded(3) as source:
+    ...     reports = SQUARE_WAVE.perturb(np.full(20_000, 0.3), 2.0, source)
+    >>> density = sw_em(reports, 2.0, n_in=64, n_out=64)
+    >>> abs(int(np.argmax(density)) - int(0.3 * 64)) <= 2
+    True
+    """
+    reports = _as_array(reports)
+    kernel = sw_transition_matrix(eps, n_out, n_in)
+    hist = sw_histogram(reports, eps, n_out)
+    theta = np.full(n_in, 1.0 / n_in)
+    previous_loglik = -np.inf
+    for iteration in range(max_iterations):
+        old = theta
+        theta = old * (kernel.T @ (hist / (kernel @ old)))
+        theta /= theta.sum()
+        if smoothing:
+            theta = _binomial_smooth(theta)
+            theta /= theta.sum()
+        if np.abs(theta - old).sum() <= 1.0 / reports.size:
+            break
+        loglik = float(hist @ np.log(kernel @ theta))
+        if iteration > 1 and abs(loglik - previous_loglik) < tolerance:
+            break
+        previous_loglik = loglik
+    return theta
+
+
+def sw_w_prune(density, *, rule: str = "paper", fraction: float = 1e-4, run: int = 5) -> np.ndarray:
+    """SW-W pruning of an estimated density whose upper tail should vanish (ToPS §4.1).
+
+    ``rule="paper"``: find the first bin ``w`` holding at least ``fraction`` of the mass
+    whose next ``run`` bins all hold less; zero every bin after ``w``. The paper's words
+    ("the first value w whose next 5 consecutive estimates are all below 0.01 %") leave
+    open whether ``w`` itself may be small; we require it not to be, so empty bins below
+    the data's support (e.g. no values near 0) cannot prune the whole density.
+    ``rule="code"`` reproduces the reference code: zero every bin below ``fraction`` of the
+    mass, then zero everything from the start of the first run of ``run`` zero bins, then
+    spread the removed mass equally over the remaining non-zero bins.
+    Either way, a rule that would remove all mass leaves the density unchanged; the result
+    sums to 1. Post-processing: costs nothing.
+
+    Examples
+    --------
+    >>> d = np.array([0.5, 0.3, 0.19, 0.0, 0.0, 0.0, 0.0, 0.0, 0.01])
+    >>> sw_w_prune(d).round(3).tolist()
+    [0.505, 0.303, 0.192, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    """
+    density = _as_array(density)
+    total = density.sum()
+    small = density < fraction * total
+    if rule == "paper":
+        followed_by_small_run = np.lib.stride_tricks.sliding_window_view(small[1:], run).all(axis=1)
+        cut = np.flatnonzero(~small[:followed_by_small_run.size] & followed_by_small_run)
+        pruned = density.copy()
+        if cut.size:
+            pruned[cut[0] + 1:] = 0.0
+        return pruned / pruned.sum()
+    if rule != "code":
+        raise ValueError(f"unknown pruning rule {rule!r}")
+    pruned = np.where(small, 0.0, density)
+    zero = np.concatenate([[False], pruned == 0, [False]])
+    starts = np.flatnonzero(~zero[:-1] & zero[1:])
+    ends = np.flatnonzero(zero[:-1] & ~zero[1:])
+    long_runs = starts[ends - starts >= run]
+    if long_runs.size:
+        pruned[long_runs[0]:] = 0.0
+    kept = pruned > 0
+    if not kept.any():
+        return density / total
+    pruned[kept] += (total - pruned.sum()) / kept.sum()
+    return pruned / total
