@@ -1,0 +1,229 @@
+"""Shared machinery of the ``.dpsql`` Polars namespace: one private release per evaluation.
+
+Every dpsql expression is a single ``map_batches`` call over a struct of the value,
+order and partition columns. The UDF sorts rows to time order within their partition,
+calls :func:`dpsql.api.publish` exactly once (the only charge), and scatters the result
+back to the rows' physical order. What that guarantees, and why:
+
+* ``return_dtype`` is always given, so Polars never calls the UDF on dummy data to
+  infer a type (that call would be a release).
+* ``is_elementwise`` is False, so no engine (streaming included) splits the input into
+  chunks: the UDF sees the whole column once per evaluation.
+* The struct is aliased to a name carrying a fresh nonce. Two separately built
+  expressions therefore never look alike to common-subexpression elimination, and
+  the UDF can recognise group-wise evaluation: inside ``.over()``,
+  ``group_by().agg()`` and ``group_by_dynamic().agg()`` Polars hands a UDF nameless
+  per-group slices, which would be one charge per group. Those calls are refused
+  before anything is charged, with a message pointing to ``partition_by``.
+* Evaluating the expression twice (collecting a lazy query twice) is two releases:
+  fresh noise, two charges. Polars may evaluate one expression *object* used twice
+  in a query only once (CSE); then both columns hold the same draw and it is charged
+  once. Either way, charges equal independent draws.
+
+``rolling(...).agg(...)`` keeps the struct name, so it is not detected; it is
+refused by nothing but its cost (one charge per window). Use Polars' rolling
+functions on the released column instead: that is free post-processing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import polars as pl
+
+from dpsql import _validate
+from dpsql.accountant import Budget
+from dpsql.api import METHODS, PartitionedRelease
+from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
+from dpsql.release import Release
+
+_NAME_PREFIX = "__dpsql_release_"
+_VALUE, _ORDER = "__dpsql_value", "__dpsql_order"
+
+#: The most recent releases made with ``errors=True``, by the key stored in their
+#: struct column. Error bars are read from here (see :func:`release_for_key`).
+_KEPT: OrderedDict[int, Release | PartitionedRelease] = OrderedDict()
+KEEP_RELEASES = 16
+_keys = itertools.count(1)
+
+
+class RowsInTimeOrder:
+    """The rows of one evaluation, grouped by partition and in time order within each.
+
+    ``permutation[i]`` is the physical row released at time-order position ``i``;
+    ``offsets`` are the partition boundaries in that order (``[0, n]`` unpartitioned).
+    """
+
+    def __init__(self, permutation: np.ndarray, offsets: np.ndarray, partitioned: bool):
+        self.permutation = permutation
+        self.offsets = offsets
+        self.partitioned = partitioned
+
+    def gather(self, values: np.ndarray) -> np.ndarray:
+        return values[self.permutation]
+
+    def scatter(self, in_time_order: np.ndarray) -> np.ndarray:
+        out = np.empty(len(self.permutation), dtype=in_time_order.dtype)
+        out[self.permutation] = in_time_order
+        return out
+
+    def positions(self) -> np.ndarray:
+        """Each physical row's position in time order (inverse permutation)."""
+        return self.scatter(np.arange(len(self.permutation), dtype=np.int64))
+
+
+def column_name(expr: pl.Expr, fallback: str = "values") -> str:
+    """The output name of ``expr`` for error messages (``fallback`` when Polars cannot tell)."""
+    try:
+        return expr.meta.output_name()
+    except pl.exceptions.ComputeError:
+        return fallback
+
+
+def key_expressions(keys, what: str) -> list[pl.Expr]:
+    """Column names or expressions -> expressions (``None`` -> none)."""
+    if keys is None:
+        return []
+    if isinstance(keys, str | pl.Expr):
+        keys = [keys]
+    out = []
+    for key in keys:
+        if isinstance(key, str):
+            out.append(pl.col(key))
+        elif isinstance(key, pl.Expr):
+            out.append(key)
+        else:
+            raise InvalidParameter(f"{what} must be a column name or expression (or a list of them), got {key!r}")
+    return out
+
+
+def check_method(method: str) -> None:
+    """Refuse an unknown method when the expression is built, not only when it runs."""
+    from dpsql import streams  # noqa: F401  (registers the methods)
+
+    if method not in METHODS:
+        raise InvalidParameter(f"unknown method {method!r}; expected one of {', '.join(map(repr, sorted(METHODS)))}")
+
+
+def check_budget(budget) -> None:
+    if budget is not None and not isinstance(budget, Budget):
+        raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
+
+
+def time_order(frame: pl.DataFrame, order_name: str, partition_names: Sequence[str],
+               labels: Sequence[str]) -> RowsInTimeOrder:
+    """Sort ``frame``'s rows by partition then order column; refuse unusable time keys.
+
+    ``labels`` are the user's names of the order column then the partition columns,
+    used in messages. Null partition keys form one partition of their own.
+    """
+    order = frame.get_column(order_name)
+    if order.null_count():
+        raise InvalidTimeKey(f"order column {labels[0]!r} contains {order.null_count()} null value(s); every row "
+                             "needs a time key")
+    if order.dtype.is_float() and order.is_nan().any():
+        raise InvalidTimeKey(f"order column {labels[0]!r} contains NaN")
+    keys = [*partition_names, order_name]
+    permutation = frame.select(pl.arg_sort_by(keys, multithreaded=True)).to_series().to_numpy()
+    if not partition_names:
+        sorted_order = order.gather(permutation)
+        _refuse_duplicates(sorted_order.to_numpy()[1:] == sorted_order.to_numpy()[:-1], labels)
+        return RowsInTimeOrder(permutation, np.array([0, len(permutation)]), partitioned=False)
+    in_order = frame.select(keys)[permutation]
+    new_partition = np.zeros(len(permutation) - 1, dtype=bool)
+    for name in partition_names:
+        column = in_order.get_column(name)
+        new_partition |= column.slice(1).ne_missing(column.slice(0, len(column) - 1)).to_numpy()
+    time_column = in_order.get_column(order_name).to_numpy()
+    _refuse_duplicates(~new_partition & (time_column[1:] == time_column[:-1]), labels)
+    offsets = np.concatenate([[0], np.flatnonzero(new_partition) + 1, [len(permutation)]])
+    return RowsInTimeOrder(permutation, offsets, partitioned=True)
+
+
+def _refuse_duplicates(repeated: np.ndarray, labels: Sequence[str]) -> None:
+    if repeated.any():
+        where = " within a partition" if len(labels) > 1 else ""
+        raise InvalidTimeKey(f"order column {labels[0]!r} has {int(repeated.sum())} duplicate value(s){where}; "
+                             "the time order of a stream must be strict")
+
+
+def numeric_values(series: pl.Series, name: str) -> np.ndarray:
+    """The value column as float64, refused with the core's typed errors."""
+    if not (series.dtype.is_numeric() or series.dtype == pl.Null):
+        raise InvalidData(f"column {name!r} must be numeric, got dtype {series.dtype}")
+    return _validate.values(series, name)
+
+
+def private_expression(value: pl.Expr, release: Callable[[np.ndarray, RowsInTimeOrder, str], object], *,
+                       order_by, partition_by, output: Callable[[object, RowsInTimeOrder], pl.Series],
+                       return_dtype: pl.DataType, returns_scalar: bool = False) -> pl.Expr:
+    """A Polars expression making one private release per evaluation.
+
+    Parameters
+    ----------
+    value : polars.Expr
+        The private value column.
+    release : callable
+        ``(values in time order, rows, column name) -> result``. It must call
+        :func:`dpsql.api.publish` (directly or through a function that does), once.
+    order_by, partition_by :
+        Column names or expressions; ``order_by=None`` keeps the frame's row order.
+    output : callable
+        ``(result, rows) -> Series`` in the physical row order (or one value if
+        ``returns_scalar``), of ``return_dtype``.
+    """
+    name = column_name(value)
+    order_exprs = key_expressions(order_by, "order_by")
+    if len(order_exprs) > 1:
+        raise InvalidParameter("order_by must be a single column (the stream's time key)")
+    partition_exprs = key_expressions(partition_by, "partition_by")
+    labels = [column_name(e, "order_by") for e in order_exprs] or ["<row order>"]
+    labels += [column_name(e, "partition_by") for e in partition_exprs]
+    partition_names = [f"__dpsql_partition_{k}" for k in range(len(partition_exprs))]
+    fields = [value.alias(_VALUE), *(e.alias(f) for e, f in zip(partition_exprs, partition_names))]
+    if order_exprs:
+        fields.append(order_exprs[0].alias(_ORDER))
+    struct_name = _NAME_PREFIX + uuid.uuid4().hex
+
+    def evaluate(batch: pl.Series) -> pl.Series:
+        if batch.name != struct_name:
+            raise InvalidParameter(
+                f"a dpsql release of {name!r} cannot be evaluated group by group (inside .over(), "
+                "group_by().agg() or group_by_dynamic().agg()): each group would be a separate release, "
+                "charged separately. Pass partition_by=... to the dpsql expression instead: one release, "
+                "charged once at the maximum over partitions.")
+        frame = batch.struct.unnest()
+        values = numeric_values(frame.get_column(_VALUE), name)
+        if order_exprs:
+            rows = time_order(frame, _ORDER, partition_names, labels)
+        elif partition_names:
+            frame = frame.with_columns(pl.int_range(pl.len(), dtype=pl.Int64).alias(_ORDER))
+            rows = time_order(frame, _ORDER, partition_names, labels)
+        else:
+            rows = RowsInTimeOrder(np.arange(len(values)), np.array([0, len(values)]), partitioned=False)
+        result = release(rows.gather(values), rows, name)
+        return output(result, rows)
+
+    return pl.struct(fields).alias(struct_name).map_batches(
+        evaluate, return_dtype=return_dtype, is_elementwise=False, returns_scalar=returns_scalar)
+
+
+def keep(result: Release | PartitionedRelease) -> int:
+    """Hold ``result`` for later error bars; return its key (an int stored in the output)."""
+    key = next(_keys)
+    _KEPT[key] = result
+    while len(_KEPT) > KEEP_RELEASES:
+        _KEPT.popitem(last=False)
+    return key
+
+
+def release_for_key(key: int) -> Release | PartitionedRelease:
+    """The release an ``errors=True`` column came from."""
+    if key not in _KEPT:
+        raise InvalidParameter(f"release {key} is no longer held (only the {KEEP_RELEASES} most recent "
+                               "releases made with errors=True are kept); re-run the release")
+    return _KEPT[key]

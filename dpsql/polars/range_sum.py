@@ -1,0 +1,283 @@
+"""Private streams and thresholds as Polars expressions, and their error bars.
+
+``pl.col("kwh").dpsql.range_sum(...)`` releases a column with any registered stream
+method; ``.dpsql.threshold(...)`` releases one private clipping threshold. Window sums
+of a released column are ordinary Polars post-processing (``rolling_sum_by``,
+``group_by_dynamic``, ``cum_sum``); their 95 % intervals come from :func:`window_ci`
+and :func:`bucket_ci`, which read the release's exact noise structure (tree methods
+have correlated noise, so per-row variances do not add up).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import polars as pl
+
+from dpsql.api import PartitionedRelease, publish
+from dpsql.errors import InvalidParameter
+from dpsql.polars._machinery import (
+    RowsInTimeOrder,
+    check_budget,
+    check_method,
+    keep,
+    private_expression,
+    release_for_key,
+)
+from dpsql.polars._namespace import namespace_method
+from dpsql.release import Release
+
+#: Field names of the ``errors=True`` struct.
+ERROR_FIELDS = {"value": pl.Float64, "sd": pl.Float64, "position": pl.Int64, "release": pl.Int64}
+
+
+@namespace_method
+def range_sum(value: pl.Expr, *, method: str, order_by, partition_by=None, budget=None, note: str | None = None,
+              errors: bool = False, **params) -> pl.Expr:
+    """Release the column ``value`` as a private stream, one value per row.
+
+    Rows are put in time order (``order_by``, within each ``partition_by`` group),
+    released by :func:`dpsql.api.publish` and returned in the frame's own row order,
+    whatever it is. Sums of the released values over any rows estimate the true sums;
+    their noise follows the method's error model.
+
+    Privacy cost: that of ``method`` with ``params`` (e.g. ``epsilon``-DP for
+    ``"laplace"`` and ``"tops"``, ``(epsilon, delta)`` for ``"pak"``), under the
+    method's neighbour relation (replace one value; time keys and partition keys are
+    public). Partitions are disjoint, so a partitioned release costs the maximum over
+    partitions. Each evaluation of the expression is one release, charged once to
+    ``budget``: collecting a lazy query twice draws fresh noise and charges twice.
+    Values outside the public ``[lower, upper]`` are clipped; that is part of the
+    mechanism, not an error.
+
+    Parameters
+    ----------
+    value : polars.Expr
+        The private numeric column. Nulls, NaN, infinities and non-numeric types are
+        refused (:class:`dpsql.InvalidData`, naming the column).
+    method : str
+        A registered stream method (``dpsql.api.METHODS``): ``"laplace"``, ``"tops"``,
+        ``"pak"``, ``"binary_tree"``, ...
+    order_by : str or polars.Expr
+        The public time key. Nulls or duplicates within a partition are refused
+        (:class:`dpsql.InvalidTimeKey`).
+    partition_by : str, polars.Expr or list of them, optional
+        Public keys of disjoint streams (e.g. one per meter); null keys form one
+        partition. Use this, not ``.over()``: a dpsql expression evaluated group by
+        group is refused.
+    budget : dpsql.Budget, optional
+        Charged once per evaluation. Without it the caller accounts for the cost.
+    note : str, optional
+        Recorded in the ledger.
+    errors : bool, default False
+        Return a struct instead of the Float64 values: ``value`` (the release),
+        ``sd`` (that row's noise standard deviation), ``position`` (the row's
+        position in the release's time order) and ``release`` (a key to the
+        release's error model, read by :func:`window_ci` and :func:`bucket_ci`).
+    **params
+        The method's parameters: ``epsilon``, ``upper``, ``lower``, ``delta``, ``m``,
+        ``r``, ``fanout``, ``smoother``, ``holdout_share``, ... passed through unchanged.
+
+    Returns
+    -------
+    polars.Expr
+        Float64 aligned with the input rows, or the struct described above.
+
+    Examples
+    --------
+    >>> import polars as pl, dpsql, dpsql.polars
+    >>> df = pl.DataFrame({"ts": [3, 1, 2, 4], "kwh": [2.0, 1.0, 5.0, 3.0]})
+    >>> budget = dpsql.Budget.in_memory(epsilon=1.0)
+    >>> with dpsql.testing.seeded(0):
+    ...     out = df.with_columns(pl.col("kwh").dpsql.range_sum(
+    ...         method="laplace", epsilon=0.5, upper=10.0, order_by="ts", budget=budget).alias("kwh_dp"))
+    >>> out.columns, out["kwh_dp"].dtype, budget.spent
+    (['ts', 'kwh', 'kwh_dp'], Float64, (0.5, 0.0))
+    """
+    check_method(method)
+    check_budget(budget)
+    if order_by is None:
+        raise InvalidParameter("order_by is required: a stream release needs its public time key")
+
+    def release(values: np.ndarray, rows: RowsInTimeOrder, column: str):
+        return publish(method, values, budget=budget, column=column, note=note,
+                       partition_offsets=rows.offsets if rows.partitioned else None, **params)
+
+    def output(result, rows: RowsInTimeOrder) -> pl.Series:
+        values = pl.Series(rows.scatter(result.values), dtype=pl.Float64)
+        if not errors:
+            return values
+        positions = rows.positions()
+        sd = np.sqrt(range_variance(result, positions, positions + 1))
+        return pl.DataFrame({"value": values, "sd": sd, "position": positions,
+                             "release": np.full(len(positions), keep(result), dtype=np.int64)}).to_struct()
+
+    dtype = pl.Struct(ERROR_FIELDS) if errors else pl.Float64
+    return private_expression(value, release, order_by=order_by, partition_by=partition_by, output=output,
+                              return_dtype=dtype)
+
+
+@namespace_method
+def threshold(value: pl.Expr, *, order_by=None, budget=None, note: str | None = None, **params) -> pl.Expr:
+    """Release one private clipping threshold of the column ``value`` (a Float64 scalar).
+
+    Runs the registered ``"threshold"`` method through :func:`dpsql.api.publish`, in
+    ``order_by`` order (the frame's row order when omitted). Privacy cost: that of the
+    threshold method and its ``params`` (``epsilon``-DP for noisy max,
+    ``(epsilon, delta)`` for the smooth-sensitivity PAK threshold), replace-one-value
+    neighbours, charged once per evaluation. Values outside ``[lower, upper]`` are clipped.
+
+    Examples
+    --------
+    >>> import polars as pl, dpsql, dpsql.polars
+    >>> df = pl.DataFrame({"kwh": [float(v % 7) for v in range(2000)]})
+    >>> with dpsql.testing.seeded(1):   # doctest: +SKIP
+    ...     df.select(pl.col("kwh").dpsql.threshold(epsilon=1.0, upper=10.0)).item() <= 10.0
+    True
+    """
+    check_method("threshold")
+    check_budget(budget)
+
+    def release(values: np.ndarray, rows: RowsInTimeOrder, column: str):
+        return publish("threshold", values, budget=budget, column=column, note=note, **params)
+
+    def output(result, rows: RowsInTimeOrder) -> pl.Series:
+        return pl.Series([float(result.values[0])], dtype=pl.Float64)
+
+    return private_expression(value, release, order_by=order_by, partition_by=None, output=output,
+                              return_dtype=pl.Float64, returns_scalar=True)
+
+
+def _per_partition(result: Release | PartitionedRelease, starts, stops, query) -> list[np.ndarray]:
+    """``query(release, starts, stops)`` on time-order position ranges, partition by partition.
+
+    Positions are those of the ``position`` field (all partitions concatenated); each
+    range must lie within one partition, as every Polars window over a partitioned
+    release does. ``query`` returns a tuple of arrays; they come back in input order.
+    """
+    starts = np.asarray(starts, dtype=np.int64)
+    stops = np.asarray(stops, dtype=np.int64)
+    if isinstance(result, Release):
+        return [np.asarray(a, dtype=np.float64) for a in query(result, starts, stops)]
+    offsets = result.offsets
+    part = np.searchsorted(offsets, starts, side="right") - 1
+    if np.any(stops > offsets[np.minimum(part + 1, len(offsets) - 1)]):
+        raise InvalidParameter("a range crosses a partition boundary; windows must stay within one partition")
+    by_part = np.argsort(part, kind="stable")
+    bounds = np.searchsorted(part[by_part], np.arange(len(offsets)))
+    outputs = None
+    for k, (a, b) in enumerate(itertools.pairwise(bounds)):
+        rows = by_part[a:b]
+        if not rows.size:
+            continue
+        pieces = query(result.part(k), starts[rows] - offsets[k], stops[rows] - offsets[k])
+        outputs = outputs or [np.empty(len(starts), dtype=np.float64) for _ in pieces]
+        for out, piece in zip(outputs, pieces):
+            out[rows] = piece
+    return outputs or []
+
+
+def range_variance(result: Release | PartitionedRelease, starts, stops) -> np.ndarray:
+    """Noise variance of the sums of time-order positions ``starts[i]:stops[i]``
+    (positions as in the ``errors=True`` struct's ``position`` field)."""
+    return _per_partition(result, starts, stops, lambda rel, i, j: (rel.range_variance(i, j),))[0]
+
+
+def _interval_columns(frame, column: str, starts: pl.Expr, stops: pl.Expr, key: pl.Expr, level: float):
+    """Add ``{column}_sum``, ``_low``, ``_high``: each range's sum and its
+    :meth:`dpsql.Release.range_ci` interval, from the release held under ``key``."""
+    if not 0 < level < 1:
+        raise InvalidParameter(f"level must satisfy 0 < level < 1, got {level!r}")
+    names = [f"{column}_sum", f"{column}_low", f"{column}_high"]
+
+    def intervals(batch: pl.Series) -> pl.Series:
+        fields = batch.struct.unnest()
+        keys = fields.get_column("key").drop_nulls().unique().to_list()
+        if len(keys) != 1:
+            raise InvalidParameter(f"column {column!r} must hold exactly one release (errors=True output)")
+        start = fields.get_column("start").fill_null(0).to_numpy()
+        stop = np.maximum(fields.get_column("stop").fill_null(0).to_numpy(), start)
+        sums = _per_partition(release_for_key(keys[0]), start, stop,
+                              lambda rel, i, j: (rel.range_sum(i, j), *rel.range_ci(i, j, level)))
+        return pl.DataFrame(dict(zip(names, sums))).to_struct()
+
+    bands = pl.struct(key.alias("key"), starts.alias("start"), stops.alias("stop")).map_batches(
+        intervals, return_dtype=pl.Struct(dict.fromkeys(names, pl.Float64)))
+    return frame.with_columns(bands.alias("__dpsql_bands")).unnest("__dpsql_bands")
+
+
+def window_ci(frame, column: str, *, order_by: str, period, partition_by=None, closed: str = "right",
+              level: float = 0.95):
+    """Trailing-window sums of a released column with their confidence intervals.
+
+    For each row, the window holds the rows of its partition whose ``order_by`` lies
+    in ``(t - period, t]`` (Polars ``rolling_sum_by`` semantics, ``closed`` as there).
+    Adds ``{column}_sum``, ``{column}_low`` and ``{column}_high``. The interval is
+    ``sum ± k * sd`` with ``sd`` the window's exact noise standard deviation from the
+    release's error model and ``k`` the Cornish-Fisher quantile of
+    :meth:`dpsql.Release.range_ci`; it covers the noise only, not clipping or
+    smoothing bias. Pure post-processing: reads only released values, costs nothing.
+
+    Parameters
+    ----------
+    frame : polars.DataFrame or polars.LazyFrame
+        Holds ``column``, the output of ``range_sum(..., errors=True)``.
+    period : str, int or datetime.timedelta
+        The window length, as Polars' ``window_size`` (an int means that many
+        units of an integer ``order_by``).
+
+    Examples
+    --------
+    >>> import polars as pl, dpsql, dpsql.polars
+    >>> df = pl.DataFrame({"ts": range(100), "kwh": [1.0] * 100})
+    >>> with dpsql.testing.seeded(0):
+    ...     rel = df.with_columns(pl.col("kwh").dpsql.range_sum(
+    ...         method="laplace", epsilon=1.0, upper=2.0, order_by="ts", errors=True).alias("dp"))
+    >>> out = dpsql.polars.window_ci(rel, "dp", order_by="ts", period=10)
+    >>> bool(((out["dp_low"] <= 10.0) & (10.0 <= out["dp_high"])).tail(90).mean() > 0.8)
+    True
+    """
+    field = pl.col(column).struct.field
+    partitions = list(partition_by) if isinstance(partition_by, list | tuple) else partition_by
+
+    def windowed(expr: pl.Expr) -> pl.Expr:
+        return expr if partitions is None else expr.over(partitions)
+
+    window = f"{period}i" if isinstance(period, int) else period
+    options = dict(window_size=window, closed=closed)
+    starts = windowed(field("position").rolling_min_by(order_by, **options))
+    stops = windowed(field("position").rolling_max_by(order_by, **options)) + 1
+    return _interval_columns(frame, column, starts, stops, field("release"), level)
+
+
+def bucket_ci(frame, column: str, *, order_by: str, every, partition_by=None, level: float = 0.95, **dynamic):
+    """Sums of a released column per time bucket (``group_by_dynamic``) with intervals.
+
+    One row per bucket (and partition): ``order_by`` (the bucket start),
+    ``{column}_sum``, ``{column}_low``, ``{column}_high``. ``**dynamic`` goes to
+    ``group_by_dynamic`` (``period``, ``offset``, ``closed``, ...). Same interval
+    construction as :func:`window_ci`; pure post-processing.
+
+    Examples
+    --------
+    >>> import polars as pl, dpsql, dpsql.polars
+    >>> df = pl.DataFrame({"ts": range(48), "kwh": [2.0] * 48})
+    >>> with dpsql.testing.seeded(0):
+    ...     rel = df.with_columns(pl.col("kwh").dpsql.range_sum(
+    ...         method="laplace", epsilon=1.0, upper=4.0, order_by="ts", errors=True).alias("dp"))
+    >>> daily = dpsql.polars.bucket_ci(rel, "dp", order_by="ts", every="24i")
+    >>> daily.columns, daily.height
+    (['ts', 'dp_sum', 'dp_low', 'dp_high'], 2)
+    """
+    field = pl.col(column).struct.field
+    keys = [] if partition_by is None else ([partition_by] if isinstance(partition_by, str) else list(partition_by))
+    buckets = (frame.sort([*keys, order_by])
+               .group_by_dynamic(order_by, every=every, group_by=keys or None, **dynamic)
+               .agg(field("position").min().alias("__start"),
+                    (field("position").max() + 1).alias("__stop"), field("release").first().alias("__key")))
+    out = _interval_columns(buckets, column, pl.col("__start"), pl.col("__stop"), pl.col("__key"), level)
+    return out.select([*keys, order_by, f"{column}_sum", f"{column}_low", f"{column}_high"])
+
+
+__all__ = ["ERROR_FIELDS", "bucket_ci", "range_sum", "range_variance", "threshold", "window_ci"]
