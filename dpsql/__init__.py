@@ -1,6 +1,6 @@
 """dpsql: differentially private stream release as ordinary SQL and dataframe work."""
 
-from dpsql import testing
+from dpsql import ldp, testing
 from dpsql.accountant import Budget
 from dpsql.api import PartitionedRelease, laplace_stream, publish
 from dpsql.errors import (
@@ -16,6 +16,6 @@ from dpsql.release import Release
 
 __all__ = [
     "Budget", "BudgetExhausted", "DPError", "InvalidData", "InvalidParameter", "InvalidTimeKey",
-    "NonPrivateRelease", "NotionMismatch", "PartitionedRelease", "Release", "laplace_stream", "publish",
+    "NonPrivateRelease", "NotionMismatch", "PartitionedRelease", "Release", "laplace_stream", "ldp", "publish",
     "testing",
 ]

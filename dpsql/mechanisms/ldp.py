@@ -55,6 +55,12 @@ from dpsql.noise import NoiseSource
 #: Bits of resolution of the report lattice below the output interval's width.
 LDP_LATTICE_BITS = 20
 
+#: Neighbour relation of event-level LDP releases (one report per value).
+EVENT_LDP_NEIGHBOUR = "local: any one reported value replaced by any other value in [lower, upper] (event-level LDP)"
+#: Neighbour relation of w-event LDP releases (one user's stream).
+W_EVENT_LDP_NEIGHBOUR = ("local: one user's values replaced arbitrarily within any window of w consecutive "
+                         "slots (w-event LDP)")
+
 
 def lattice_spacing(width: float) -> float:
     """Power-of-two cell width for an output interval of ``width`` (public)."""

@@ -14,6 +14,10 @@ from dpsql.release import Release, chunks_of, run_machine
 from dpsql.streams.laplace import LaplaceStream
 
 register_method("laplace", LaplaceStream)
+from dpsql.ldp.topl import PmDirectStream, ToplStream  # noqa: E402
+
+register_method("topl", ToplStream)
+register_method("pm_direct", PmDirectStream)
 
 def run(method: str, values, *, noise: NoiseSource, chunk: int = 1 << 20, **params) -> Release:
     """Pure release: ``values`` through ``method`` with ``noise``; charges nothing."""

@@ -1,0 +1,361 @@
+"""ToPL (Wang et al., CCS 2021, §4; ALGORITHMS.md §5): a stream of single values under event-level local DP.
+
+Each value belongs to one report made by its owner's device; the server only post-processes.
+
+* Hold-out (the first ``m`` values): the device sends a Square Wave report of
+  ``(v - lower) / (upper - lower)`` at ``threshold_epsilon``. The server estimates the
+  value distribution by EM over those reports (no smoothing step), prunes its upper tail
+  (SW-W, :func:`dpsql.mechanisms.ldp.sw_w_prune`) and picks the threshold ``theta`` that
+  minimises Eq. 8 (:func:`threshold_objective`). ``theta`` is broadcast to the devices.
+* Stream (every later value): the device clips its value to ``[0, theta]`` (after
+  subtracting ``lower``), maps it to ``[-1, 1]`` and sends a Hybrid-mechanism report at
+  ``epsilon``; the server's estimate ``lower + (y + 1) theta / 2`` is unbiased for the
+  clipped value. Range sums add estimates.
+
+Privacy: every value is used by exactly one ``eps``-LDP randomiser (SW at
+``threshold_epsilon`` in the hold-out, HM at ``epsilon`` afterwards); the threshold, EM,
+pruning and estimates are post-processing of reports. The release is event-level LDP at
+``max(threshold_epsilon, epsilon)``: each report, hence each value, is protected
+against replacement by any other value in ``[lower, upper]``. Values outside
+``[lower, upper]`` are clipped (part of the mechanism, not an error); later values are
+also clipped at the private threshold, which biases large values downwards.
+
+Released values: hold-out rows carry the debiased SW estimate
+``lower + (upper - lower) * (y - q(1+2b)/2) / (2b(p-q))`` (unbiased for the clipped value;
+the paper publishes nothing for them), later rows the HM estimate. ``Release.reports``
+holds the raw reports: SW reports on ``[-b, 1+b]`` for rows ``< m``, HM reports on
+``[-C, C]`` after. The error model gives per-row noise variances: exact for HM when
+``epsilon > 0.61`` (its variance does not depend on the value), otherwise the worst case
+over the input domain (SW and SR variances depend on the private value), so range
+intervals are conservative there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dpsql import _validate
+from dpsql.accountant import Budget
+from dpsql.api import publish
+from dpsql.mechanisms.ldp import (
+    EVENT_LDP_NEIGHBOUR,
+    HYBRID,
+    PIECEWISE,
+    SQUARE_WAVE,
+    W_EVENT_LDP_NEIGHBOUR,
+    sw_em,
+    sw_w_prune,
+)
+from dpsql.noise import NoiseSource, current
+from dpsql.release import IndependentNoise, Release, StreamMachine
+
+#: The paper's maximal query range ``r`` (Eq. 8); by default capped at the stream length after the hold-out.
+PAPER_RANGE = 1 << 20
+PRUNING_RULES = ("paper", "code", "none")
+COMPAT = ("paper", "code")
+
+
+class ToplDevice:
+    """The device side: what one user's device runs on its own readings.
+
+    Until the server broadcasts the threshold (:meth:`set_threshold`) readings are sent as
+    Square Wave reports at ``threshold_epsilon``; afterwards as Hybrid-mechanism reports at
+    ``epsilon`` of the reading clipped to ``[0, threshold]`` and mapped to ``[-1, 1]``.
+    Each report is ``eps``-LDP for the reading it encodes (module docstring).
+
+    Examples
+    --------
+    >>> import numpy as np, dpsql
+    >>> with dpsql.testing.seeded(0) as source:
+    ...     device = ToplDevice(upper=10.0, epsilon=1.0, noise=source)
+    ...     first = device.report(np.array([3.0, 12.0]))   # hold-out: SW reports
+    ...     device.set_threshold(4.0)
+    ...     later = device.report(np.array([3.0]))           # HM report of 2*3/4 - 1
+    >>> bool(np.all(np.abs(later) <= dpsql.mechanisms.ldp.HYBRID.output_range(1.0)[1]))
+    True
+    """
+
+    def __init__(self, *, upper: float, epsilon: float, lower: float = 0.0, threshold_epsilon: float | None = None,
+                 noise: NoiseSource | None = None):
+        self.epsilon = _validate.epsilon(epsilon)
+        self.threshold_epsilon = self.epsilon if threshold_epsilon is None else _validate.epsilon(
+            threshold_epsilon, "threshold_epsilon")
+        self.lower, self.upper = _validate.bounds(lower, upper)
+        self.threshold: float | None = None
+        self._noise = noise
+
+    def set_threshold(self, threshold: float) -> None:
+        """Receive the server's threshold (in data units above ``lower``; public)."""
+        self.threshold = _validate.real(threshold, "threshold", minimum=0.0, strict=True)
+
+    def report(self, values) -> np.ndarray:
+        """One report per reading."""
+        noise = self._noise or current()
+        shifted = np.asarray(values, dtype=np.float64) - self.lower
+        if self.threshold is None:
+            return SQUARE_WAVE.perturb(shifted / (self.upper - self.lower), self.threshold_epsilon, noise)
+        return HYBRID.perturb(2.0 * np.clip(shifted, 0.0, self.threshold) / self.threshold - 1.0, self.epsilon, noise)
+
+
+def threshold_objective(density, *, bound: float, epsilon: float, r: int, variance_units: str = "paper",
+                        bias_coefficient: str = "paper") -> tuple[np.ndarray, np.ndarray]:
+    """ToPL Eq. 8 over the threshold grid: ``(grid, Err(grid))``.
+
+    ``density`` is the estimated mass of ``N`` equal bins of ``[0, bound]`` (bin centres
+    ``t``); the grid is the bins' right edges ``bound (k + 1) / N`` (so ``bound`` itself is a
+    candidate and no candidate is 0). ``Err(theta) = (r / 3) Var(theta) + c r^2
+    (sum_{t > theta} f_t (t - theta))^2`` with ``Var(theta) = theta^2 / 4 * Var_HM`` (mapping
+    ``[0, theta]`` onto HM's ``[-1, 1]``; ``variance_units="code"``: ``theta^2 Var_HM`` as in
+    the reference code) and ``c = 1/6`` (paper; ``bias_coefficient="code"``: ``1/24``).
+    ``Var_HM`` is the worst-case HM variance at ``epsilon``.
+
+    Examples
+    --------
+    >>> grid, err = threshold_objective(np.array([0.5, 0.5]), bound=2.0, epsilon=1.0, r=10)
+    >>> grid.tolist()
+    [1.0, 2.0]
+    >>> bool(err[0] == 10 / 3 * 1.0 / 4 * HYBRID.worst_variance(1.0) + 100 / 6 * (0.5 * 0.5) ** 2)
+    True
+    """
+    density = np.asarray(density, dtype=np.float64)
+    n_bins = density.size
+    grid = bound * np.arange(1, n_bins + 1) / n_bins
+    centres = bound * (np.arange(n_bins) + 0.5) / n_bins
+    # Bins strictly above candidate k are k+1..N-1: suffix sums starting one bin later.
+    mass_above = np.concatenate([np.cumsum(density[::-1])[::-1][1:], [0.0]])
+    moment_above = np.concatenate([np.cumsum((density * centres)[::-1])[::-1][1:], [0.0]])
+    bias = moment_above - grid * mass_above
+    scale = 0.25 if variance_units == "paper" else 1.0
+    coefficient = 1.0 / 6.0 if bias_coefficient == "paper" else 1.0 / 24.0
+    error = r / 3.0 * scale * grid**2 * HYBRID.worst_variance(epsilon) + coefficient * r**2 * bias**2
+    return grid, error
+
+
+def estimate_threshold(sw_reports, *, bound: float, threshold_epsilon: float, epsilon: float, r: int,
+                       pruning: str = "paper", variance_units: str = "paper", bias_coefficient: str = "paper",
+                       n_bins: int = 1024) -> float:
+    """The server's threshold from hold-out SW reports: EM, SW-W pruning, argmin of Eq. 8.
+
+    ``pruning="none"`` is the paper's "SW" baseline (EM without pruning). Post-processing
+    of the reports: costs nothing beyond the reports themselves.
+    """
+    density = sw_em(sw_reports, threshold_epsilon, n_out=n_bins, n_in=n_bins)
+    if pruning != "none":
+        density = sw_w_prune(density, rule=pruning)
+    grid, error = threshold_objective(density, bound=bound, epsilon=epsilon, r=r, variance_units=variance_units,
+                                      bias_coefficient=bias_coefficient)
+    return float(grid[np.argmin(error)])
+
+
+def estimate_holdout(sw_reports, *, bound: float, threshold_epsilon: float) -> np.ndarray:
+    """Unbiased estimates (above ``lower``) of the clipped hold-out values from their SW reports."""
+    return bound * SQUARE_WAVE.debias(sw_reports, threshold_epsilon)
+
+
+def estimate_stream(hm_reports, *, threshold: float) -> np.ndarray:
+    """Unbiased estimates (above ``lower``) of the values clipped at ``threshold`` from their HM reports."""
+    return (np.asarray(hm_reports, dtype=np.float64) + 1.0) * threshold / 2.0
+
+
+class ToplStream(StreamMachine):
+    """ToPL as an online machine: the device (:class:`ToplDevice`) and the server
+    (:func:`estimate_threshold`, :func:`estimate_holdout`, :func:`estimate_stream`) in one
+    loop, so a whole collection can be simulated and published in one call.
+
+    Every row is released as soon as it is read. ``r`` defaults to
+    ``min(2**20, n - m)``: the paper's maximal query range, capped at the longest range
+    the stream after the hold-out can have. ``m`` defaults to ``min(65536, n // 4)``.
+    """
+
+    notion = "ldp"
+    neighbour = EVENT_LDP_NEIGHBOUR
+
+    def __init__(self, n: int, *, epsilon: float, upper: float, lower: float = 0.0, m: int | None = None,
+                 threshold_epsilon: float | None = None, r: int | None = None, pruning: str = "paper",
+                 variance_units: str = "paper", bias_coefficient: str = "paper", noise: NoiseSource):
+        # Imported here, not at the top: dpsql.streams imports this module to register it.
+        from dpsql.streams.holdout import default_holdout
+
+        self.n = n
+        self.m = _validate.holdout(m, n, default=default_holdout(n))
+        self.r = min(PAPER_RANGE, n - self.m) if r is None else _validate.integer(r, "r", minimum=1)
+        self.pruning = _validate.choice(pruning, "pruning", PRUNING_RULES)
+        self.variance_units = _validate.choice(variance_units, "variance_units", COMPAT)
+        self.bias_coefficient = _validate.choice(bias_coefficient, "bias_coefficient", COMPAT)
+        self._device = ToplDevice(upper=upper, lower=lower, epsilon=epsilon, threshold_epsilon=threshold_epsilon,
+                                  noise=noise)
+        self.cost = (max(self._device.epsilon, self._device.threshold_epsilon), 0.0)
+        self._reports: list[np.ndarray] = []
+        self._rows = 0
+
+    @property
+    def _bound(self) -> float:
+        return self._device.upper - self._device.lower
+
+    def feed(self, chunk: np.ndarray) -> np.ndarray:
+        holdout_rows = max(0, min(len(chunk), self.m - self._rows))
+        outputs = []
+        if holdout_rows:
+            reports = self._device.report(chunk[:holdout_rows])
+            self._reports.append(reports)
+            outputs.append(estimate_holdout(reports, bound=self._bound,
+                                            threshold_epsilon=self._device.threshold_epsilon))
+            self._rows += holdout_rows
+            if self._rows == self.m:
+                self._device.set_threshold(self._server_threshold())
+        if holdout_rows < len(chunk):
+            reports = self._device.report(chunk[holdout_rows:])
+            self._reports.append(reports)
+            outputs.append(estimate_stream(reports, threshold=self._device.threshold))
+            self._rows += len(reports)
+        return np.concatenate(outputs) + self._device.lower if outputs else np.empty(0)
+
+    def _server_threshold(self) -> float:
+        return estimate_threshold(np.concatenate(self._reports), bound=self._bound,
+                                  threshold_epsilon=self._device.threshold_epsilon, epsilon=self._device.epsilon,
+                                  r=self.r, pruning=self.pruning, variance_units=self.variance_units,
+                                  bias_coefficient=self.bias_coefficient)
+
+    def close(self) -> np.ndarray:
+        return np.empty(0)
+
+    def row_variances(self) -> np.ndarray:
+        """Per-row noise variance of the released estimates (see the module docstring)."""
+        device = self._device
+        holdout = self._bound**2 * float(SQUARE_WAVE.debiased_variance(1.0, device.threshold_epsilon))
+        stream = (device.threshold / 2.0) ** 2 * HYBRID.worst_variance(device.epsilon)
+        return np.where(np.arange(self.n) < self.m, holdout, stream)
+
+    def describe(self) -> dict:
+        device = self._device
+        params = {"epsilon": device.epsilon, "threshold_epsilon": device.threshold_epsilon, "lower": device.lower,
+                  "upper": device.upper, "m": self.m, "r": self.r, "pruning": self.pruning,
+                  "variance_units": self.variance_units, "bias_coefficient": self.bias_coefficient}
+        return dict(method="topl", params=params, threshold=device.threshold + device.lower,
+                    error=IndependentNoise(self.row_variances(), self.n),
+                    components={"threshold": (device.threshold_epsilon, 0.0), "stream": (device.epsilon, 0.0)},
+                    reports=np.concatenate(self._reports))
+
+
+def topl(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | None = None,
+         threshold_epsilon: float | None = None, r: int | None = None, pruning: str = "paper",
+         variance_units: str = "paper", bias_coefficient: str = "paper", budget: Budget | None = None,
+         note: str | None = None) -> Release:
+    """ToPL: every value reported once under local DP; unbiased estimates of the clipped values.
+
+    Simulates the collection: each value's device reports it (:class:`ToplDevice`), the
+    server estimates the threshold from the first ``m`` reports and then every later
+    value's estimate (module docstring).
+
+    Parameters
+    ----------
+    values : array-like
+        One value per event, in time order; clipped to ``[lower, upper]``.
+    epsilon : float
+        LDP parameter of each stream report (Hybrid mechanism).
+    upper, lower : float
+        Public bounds of the values.
+    m : int, optional
+        Hold-out length; default ``min(65536, n // 4)``.
+    threshold_epsilon : float, optional
+        LDP parameter of each hold-out report (Square Wave); default ``epsilon``.
+    r : int, optional
+        Maximal range length for Eq. 8; default ``min(2**20, n - m)``.
+    pruning : {"paper", "code", "none"}
+        SW-W pruning rule; ``"none"`` is the paper's plain-SW baseline.
+    variance_units, bias_coefficient : {"paper", "code"}
+        Eq. 8 as in the paper (``theta^2/4``, ``r^2/6``) or the reference code (``theta^2``, ``r^2/24``).
+    budget : Budget, optional
+        An ``"ldp"`` scope; charged ``max(threshold_epsilon, epsilon)`` once through
+        :func:`dpsql.api.publish`. A central-DP scope refuses the release (NotionMismatch).
+
+    Returns
+    -------
+    Release
+        Notion ``"ldp"``; ``threshold`` in data units; ``reports`` the raw reports.
+
+    Privacy
+    -------
+    Event-level ``max(threshold_epsilon, epsilon)``-LDP: each value is perturbed once by an
+    LDP randomiser; a value may be replaced by any other in ``[lower, upper]``.
+
+    Examples
+    --------
+    >>> import numpy as np, dpsql
+    >>> budget = dpsql.Budget.in_memory(epsilon=2.0, notion="ldp")
+    >>> values = np.tile(np.arange(1.0, 11.0), 2000)
+    >>> with dpsql.testing.seeded(4):
+    ...     rel = dpsql.ldp.topl(values, epsilon=1.0, upper=20.0, m=5000, budget=budget)
+    >>> budget.spent, rel.notion
+    ((1.0, 0.0), 'ldp')
+    >>> 0 < rel.threshold <= 20.0
+    True
+    """
+    return publish("topl", values, budget=budget, note=note, epsilon=epsilon, upper=upper, lower=lower, m=m,
+                   threshold_epsilon=threshold_epsilon, r=r, pruning=pruning, variance_units=variance_units,
+                   bias_coefficient=bias_coefficient)
+
+
+class PmDirectStream(StreamMachine):
+    """The reference DU code's "ToPL" baseline, named ``pm_direct`` (ALGORITHMS.md §6.9):
+    every slot of one user's stream reported once by the Piecewise mechanism at ``epsilon / w``.
+
+    The value is mapped from ``[lower, upper]`` to ``[-1, 1]``; the published value
+    ``lower + (upper - lower) (y + 1) / 2`` is unbiased for the clipped value. No threshold
+    phase, no feedback: any window of ``w`` slots holds ``w`` reports at ``epsilon / w``, so
+    the stream is w-event ``epsilon``-LDP. Per-row variances in the error model are the
+    worst case over the input domain (PM's variance grows with ``|x|``).
+    """
+
+    notion = "w-event-ldp"
+    neighbour = W_EVENT_LDP_NEIGHBOUR
+
+    def __init__(self, n: int, *, epsilon: float, w: int, lower: float = 0.0, upper: float = 1.0,
+                 noise: NoiseSource):
+        self.n = n
+        self.epsilon = _validate.epsilon(epsilon)
+        self.w = _validate.integer(w, "w", minimum=1)
+        self.lower, self.upper = _validate.bounds(lower, upper)
+        self.report_epsilon = self.epsilon / self.w
+        self.cost = (self.epsilon, 0.0)
+        self._noise = noise
+        self._reports: list[np.ndarray] = []
+
+    def feed(self, chunk: np.ndarray) -> np.ndarray:
+        scale = self.upper - self.lower
+        reports = PIECEWISE.perturb(2.0 * (chunk - self.lower) / scale - 1.0, self.report_epsilon, self._noise)
+        self._reports.append(reports)
+        return self.lower + scale * (reports + 1.0) / 2.0
+
+    def close(self) -> np.ndarray:
+        return np.empty(0)
+
+    def describe(self) -> dict:
+        params = {"epsilon": self.epsilon, "w": self.w, "lower": self.lower, "upper": self.upper,
+                  "report_epsilon": self.report_epsilon}
+        row_variance = ((self.upper - self.lower) / 2.0) ** 2 * PIECEWISE.worst_variance(self.report_epsilon)
+        return dict(method="pm_direct", params=params, error=IndependentNoise(row_variance, self.n),
+                    components={"reports": (self.epsilon, 0.0)}, reports=np.concatenate(self._reports))
+
+
+def pm_direct(values, *, epsilon: float, w: int, lower: float = 0.0, upper: float = 1.0,
+              budget: Budget | None = None, note: str | None = None) -> Release:
+    """Piecewise-mechanism reports of one user's stream at ``epsilon / w`` each (DU's "ToPL" baseline).
+
+    Values are clipped to ``[lower, upper]`` (part of the mechanism). Privacy: w-event
+    ``epsilon``-LDP (one user's values may change arbitrarily within any ``w`` consecutive
+    slots); ``budget`` must be a ``"w-event-ldp"`` scope with the same ``w`` and is
+    charged ``epsilon`` through :func:`dpsql.api.publish`.
+
+    Examples
+    --------
+    >>> import numpy as np, dpsql
+    >>> budget = dpsql.Budget.in_memory(epsilon=1.0, notion="w-event-ldp", w=10)
+    >>> with dpsql.testing.seeded(2):
+    ...     rel = dpsql.ldp.pm_direct(np.full(5000, 0.25), epsilon=1.0, w=10, budget=budget)
+    >>> rel.params["report_epsilon"], budget.spent
+    (0.1, (1.0, 0.0))
+    >>> bool(abs(rel.values.mean() - 0.25) < 4 * rel.range_variance(0, 5000) ** 0.5 / 5000)
+    True
+    """
+    return publish("pm_direct", values, budget=budget, note=note, epsilon=epsilon, w=w, lower=lower, upper=upper)
