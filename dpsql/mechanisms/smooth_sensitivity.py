@@ -26,6 +26,7 @@ largest optimal ``hi`` is non-decreasing in ``lo`` and a divide and conquer over
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -127,7 +128,7 @@ def pak_kappa(*, b: float, a: float, beta_lt: float) -> float:
     ``kappa * SS`` is then a smooth upper bound on the local sensitivity of the shifted
     quantile ``x + kappa * SS * off / a`` (PAK Eqs. 8-10). Raises
     :class:`~dpsql.errors.InvalidParameter` when the denominator is not positive
-    (epsilon too small for this delta and ``beta_lt``).
+    (``ln(2 / delta)`` too small against the offset: lower delta or raise ``beta_lt``).
 
     Examples
     --------
@@ -140,7 +141,7 @@ def pak_kappa(*, b: float, a: float, beta_lt: float) -> float:
     denominator = 1.0 - math.expm1(b) * offset / a
     if denominator <= 0:
         raise InvalidParameter(f"PAK kappa is undefined: (e^b - 1) * offset / a = {1 - denominator:.4g} >= 1 for "
-                               f"b={b:.4g}, a={a:.4g}, beta_lt={beta_lt!r}; raise epsilon or delta, or lower beta_lt")
+                               f"b={b:.4g}, a={a:.4g}, beta_lt={beta_lt!r}; lower delta or raise beta_lt")
     return 1.0 / denominator
 
 
@@ -160,6 +161,48 @@ def quantile_miss_probability(m: int, *, tail_p: float, lam: float) -> float:
     steps = np.log((m - i) / (i + 1.0)) + math.log(tail_p) - math.log1p(-tail_p)
     log_pmf = m * math.log1p(-tail_p) + np.concatenate([[0.0], np.cumsum(steps)])
     return float(min(1.0, np.exp(log_pmf).sum()))
+
+
+class PakThresholdParams(NamedTuple):
+    """Validated public parameters of :func:`pak_threshold`, with the derived ``kappa``."""
+
+    epsilon: float
+    delta: float
+    upper: float
+    tail_p: float
+    lam: float
+    beta_lt: float
+    rho: float
+    kappa: float
+
+
+def check_pak_threshold(*, epsilon, delta, upper, tail_p, lam, beta_lt, rho) -> PakThresholdParams:
+    """Validate the public parameters of :func:`pak_threshold` (and that ``kappa`` exists)
+    before anything is drawn.
+
+    Examples
+    --------
+    >>> check_pak_threshold(epsilon=1.0, delta=0.05, upper=1.0, tail_p=0.005, lam=0.85,  # doctest: +ELLIPSIS
+    ...                     beta_lt=0.006, rho=1.0)
+    Traceback (most recent call last):
+    ...
+    dpsql.errors.InvalidParameter: PAK kappa is undefined: ...
+    """
+    epsilon = _validate.epsilon(epsilon)
+    delta = _validate.delta(delta, pure=False, method="pak")
+    if delta == 0:
+        raise InvalidParameter("delta must be > 0 for the PAK threshold (smooth sensitivity is (epsilon, delta)-DP)")
+    upper = _validate.real(upper, "upper", minimum=0.0, strict=True)
+    tail_p = _validate.probability(tail_p, "tail_p")
+    lam = _validate.real(lam, "lam", minimum=0.0, strict=True)
+    if lam > 1:
+        raise InvalidParameter(f"lam must satisfy 0 < lam <= 1, got {lam!r}")
+    beta_lt = _validate.probability(beta_lt, "beta_lt")
+    if beta_lt >= 0.5:
+        raise InvalidParameter(f"beta_lt must be < 0.5, got {beta_lt!r}")
+    rho = _validate.real(rho, "rho", minimum=1.0)
+    kappa = pak_kappa(b=smoothing_parameter(epsilon, delta), a=epsilon / 2.0, beta_lt=beta_lt)
+    return PakThresholdParams(epsilon, delta, upper, tail_p, lam, beta_lt, rho, kappa)
 
 
 def pak_threshold(holdout_sorted, *, epsilon: float, delta: float, upper: float, tail_p: float = 0.005,
@@ -230,34 +273,21 @@ def pak_threshold(holdout_sorted, *, epsilon: float, delta: float, upper: float,
     >>> 60.0 <= tau <= 100.0
     True
     """
-    epsilon = _validate.epsilon(epsilon)
-    delta = _validate.delta(delta, pure=False, method="pak")
-    if delta == 0:
-        raise InvalidParameter("delta must be > 0 for the PAK threshold (smooth sensitivity is (epsilon, delta)-DP)")
-    upper = _validate.real(upper, "upper", minimum=0.0, strict=True)
-    tail_p = _validate.probability(tail_p, "tail_p")
-    lam = _validate.real(lam, "lam", minimum=0.0, strict=True)
-    if lam > 1:
-        raise InvalidParameter(f"lam must satisfy 0 < lam <= 1, got {lam!r}")
-    beta_lt = _validate.probability(beta_lt, "beta_lt")
-    if beta_lt >= 0.5:
-        raise InvalidParameter(f"beta_lt must be < 0.5, got {beta_lt!r}")
-    rho = _validate.real(rho, "rho", minimum=1.0)
-    holdout = np.clip(_validate.values(holdout_sorted, "holdout"), 0.0, upper)
+    p = check_pak_threshold(epsilon=epsilon, delta=delta, upper=upper, tail_p=tail_p, lam=lam, beta_lt=beta_lt,
+                            rho=rho)
+    holdout = np.clip(_validate.values(holdout_sorted, "holdout"), 0.0, p.upper)
     if np.any(np.diff(holdout) < 0):
         raise InvalidData("column 'holdout' must be sorted ascending")
 
-    b = smoothing_parameter(epsilon, delta)
-    a = epsilon / 2.0
-    kappa = pak_kappa(b=b, a=a, beta_lt=beta_lt)
-    offset = -math.log(2.0 * beta_lt)
+    b = smoothing_parameter(p.epsilon, p.delta)
+    a = p.epsilon / 2.0
+    offset = -math.log(2.0 * p.beta_lt)
     m = len(holdout)
-    rank = min(math.floor(m * (1.0 - lam * tail_p)), m - 1)
-    quantile = float(holdout[rank])
-    smooth = smooth_sensitivity_quantile(holdout, rank, b=b, upper=upper)
+    rank = min(math.floor(m * (1.0 - p.lam * p.tail_p)), m - 1)
+    smooth = smooth_sensitivity_quantile(holdout, rank, b=b, upper=p.upper)
 
-    gamma = 2.0 ** (math.ceil(math.log2(max(kappa / a, 1.0) * upper)) - _THRESHOLD_LATTICE_BITS)
-    bound_units = kappa * smooth / gamma + _SENSITIVITY_FLOOR_UNITS
-    centre_units = round((quantile + kappa * smooth * offset / a) / gamma)
+    gamma = 2.0 ** (math.ceil(math.log2(max(p.kappa / a, 1.0) * p.upper)) - _THRESHOLD_LATTICE_BITS)
+    bound_units = p.kappa * smooth / gamma + _SENSITIVITY_FLOOR_UNITS
+    centre_units = round((float(holdout[rank]) + p.kappa * smooth * offset / a) / gamma)
     tau = gamma * float(centre_units + int(noise.discrete_laplace(bound_units / a, 1)[0]))
-    return float(min(upper, rho * min(max(tau, 0.0), upper)))
+    return float(min(p.upper, p.rho * min(max(tau, 0.0), p.upper)))
