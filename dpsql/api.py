@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+from decimal import Decimal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -79,8 +80,8 @@ def machine_for(method: str, n: int, source: noise.NoiseSource, params: dict) ->
 
 
 def publish(method: str, values, *, budget: Budget | None = None, column: str = "values",
-            partition_offsets: Sequence[int] | None = None, note: str | None = None,
-            **params) -> Release | PartitionedRelease:
+            partition_offsets: Sequence[int] | None = None, partition_levels: Sequence[int] | None = None,
+            note: str | None = None, **params) -> Release | PartitionedRelease:
     """Release ``values`` privately with ``method`` and charge ``budget`` (if given) once.
 
     Parameters
@@ -96,6 +97,11 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
         ``[0, o_1, ..., n]``: rows ``o_k:o_{k+1}`` form partition ``k`` (disjoint, rows
         grouped by partition, each in time order). Each partition is released
         independently; the charge is the maximum over partitions.
+    partition_levels : sequence of int, optional
+        One level per partition, for releases in which every event is counted once per
+        level (a hierarchy of aggregations): partitions of one level are disjoint
+        (parallel composition, maximum) and levels compose sequentially (their maxima
+        add up, exactly). Default: all partitions in one level.
     note : str, optional
         Recorded in the ledger with the release.
     **params
@@ -107,8 +113,12 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
     offsets = _offsets(partition_offsets, len(data))
     source = noise.current()
     machines = [machine_for(method, int(b - a), source, params) for a, b in itertools.pairwise(offsets)]
-    epsilon = max(m.cost[0] for m in machines)
-    delta = max(m.cost[1] for m in machines)
+    levels = [0] * len(machines) if partition_levels is None else list(partition_levels)
+    if len(levels) != len(machines):
+        raise InvalidParameter(f"partition_levels must give one level per partition ({len(machines)}), "
+                               f"got {len(levels)}")
+    epsilon = _compose([m.cost[0] for m in machines], levels)
+    delta = _compose([m.cost[1] for m in machines], levels)
     first = machines[0]
     if budget is not None:
         budget.check(epsilon=epsilon, delta=delta, notion=first.notion, w=first.w, private=source.private)
@@ -128,6 +138,14 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
     return PartitionedRelease(values=np.concatenate([p.values for p in parts]), offsets=offsets, parts=parts,
                               method=parts[0].method, epsilon=epsilon, delta=delta, private=source.private,
                               release_id=release_id)
+
+
+def _compose(costs: list[float], levels: list[int]) -> float:
+    """Maximum within a level (disjoint partitions), exact sum across levels (sequential)."""
+    per_level: dict[int, float] = {}
+    for level, cost in zip(levels, costs):
+        per_level[level] = max(per_level.get(level, 0.0), cost)
+    return float(sum((Decimal(repr(c)) for c in per_level.values()), Decimal(0)))
 
 
 def _offsets(partition_offsets, n: int) -> np.ndarray:
