@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from decimal import Decimal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 
 import numpy as np
 
