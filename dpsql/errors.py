@@ -26,7 +26,9 @@ class InvalidTimeKey(InvalidData):
 class BudgetExhausted(DPError):
     """A charge would exceed the ledger's budget. Nothing was charged or released."""
 
-    def __init__(self, message: str, *, remaining: tuple[float, float], requested: tuple[float, float]):
+    # Optional because eager Polars re-raises a UDF's exception as ``type(e)(message)``.
+    def __init__(self, message: str, *, remaining: tuple[float, float] | None = None,
+                 requested: tuple[float, float] | None = None):
         super().__init__(message)
         self.remaining = remaining
         self.requested = requested
