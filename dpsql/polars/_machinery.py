@@ -208,8 +208,9 @@ def private_expression(value: pl.Expr, release: Callable[[np.ndarray, RowsInTime
         result = release(rows.gather(values), rows, name)
         return output(result, rows)
 
-    return pl.struct(fields).alias(struct_name).map_batches(
+    released = pl.struct(fields).alias(struct_name).map_batches(
         evaluate, return_dtype=return_dtype, is_elementwise=False, returns_scalar=returns_scalar)
+    return released.alias(name)
 
 
 def keep(result: Release | PartitionedRelease) -> int:

@@ -1,0 +1,345 @@
+"""The Polars front end: alignment, one charge per evaluation, refusals, error bars."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+
+import dpsql
+import dpsql.polars
+from dpsql.api import METHODS, publish, register_method
+from dpsql.mechanisms import LaplaceLattice
+from dpsql.release import ErrorModel, StreamMachine
+
+LAPLACE = dict(method="laplace", epsilon=0.5, upper=10.0)
+
+
+def shuffled_frame(n=500, partitions=None, seed=3):
+    """Rows in random physical order; ``ts`` strictly increasing within each partition."""
+    rng = np.random.default_rng(seed)
+    part = np.arange(n) % partitions if partitions else np.zeros(n, dtype=np.int64)
+    frame = pl.DataFrame({"meter": part, "ts": np.arange(n) // (partitions or 1) * 7 + 1000,
+                          "kwh": rng.uniform(0, 12, n)})
+    return frame.sample(fraction=1.0, shuffle=True, seed=seed)
+
+
+def charges(budget):
+    return budget.history().height
+
+
+# -- alignment and exact oracles ---------------------------------------------------------
+
+def test_values_equal_publish_on_time_ordered_rows_scattered_back():
+    frame = shuffled_frame()
+    with dpsql.testing.seeded(11):
+        out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(order_by="ts", **LAPLACE))
+    in_time_order = out.sort("ts")
+    with dpsql.testing.seeded(11):
+        oracle = publish("laplace", in_time_order["kwh"].to_numpy(), epsilon=0.5, upper=10.0)
+    np.testing.assert_array_equal(in_time_order["dp"].to_numpy(), oracle.values)
+    assert out["dp"].dtype == pl.Float64 and out["kwh"].equals(frame["kwh"])
+
+
+def test_partitioned_values_equal_publish_with_partition_offsets():
+    frame = shuffled_frame(n=600, partitions=4)
+    with dpsql.testing.seeded(5):
+        out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", **LAPLACE))
+    grouped = out.sort("meter", "ts")
+    offsets = np.concatenate([[0], np.cumsum(grouped.group_by("meter", maintain_order=True).len()["len"])])
+    with dpsql.testing.seeded(5):
+        oracle = publish("laplace", grouped["kwh"].to_numpy(), partition_offsets=offsets, epsilon=0.5, upper=10.0)
+    np.testing.assert_array_equal(grouped["dp"].to_numpy(), oracle.values)
+
+
+def test_rows_keep_their_own_values_when_noise_is_tiny():
+    frame = shuffled_frame()
+    out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(order_by="ts", method="laplace", epsilon=1e6,
+                                                               upper=12.0))
+    assert np.max(np.abs(out["dp"] - out["kwh"]).to_numpy()) < 1e-3
+
+
+def test_values_outside_bounds_are_clipped_not_refused():
+    frame = pl.DataFrame({"ts": [1, 2, 3], "kwh": [-5.0, 50.0, 3.0]})
+    out = frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", method="laplace", epsilon=1e6, upper=10.0))
+    np.testing.assert_allclose(out["kwh"].to_numpy(), [0.0, 10.0, 3.0], atol=1e-3)
+
+
+def test_module_function_equals_namespace_method():
+    frame = shuffled_frame(n=50)
+    with dpsql.testing.seeded(2):
+        a = frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", **LAPLACE))
+    with dpsql.testing.seeded(2):
+        b = frame.select(dpsql.polars.range_sum(pl.col("kwh"), order_by="ts", **LAPLACE))
+    assert a.equals(b)
+
+
+# -- one logical release = one charge ----------------------------------------------------
+
+@pytest.mark.parametrize("engine", ["eager", "in-memory", "streaming"])
+def test_one_charge_per_evaluation_on_every_engine(engine):
+    frame = shuffled_frame(n=20_000, partitions=3)
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
+    expr = pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", budget=budget, **LAPLACE)
+    with dpsql.testing.seeded(1):
+        if engine == "eager":
+            out = frame.with_columns(dp=expr)
+        else:
+            out = frame.lazy().with_columns(dp=expr).filter(pl.col("ts") > 0).collect(engine=engine)
+    assert out.height == 20_000 and out["dp"].null_count() == 0
+    assert budget.spent == (0.5, 0.0)
+    history = budget.history()
+    assert history["partitions"].to_list() == [3] and history["rows"].to_list() == [20_000]
+
+
+def test_collecting_a_lazy_query_twice_draws_fresh_noise_and_charges_twice():
+    frame = shuffled_frame(n=200)
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
+    query = frame.lazy().select(pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, **LAPLACE))
+    with dpsql.testing.seeded(4):
+        first, second = query.collect(), query.collect()
+    assert not np.array_equal(first["kwh"].to_numpy(), second["kwh"].to_numpy())
+    assert budget.spent == (1.0, 0.0) and charges(budget) == 2
+
+
+def test_partitioned_release_is_charged_once_at_the_max():
+    frame = shuffled_frame(n=300, partitions=5)
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by=["meter"], budget=budget, **LAPLACE))
+    assert budget.spent == (0.5, 0.0) and charges(budget) == 1
+
+
+def test_cse_never_shares_a_draw_between_two_expressions():
+    frame = shuffled_frame(n=300)
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
+
+    def release():
+        return pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, **LAPLACE)
+
+    query = frame.lazy().select(a=release(), b=release(), c=release() * 2)
+    out = query.collect(optimizations=pl.QueryOptFlags(comm_subexpr_elim=True))
+    assert not np.array_equal(out["a"].to_numpy(), out["b"].to_numpy())
+    assert not np.array_equal(2 * out["a"].to_numpy(), out["c"].to_numpy())
+    assert charges(budget) == 3
+
+
+def test_one_expression_object_reused_is_charged_once_per_draw():
+    frame = shuffled_frame(n=300)
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
+    expr = pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, **LAPLACE)
+    out = frame.lazy().select(a=expr, b=expr + 0.0).collect()
+    draws = 1 if np.array_equal(out["a"].to_numpy(), out["b"].to_numpy()) else 2
+    assert charges(budget) == draws
+
+
+# -- group-wise evaluation is refused before any charge ------------------------------------
+
+@pytest.mark.parametrize("build", [
+    lambda f, e: f.with_columns(dp=e.over("meter")),
+    lambda f, e: f.with_columns(dp=e.cum_sum().over("meter")),
+    lambda f, e: f.lazy().select(e.over("meter")).collect(),
+    lambda f, e: f.group_by("meter").agg(e),
+    lambda f, e: f.sort("ts").group_by_dynamic("ts", every="70i").agg(e),
+])
+def test_group_wise_evaluation_is_refused_pointing_to_partition_by(build):
+    frame = shuffled_frame(n=200, partitions=2)
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
+    expr = pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, **LAPLACE)
+    with pytest.raises(dpsql.InvalidParameter, match="partition_by"):
+        build(frame, expr)
+    assert charges(budget) == 0
+
+
+# -- coexistence with OpenDP --------------------------------------------------------------
+
+def test_coexists_with_opendp_dp_namespace():
+    import opendp.prelude  # noqa: F401  (registers .dp)
+
+    expr = pl.col("kwh")
+    assert type(expr.dp).__module__.startswith("opendp")
+    assert isinstance(expr.dpsql, dpsql.polars.DpsqlExpr)
+    frame = shuffled_frame(n=100)
+    with dpsql.testing.seeded(0):
+        out = frame.with_columns(dp=expr.dpsql.range_sum(order_by="ts", **LAPLACE), clipped=expr.clip(0, 10))
+    assert out["dp"].dtype == pl.Float64 and out.height == 100
+
+
+# -- refusals: typed, naming the column, nothing charged -----------------------------------
+
+@pytest.mark.parametrize(("kwh", "ts", "error", "text"), [
+    ([1.0, float("nan"), 2.0], [1, 2, 3], dpsql.InvalidData, "'kwh' contains NaN"),
+    ([1.0, None, 2.0], [1, 2, 3], dpsql.InvalidData, "'kwh' contains 1 null"),
+    ([1.0, float("inf"), 2.0], [1, 2, 3], dpsql.InvalidData, "'kwh' contains infinite"),
+    ([], [], dpsql.InvalidData, "'kwh' is empty"),
+    (["a", "b", "c"], [1, 2, 3], dpsql.InvalidData, "'kwh' must be numeric"),
+    ([1.0, 2.0, 3.0], [1, None, 3], dpsql.InvalidTimeKey, "'ts' contains 1 null"),
+    ([1.0, 2.0, 3.0], [1, 2, 1], dpsql.InvalidTimeKey, "'ts' has 1 duplicate"),
+])
+def test_bad_data_is_refused_with_typed_errors(kwh, ts, error, text):
+    frame = pl.DataFrame({"kwh": kwh, "ts": ts}, schema_overrides={"ts": pl.Int64})
+    if not kwh:
+        frame = frame.cast({"kwh": pl.Float64})
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
+    with pytest.raises(error, match=text):
+        frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, **LAPLACE))
+    assert charges(budget) == 0
+
+
+def test_duplicate_times_are_allowed_across_partitions_but_not_within_one():
+    frame = pl.DataFrame({"meter": ["a", "b", "a", "b"], "ts": [1, 1, 2, 2], "kwh": [1.0, 2.0, 3.0, 4.0]})
+    out = frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", **LAPLACE))
+    assert out.height == 4
+    with pytest.raises(dpsql.InvalidTimeKey, match="'ts' has 2 duplicate value.s. within a partition"):
+        frame.with_columns(meter=pl.lit("a")).select(
+            pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", **LAPLACE))
+
+
+@pytest.mark.parametrize(("params", "text"), [
+    (dict(epsilon=0.0), "epsilon must be > 0"),
+    (dict(epsilon=float("nan")), "epsilon must be finite"),
+    (dict(epsilon=1.0, upper=-1.0), "upper must be > lower"),
+])
+def test_bad_parameters_are_refused_at_evaluation_and_nothing_is_charged(params, text):
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
+    frame = shuffled_frame(n=20)
+    with pytest.raises(dpsql.InvalidParameter, match=text):
+        frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", method="laplace", budget=budget,
+                                                   **{"upper": 10.0, **params}))
+    assert charges(budget) == 0
+
+
+def test_bad_options_are_refused_when_the_expression_is_built():
+    with pytest.raises(dpsql.InvalidParameter, match="unknown method 'nope'"):
+        pl.col("kwh").dpsql.range_sum(method="nope", order_by="ts", epsilon=1.0, upper=1.0)
+    with pytest.raises(dpsql.InvalidParameter, match="budget must be a dpsql.Budget"):
+        pl.col("kwh").dpsql.range_sum(budget=1.0, order_by="ts", **LAPLACE)
+    with pytest.raises(dpsql.InvalidParameter, match="order_by is required"):
+        pl.col("kwh").dpsql.range_sum(order_by=None, **LAPLACE)
+
+
+def test_budget_exhaustion_refuses_the_whole_query():
+    budget = dpsql.Budget.in_memory(epsilon=0.7)
+    frame = shuffled_frame(n=50)
+    frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, **LAPLACE))
+    with pytest.raises(dpsql.BudgetExhausted):
+        frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, **LAPLACE))
+    assert budget.spent == (0.5, 0.0)
+
+
+# -- error bars -------------------------------------------------------------------------------
+
+class TelescopingNoise(ErrorModel):
+    """Row ``i`` carries ``Z_i - Z_{i-1}``: a range sum's noise is ``Z_{j-1} - Z_{i-1}``."""
+
+    def __init__(self, variance):
+        self.variance = variance
+
+    def range_variance(self, starts, stops):
+        return np.where(stops > starts, np.where(starts == 0, 1.0, 2.0) * self.variance, 0.0)
+
+
+class TelescopingStream(StreamMachine):
+    """Test-only machine with strongly correlated noise (per-row variances do not add)."""
+
+    cost = (1.0, 0.0)
+
+    def __init__(self, n, *, noise, epsilon=1.0, upper=1.0):
+        self._lap = LaplaceLattice(sensitivity=upper, epsilon=epsilon)
+        self._noise, self._previous = noise, 0
+
+    def feed(self, chunk):
+        z = self._lap.noise_units(self._noise, len(chunk))
+        steps = np.diff(z, prepend=self._previous)
+        self._previous = z[-1]
+        return self._lap.from_units(self._lap.to_units(chunk) + steps)
+
+    def close(self):
+        return np.empty(0)
+
+    def describe(self):
+        return dict(method="telescoping", params={}, error=TelescopingNoise(self._lap.variance))
+
+
+@pytest.fixture
+def telescoping():
+    register_method("telescoping", TelescopingStream)
+    yield "telescoping"
+    del METHODS["telescoping"]
+
+
+def test_window_intervals_use_range_variances_not_summed_row_variances(telescoping):
+    frame = shuffled_frame(n=400, partitions=2)
+    with dpsql.testing.seeded(8):
+        out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(method=telescoping, order_by="ts",
+                                                                  partition_by="meter", errors=True))
+        bands = dpsql.polars.window_ci(out, "dp", order_by="ts", period=70, partition_by="meter")
+    variance = LaplaceLattice(sensitivity=1.0, epsilon=1.0).variance
+    rel = dpsql.polars._machinery.release_for_key(out["dp"].struct.field("release")[0])
+    ordered = bands.sort("meter", "ts")
+    k = (ordered["dp_high"] - ordered["dp_sum"]).to_numpy() / np.sqrt(2 * variance)
+    first_of_partition = ordered["ts"].to_numpy() < 1070  # these windows start at the partition's first row
+    np.testing.assert_allclose(k[~first_of_partition], k[~first_of_partition][0])
+    np.testing.assert_allclose(k[first_of_partition], k[~first_of_partition][0] / np.sqrt(2))
+    assert 1.9 < k[~first_of_partition][0] < 2.3
+    rolling = ordered.select(pl.col("dp").struct.field("value").rolling_sum_by("ts", window_size="70i")
+                             .over("meter"))
+    np.testing.assert_allclose(ordered["dp_sum"].to_numpy(), rolling.to_series().to_numpy(), atol=1e-9)
+    assert isinstance(rel, dpsql.PartitionedRelease)
+    np.testing.assert_allclose(ordered["dp"].struct.field("sd").to_numpy()[~first_of_partition],
+                               np.sqrt(2 * variance))
+
+
+def test_window_intervals_cover_the_true_window_sums(telescoping):
+    frame = shuffled_frame(n=300, seed=9)
+    truth = frame.sort("ts").with_columns(true=pl.col("kwh").clip(0, 12).rolling_sum_by("ts", window_size="35i"))
+    hits = []
+    for seed in range(40):
+        with dpsql.testing.seeded(seed):
+            out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(method=telescoping, order_by="ts",
+                                                                      epsilon=1.0, upper=12.0, errors=True))
+        bands = dpsql.polars.window_ci(out, "dp", order_by="ts", period=35).sort("ts")
+        hits.append(((bands["dp_low"] <= truth["true"]) & (truth["true"] <= bands["dp_high"])).to_numpy())
+    coverage = np.mean(hits)
+    assert 0.93 < coverage < 0.995
+
+
+def test_window_interval_variance_matches_empirical_variance_of_window_sums():
+    frame = shuffled_frame(n=100, seed=2)
+    sums, sd = [], None
+    for seed in range(300):
+        with dpsql.testing.seeded(seed):
+            out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(order_by="ts", errors=True, **LAPLACE))
+        bands = dpsql.polars.window_ci(out, "dp", order_by="ts", period=70).sort("ts")
+        sums.append(bands["dp_sum"][-1])
+        sd = (bands["dp_high"][-1] - bands["dp_low"][-1]) / 2
+    truth = frame.sort("ts")["kwh"].clip(0, 10).tail(10).sum()
+    assert abs(np.mean(sums) - truth) < 4 * np.std(sums) / np.sqrt(300)
+    expected = np.sqrt(10 * LaplaceLattice(sensitivity=10.0, epsilon=0.5).variance)
+    assert abs(np.std(sums) / expected - 1) < 0.15
+    assert 1.9 < sd / expected < 2.3
+
+
+def test_bucket_intervals_match_release_range_ci():
+    frame = shuffled_frame(n=240, partitions=2, seed=4)
+    with dpsql.testing.seeded(6):
+        out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", errors=True,
+                                                                  **LAPLACE))
+    daily = dpsql.polars.bucket_ci(out, "dp", order_by="ts", every="168i", partition_by="meter", level=0.9)
+    rel = dpsql.polars._machinery.release_for_key(out["dp"].struct.field("release")[0])
+    part0 = daily.filter(pl.col("meter") == 0)
+    sizes = out.filter(pl.col("meter") == 0).group_by_dynamic(pl.col("ts").sort(), every="168i").agg(pl.len())
+    stops = np.cumsum(sizes["len"].to_numpy())
+    low, high = rel.part(0).range_ci(stops - sizes["len"].to_numpy(), stops, level=0.9)
+    np.testing.assert_allclose(part0["dp_low"].to_numpy(), low)
+    np.testing.assert_allclose(part0["dp_high"].to_numpy(), high)
+    assert daily.columns == ["meter", "ts", "dp_sum", "dp_low", "dp_high"]
+
+
+def test_interval_functions_refuse_bad_levels_and_forgotten_releases():
+    frame = shuffled_frame(n=30)
+    out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(order_by="ts", errors=True, **LAPLACE))
+    with pytest.raises(dpsql.InvalidParameter, match="level"):
+        dpsql.polars.window_ci(out, "dp", order_by="ts", period=14, level=1.5)
+    forged = out.with_columns(pl.col("dp").struct.with_fields(pl.lit(-1, dtype=pl.Int64).alias("release")))
+    with pytest.raises(dpsql.InvalidParameter, match="no longer held"):
+        dpsql.polars.window_ci(forged, "dp", order_by="ts", period=14)
