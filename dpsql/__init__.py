@@ -2,7 +2,7 @@
 
 from dpsql import ldp, testing
 from dpsql.accountant import Budget
-from dpsql.api import PartitionedRelease, laplace_stream, publish
+from dpsql.api import PartitionedRelease, binary_tree, laplace_stream, pak, publish
 from dpsql.errors import (
     BudgetExhausted,
     DPError,
@@ -16,6 +16,6 @@ from dpsql.release import Release
 
 __all__ = [
     "Budget", "BudgetExhausted", "DPError", "InvalidData", "InvalidParameter", "InvalidTimeKey",
-    "NonPrivateRelease", "NotionMismatch", "PartitionedRelease", "Release", "laplace_stream", "ldp", "publish",
-    "testing",
+    "NonPrivateRelease", "NotionMismatch", "PartitionedRelease", "Release", "binary_tree", "laplace_stream", "ldp",
+    "pak", "publish", "testing",
 ]

@@ -178,3 +178,62 @@ def laplace_stream(values, *, epsilon: float, upper: float, lower: float = 0.0,
     True
     """
     return publish("laplace", values, budget=budget, note=note, epsilon=epsilon, upper=upper, lower=lower)
+
+
+def binary_tree(values, *, epsilon: float, upper: float, lower: float = 0.0,
+                budget: Budget | None = None, note: str | None = None) -> Release:
+    """Binary-tree continual counter (Dwork et al. 2010, Chan et al. 2011) for real values.
+
+    ``L = ceil(log2 n)`` levels of dyadic nodes, each with Laplace noise for
+    sensitivity ``upper - lower`` at ``epsilon / L``; row ``i`` is released as the
+    difference of consecutive noisy prefix sums, so ``range_sum(i, j)`` is the difference
+    of two noisy prefixes (at most ``2 L`` nodes of noise).
+
+    Cost: ``epsilon``-DP, replace-one-value neighbours (time order public). Values
+    outside ``[lower, upper]`` are clipped to it; that is part of the mechanism.
+
+    Examples
+    --------
+    >>> import numpy as np, dpsql
+    >>> budget = dpsql.Budget.in_memory(epsilon=1.0)
+    >>> with dpsql.testing.seeded(0):
+    ...     rel = dpsql.binary_tree(np.full(1024, 5.0), epsilon=0.5, upper=10.0, budget=budget)
+    >>> budget.spent, rel.params["levels"]
+    ((0.5, 0.0), 10)
+    >>> abs(rel.range_sum(0, 1024) - 5120.0) < 5 * rel.range_variance(0, 1024) ** 0.5
+    True
+    """
+    return publish("binary_tree", values, budget=budget, note=note, epsilon=epsilon, upper=upper, lower=lower)
+
+
+def pak(values, *, epsilon: float, upper: float, delta: float | None = None, lower: float = 0.0,
+        m: int | None = None, holdout_share: float = 0.15, tail_p: float = 0.005, lam: float = 0.85,
+        beta_lt: float = 0.006, rho: float = 1.0, budget: Budget | None = None, note: str | None = None) -> Release:
+    """PAK (Perrier, Asghar, Kaafar, NDSS 2019): a private threshold from the first ``m``
+    rows by smooth sensitivity, then the binary-tree counter clipped at that threshold.
+
+    The threshold is the hold-out's empirical ``1 - lam * tail_p`` quantile plus a
+    smooth-sensitivity margin (PAK's ``kappa`` offset, NRS07 constant
+    ``b = epsilon_1 / (2 ln(2 / delta))``, two-sided window), times ``rho``; it uses
+    ``epsilon_1 = (1 - holdout_share) * epsilon`` and ``delta``. The hold-out rows are
+    released as ``1/m`` each of their total clipped at the threshold plus Laplace noise
+    at ``holdout_share * epsilon``. The other rows go through :func:`binary_tree` with
+    bounds ``[lower, lower + threshold]`` at the full ``epsilon``.
+
+    Cost: ``(epsilon, delta)``-DP, replace-one-value neighbours (time order public);
+    ``delta`` defaults to ``1 / n**2`` and must be > 0. Values outside ``[lower, upper]``
+    are clipped to it; that is part of the mechanism. Only Laplace noise is offered.
+    ``m`` defaults to ``min(65536, n // 4)``.
+
+    Examples
+    --------
+    >>> import numpy as np, dpsql
+    >>> budget = dpsql.Budget.in_memory(epsilon=2.0, delta=1e-6)
+    >>> values = np.arange(200_000) % 20.0
+    >>> with dpsql.testing.seeded(1):
+    ...     rel = dpsql.pak(values, epsilon=1.0, upper=100.0, budget=budget)
+    >>> budget.spent == (1.0, 1 / 200_000**2), 19.0 <= rel.threshold < 70.0
+    (True, True)
+    """
+    return publish("pak", values, budget=budget, note=note, epsilon=epsilon, upper=upper, delta=delta, lower=lower,
+                   m=m, holdout_share=holdout_share, tail_p=tail_p, lam=lam, beta_lt=beta_lt, rho=rho)

@@ -14,10 +14,19 @@ from dpsql.release import Release, chunks_of, run_machine
 from dpsql.streams.laplace import LaplaceStream
 
 register_method("laplace", LaplaceStream)
+from dpsql.streams.binary_tree import BinaryTreeStream  # noqa: E402
+from dpsql.streams.pak import PakStream  # noqa: E402
+
+register_method("binary_tree", BinaryTreeStream)
+register_method("pak", PakStream)
 from dpsql.ldp.topl import PmDirectStream, ToplStream  # noqa: E402
 
 register_method("topl", ToplStream)
 register_method("pm_direct", PmDirectStream)
+from dpsql.streams.pegasus import CountLaplaceStream, PegasusStream  # noqa: E402
+
+register_method("pegasus", PegasusStream)
+register_method("count_laplace", CountLaplaceStream)
 
 def run(method: str, values, *, noise: NoiseSource, chunk: int = 1 << 20, **params) -> Release:
     """Pure release: ``values`` through ``method`` with ``noise``; charges nothing."""

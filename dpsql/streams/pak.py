@@ -1,0 +1,65 @@
+"""PAK (Perrier, Asghar, Kaafar, NDSS 2019; ALGORITHMS.md §3): a smooth-sensitivity
+threshold from a hold-out prefix, then the binary-tree counter on the rest, clipped at
+that threshold.
+
+Privacy, replace-one-value neighbours (time order public; values clipped to the public
+``[lower, upper]``, which is part of the mechanism):
+
+* hold-out (first ``m`` rows): the threshold (:func:`~dpsql.mechanisms.smooth_sensitivity.pak_threshold`)
+  at ``epsilon_1 = (1 - holdout_share) * epsilon`` and ``delta``, then the hold-out's
+  total clipped at the threshold with Laplace noise at ``epsilon_2 = holdout_share *
+  epsilon``: ``(epsilon, delta)`` by sequential composition;
+* the remaining rows: :class:`~dpsql.streams.binary_tree.BinaryTreeStream` with bound
+  ``[0, threshold]``: pure ``epsilon``-DP (PAK §3.3);
+* disjoint rows, parallel composition: the release costs ``(epsilon, delta)``.
+
+``delta`` defaults to ``1 / n**2`` (the paper's recommendation; ``n`` is public under
+replace-one-value neighbours).
+"""
+
+from __future__ import annotations
+
+from dpsql import _validate
+from dpsql.mechanisms.smooth_sensitivity import check_pak_threshold, pak_threshold
+from dpsql.noise import NoiseSource
+from dpsql.release import StreamMachine
+from dpsql.streams.binary_tree import BinaryTreeStream
+from dpsql.streams.holdout import ThresholdedStream
+
+
+class PakStream(ThresholdedStream):
+    """PAK as an online state machine: the hold-out is buffered until its threshold is
+    chosen, then every row streams through the binary counter.
+
+    Examples
+    --------
+    >>> import numpy as np, dpsql
+    >>> with dpsql.testing.seeded(2) as source:
+    ...     rel = dpsql.streams.run("pak", np.arange(200_000) % 10, noise=source, epsilon=1.0, upper=100.0)
+    >>> rel.delta == 1 / 200_000**2, rel.params["m"], 9.0 <= rel.threshold < 50.0
+    (True, 50000, True)
+    """
+
+    method = "pak"
+
+    def __init__(self, n: int, *, epsilon: float, upper: float, delta: float | None = None, lower: float = 0.0,
+                 m: int | None = None, holdout_share: float = 0.15, tail_p: float = 0.005, lam: float = 0.85,
+                 beta_lt: float = 0.006, rho: float = 1.0, noise: NoiseSource):
+        super().__init__(n, epsilon=epsilon, upper=upper, lower=lower, m=m, holdout_share=holdout_share, noise=noise)
+        delta = 1.0 / n**2 if delta is None else _validate.delta(delta, pure=False, method="pak")
+        self._threshold_params = check_pak_threshold(epsilon=self.epsilon_threshold, delta=delta, upper=self.bound,
+                                                     tail_p=tail_p, lam=lam, beta_lt=beta_lt, rho=rho)
+        self.threshold_delta = delta
+
+    def _choose_threshold(self, holdout_sorted):
+        p = self._threshold_params
+        return pak_threshold(holdout_sorted, epsilon=p.epsilon, delta=p.delta, upper=p.upper, tail_p=p.tail_p,
+                             lam=p.lam, beta_lt=p.beta_lt, rho=p.rho, noise=self.noise)
+
+    def _stream_phase(self, n_rest: int, threshold: float) -> StreamMachine:
+        return BinaryTreeStream(n_rest, epsilon=self.epsilon, upper=threshold, noise=self.noise)
+
+    def _method_params(self) -> dict:
+        p = self._threshold_params
+        return {"delta": p.delta, "tail_p": p.tail_p, "lam": p.lam, "beta_lt": p.beta_lt, "rho": p.rho,
+                "kappa": p.kappa}
