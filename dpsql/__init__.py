@@ -3,6 +3,7 @@
 from dpsql import ldp, testing
 from dpsql.accountant import Budget
 from dpsql.api import PartitionedRelease, binary_tree, laplace_stream, pak, publish
+from dpsql.counts import pegasus
 from dpsql.errors import (
     BudgetExhausted,
     DPError,
@@ -17,5 +18,5 @@ from dpsql.release import Release
 __all__ = [
     "Budget", "BudgetExhausted", "DPError", "InvalidData", "InvalidParameter", "InvalidTimeKey",
     "NonPrivateRelease", "NotionMismatch", "PartitionedRelease", "Release", "binary_tree", "laplace_stream", "ldp",
-    "pak", "publish", "testing",
+    "pak", "pegasus", "publish", "testing",
 ]

@@ -27,6 +27,10 @@ from dpsql.streams.pegasus import CountLaplaceStream, PegasusStream  # noqa: E40
 
 register_method("pegasus", PegasusStream)
 register_method("count_laplace", CountLaplaceStream)
+from dpsql.streams.pegasus import CountLaplaceStream, PegasusStream  # noqa: E402
+
+register_method("pegasus", PegasusStream)
+register_method("count_laplace", CountLaplaceStream)
 
 def run(method: str, values, *, noise: NoiseSource, chunk: int = 1 << 20, **params) -> Release:
     """Pure release: ``values`` through ``method`` with ``noise``; charges nothing."""

@@ -1,0 +1,423 @@
+"""Private count streams from event tables (PeGaSus, ALGORITHMS.md §2).
+
+Users hold *events* (one row per login, connection, trip); the streams to release are
+counts per time bucket. This module does the bucketing over a **public, gap-free time
+domain** ``[start, stop)`` cut into buckets of width ``every`` (the last bucket ends at
+``stop`` and may be shorter). The domain is never read from the data: ``start``,
+``stop`` and ``every`` are required parameters, empty buckets are released like any
+other, and events outside the domain are dropped and counted nowhere.
+
+Privacy unit and sensitivity
+----------------------------
+Without a privacy unit each event adds 1 to exactly one bucket of one partition, so a
+count stream has sensitivity 1 under add/remove-one-event neighbours (event-level DP).
+With ``units`` (a privacy-unit column) and ``cap = k``, at most ``k`` events of one
+unit are counted per bucket, across all partitions (the earliest ``k``; the rest are
+dropped), and the noise is calibrated to sensitivity ``k``: the release protects
+adding or removing all of one unit's events within one bucket. This is the PeGaSus
+remark (§2.3) on users present in several states, in its "scale the noise" form;
+weighting each counted event by ``1/k`` instead would release the same stream divided
+by ``k``.
+
+Partitions are disjoint (one event, one partition), so their streams compose in
+parallel: a partitioned release costs ``epsilon`` once. Partition keys are treated as
+public: the set of keys released is the set present in the events.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import Decimal
+
+import numpy as np
+
+from dpsql import _validate
+from dpsql.accountant import Budget
+from dpsql.api import PartitionedRelease, publish
+from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
+from dpsql.release import Release
+from dpsql.streams.pegasus import DEFAULT_GROUPER_SHARE
+
+#: Front-end method names -> registered machines.
+COUNT_METHODS = {"pegasus": "pegasus", "laplace": "count_laplace"}
+
+_DURATION_UNITS = {"ns": 1, "us": 10**3, "ms": 10**6, "s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9,
+                   "d": 86400 * 10**9, "w": 7 * 86400 * 10**9}
+
+
+def pegasus(counts, *, epsilon: float, grouper_share: float = DEFAULT_GROUPER_SHARE, theta: float | None = None,
+            smoother: str = "median", sensitivity: float = 1.0, budget: Budget | None = None,
+            note: str | None = None) -> Release:
+    """Release a count stream with PeGaSus (perturb, group, smooth), online.
+
+    Privacy cost: ``epsilon``-DP (pure) for add/remove-one-event neighbours in which one
+    count changes by at most ``sensitivity`` (1 for event counts): the Perturber spends
+    ``eps_p = (1 - grouper_share) * epsilon``, the Grouper ``eps_g = grouper_share *
+    epsilon`` (``Release.components``); the Smoother is post-processing. Negative counts
+    are clipped to 0 (the public lower bound of a count), which is part of the mechanism.
+
+    Parameters
+    ----------
+    counts : array-like
+        One count per time step, in time order.
+    epsilon : float
+        Total budget.
+    grouper_share : float
+        Share of ``epsilon`` for the Grouper, in (0, 1); default 0.2 [recon: from a
+        re-implementation, not the paper fragments].
+    theta : float, optional
+        Grouper deviation threshold; default ``5 * sensitivity / eps_g`` [recon].
+    smoother : {"median", "average", "js"}
+        Estimate from the noisy counts of the current group (up to now).
+    sensitivity : float
+        The most one neighbour changes one count.
+    budget : dpsql.Budget, optional
+        Charged ``epsilon`` once, through :func:`dpsql.publish`.
+
+    Returns
+    -------
+    dpsql.Release
+        ``values`` are the estimates; ``error.range_variance`` is exact for ``average``
+        and ``js`` and an upper bound for ``median`` (see
+        :class:`dpsql.streams.pegasus.GroupPrefixNoise`).
+
+    Examples
+    --------
+    >>> import numpy as np, dpsql
+    >>> budget = dpsql.Budget.in_memory(epsilon=1.0)
+    >>> with dpsql.testing.seeded(0):
+    ...     rel = dpsql.pegasus(np.full(200, 12.0), epsilon=1.0, budget=budget)
+    >>> budget.spent, dict(rel.components)["perturber"][0] + dict(rel.components)["grouper"][0]
+    ((1.0, 0.0), 1.0)
+    >>> bool(abs(rel.values[100:].mean() - 12.0) < 1.0)
+    True
+    """
+    return publish("pegasus", counts, budget=budget, column="counts", note=note, epsilon=epsilon,
+                   grouper_share=grouper_share, theta=theta, smoother=smoother, sensitivity=sensitivity)
+
+
+# -- time domain -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TimeDomain:
+    """The public buckets ``[start + i * every, start + (i + 1) * every)``, ``i < n_buckets``,
+    the last one cut at ``stop``. Times are int64 nanoseconds (``datetime=True``) or plain
+    numbers."""
+
+    start: float | int
+    stop: float | int
+    every: float | int
+    datetime: bool
+
+    @property
+    def n_buckets(self) -> int:
+        return int(-(-(self.stop - self.start) // self.every))
+
+    def bucket_starts(self) -> np.ndarray:
+        starts = self.start + np.arange(self.n_buckets) * self.every
+        return starts.astype("datetime64[ns]") if self.datetime else starts
+
+    def buckets(self, ticks: np.ndarray) -> np.ndarray:
+        """Bucket index of every time, ``-1`` outside ``[start, stop)``."""
+        inside = (ticks >= self.start) & (ticks < self.stop)
+        out = np.full(ticks.shape, -1, dtype=np.int64)
+        out[inside] = ((ticks[inside] - self.start) // self.every).astype(np.int64)
+        return out
+
+
+def time_domain(*, start, stop, every) -> TimeDomain:
+    """Validate a public time domain: datetimes (``datetime``, ``numpy.datetime64``, ISO
+    strings) with a duration ``every`` (``timedelta``, ``numpy.timedelta64``, or a string
+    such as ``"5m"``, ``"1h30m"``), or numbers with a numeric ``every``.
+
+    Examples
+    --------
+    >>> d = time_domain(start="2024-01-01", stop="2024-01-01T01:00", every="25m")
+    >>> d.n_buckets, str(d.bucket_starts()[-1])
+    (3, '2024-01-01T00:50:00.000000000')
+    """
+    for name, value in (("start", start), ("stop", stop), ("every", every)):
+        if value is None:
+            raise InvalidParameter(f"{name} is required: the time domain [start, stop) and the bucket width "
+                                   "are public parameters and are never read from the data")
+    numeric = all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+                  for v in (start, stop))
+    if numeric:
+        lo = _validate.real(start, "start")
+        hi = _validate.real(stop, "stop")
+        width = _validate.real(every, "every", minimum=0.0, strict=True)
+        domain = TimeDomain(lo, hi, width, datetime=False)
+    else:
+        domain = TimeDomain(_instant(start, "start"), _instant(stop, "stop"), _duration(every), datetime=True)
+    if not domain.stop > domain.start:
+        raise InvalidParameter(f"stop must be after start, got start={start!r}, stop={stop!r}")
+    return domain
+
+
+def _instant(value, name: str) -> int:
+    if isinstance(value, dt.datetime) and value.tzinfo is not None:
+        value = value.astimezone(dt.UTC).replace(tzinfo=None)
+    try:
+        stamp = np.datetime64(value, "ns")
+    except (TypeError, ValueError):
+        raise InvalidParameter(f"{name} must be a datetime (or an ISO string), got {value!r}") from None
+    if np.isnat(stamp):
+        raise InvalidParameter(f"{name} must not be null, got {value!r}")
+    return int(stamp.astype(np.int64))
+
+
+def _duration(value) -> int:
+    """A positive duration in nanoseconds."""
+    if isinstance(value, str):
+        parts = re.findall(r"(\d+)(ns|us|ms|s|m|h|d|w)", value.strip())
+        if not parts or "".join(a + b for a, b in parts) != value.strip():
+            raise InvalidParameter(f"every must be a duration such as '5m', '1h30m' or '1d', got {value!r}")
+        ticks = sum(int(a) * _DURATION_UNITS[b] for a, b in parts)
+    elif isinstance(value, (dt.timedelta, np.timedelta64)):
+        ticks = int(np.timedelta64(value, "ns").astype(np.int64))
+    else:
+        raise InvalidParameter(f"every must be a duration (timedelta or a string like '5m') for datetime "
+                               f"bounds, got {value!r}")
+    if ticks <= 0:
+        raise InvalidParameter(f"every must be a positive duration, got {value!r}")
+    return ticks
+
+
+def _ticks(times, column: str, domain: TimeDomain) -> np.ndarray:
+    """Event times as int64 ns (datetime domain) or float64 (numeric domain)."""
+    arr = np.asarray(times)
+    if arr.ndim != 1:
+        raise InvalidData(f"column {column!r} must be 1-D, got shape {arr.shape}")
+    if domain.datetime:
+        if arr.dtype.kind != "M":
+            raise InvalidData(f"column {column!r} must hold datetimes for datetime bounds, got dtype {arr.dtype}")
+        arr = arr.astype("datetime64[ns]")
+        if np.isnat(arr).any():
+            raise InvalidTimeKey(f"column {column!r} contains {int(np.isnat(arr).sum())} null time(s)")
+        return arr.astype(np.int64)
+    if arr.dtype.kind == "M":
+        raise InvalidData(f"column {column!r} holds datetimes: give start/stop as datetimes and every as a duration")
+    return _validate.values(arr, column) if arr.size else arr.astype(np.float64)
+
+
+# -- bucketing --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Counts per (partition, bucket): ``counts[p, i]``; ``keys[name][p]`` is partition
+    ``p``'s value of key column ``name``."""
+
+    counts: np.ndarray
+    keys: dict[str, np.ndarray]
+    domain: TimeDomain
+
+
+def bucket_events(times, *, domain: TimeDomain, keys: Mapping[str, object] | None = None, units=None,
+                  cap: int | None = None, time_column: str = "time") -> Buckets:
+    """Count events per bucket of ``domain`` and per combination of ``keys`` columns.
+
+    Events outside ``[start, stop)`` are dropped. With ``units`` and ``cap``, at most
+    ``cap`` events of one unit are counted per bucket (the earliest, across partitions).
+
+    Examples
+    --------
+    >>> d = time_domain(start=0, stop=10, every=5)
+    >>> b = bucket_events([0, 1, 7, 12, -1], domain=d)
+    >>> b.counts.tolist()
+    [[2, 1]]
+    >>> b = bucket_events([0, 1, 2, 7], domain=d, units=["u", "u", "v", "u"], cap=1)
+    >>> b.counts.tolist()
+    [[2, 1]]
+    """
+    ticks = _ticks(times, time_column, domain)
+    bucket = domain.buckets(ticks)
+    keys = dict(keys or {})
+    columns = {name: _key_column(values, name, len(ticks)) for name, values in keys.items()}
+    keep = bucket >= 0
+    if units is not None:
+        if cap is None:
+            raise InvalidParameter("cap (events counted per privacy unit and bucket) is required with a privacy "
+                                   "unit column")
+        unit_codes = _codes(_key_column(units, "privacy unit", len(ticks)))
+        keep &= _within_cap(unit_codes, bucket, ticks, _validate.integer(cap, "cap", minimum=1))
+    elif cap is not None:
+        raise InvalidParameter("cap needs a privacy unit column (without one, each event counts once)")
+    bucket = bucket[keep]
+    if columns:
+        stacked = np.stack([_codes(c[keep]) for c in columns.values()], axis=1)
+        combos, partition = np.unique(stacked, axis=0, return_inverse=True)
+        partition = partition.ravel()
+        first = np.flatnonzero(keep)[_first_index(partition, len(combos))]
+        key_values = {name: c[first] for name, c in columns.items()}
+    else:
+        combos, partition, key_values = np.zeros((1, 0)), np.zeros(bucket.size, dtype=np.int64), {}
+    n_buckets = domain.n_buckets
+    counts = np.bincount(partition * n_buckets + bucket, minlength=len(combos) * n_buckets)
+    return Buckets(counts.reshape(len(combos), n_buckets), key_values, domain)
+
+
+def _key_column(values, name: str, n: int) -> np.ndarray:
+    arr = np.asarray(values, dtype=object if not isinstance(values, np.ndarray) else None)
+    if arr.shape != (n,):
+        raise InvalidData(f"column {name!r} must have one value per event ({n}), got shape {arr.shape}")
+    nulls = sum(v is None for v in arr) if arr.dtype == object else int(np.isnat(arr).sum()) if arr.dtype.kind in "mM" \
+        else int(np.isnan(arr).sum()) if arr.dtype.kind == "f" else 0
+    if nulls:
+        raise InvalidData(f"column {name!r} contains {nulls} null value(s); a key must be known for every event")
+    return arr
+
+
+def _codes(column: np.ndarray) -> np.ndarray:
+    return np.unique(column, return_inverse=True)[1].ravel()
+
+
+def _first_index(codes: np.ndarray, k: int) -> np.ndarray:
+    first = np.full(k, len(codes), dtype=np.int64)
+    np.minimum.at(first, codes, np.arange(len(codes)))
+    return first
+
+
+def _within_cap(unit: np.ndarray, bucket: np.ndarray, ticks: np.ndarray, cap: int) -> np.ndarray:
+    """True for the first ``cap`` events (by time) of every (unit, bucket)."""
+    order = np.lexsort((ticks, bucket, unit))
+    u, b = unit[order], bucket[order]
+    new_run = np.ones(len(order), dtype=bool)
+    new_run[1:] = (u[1:] != u[:-1]) | (b[1:] != b[:-1])
+    run_start = np.maximum.accumulate(np.where(new_run, np.arange(len(order)), 0))
+    keep = np.empty(len(order), dtype=bool)
+    keep[order] = np.arange(len(order)) - run_start < cap
+    return keep
+
+
+# -- release -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CountRelease:
+    """A released set of count streams, one row per (level, partition, bucket).
+
+    ``columns()`` gives the table the front ends return; ``release`` the underlying
+    :class:`dpsql.Release` or :class:`dpsql.PartitionedRelease` (error bars per part).
+    """
+
+    release: Release | PartitionedRelease
+    domain: TimeDomain
+    keys: dict[str, np.ndarray]
+    levels: np.ndarray | None
+
+    def parts(self) -> list[Release]:
+        return list(self.release.parts) if isinstance(self.release, PartitionedRelease) else [self.release]
+
+    def columns(self, *, window: int | None = None, alarm_threshold: float | None = None) -> dict[str, np.ndarray]:
+        """``bucket``, ``time`` (bucket start), the key columns (``None`` above a row's
+        level), ``level`` (hierarchies), ``estimate``, ``std_error`` (noise only) and, with
+        ``window``, ``window_sum``/``window_std_error`` and, with ``alarm_threshold``,
+        ``alarm`` (window sum >= threshold). All post-processing."""
+        from dpsql.streams.pegasus import window_sums
+
+        n_buckets = self.domain.n_buckets
+        parts = self.parts()
+        rows = np.arange(n_buckets)
+        out: dict[str, np.ndarray] = {"bucket": np.tile(rows, len(parts)),
+                                      "time": np.tile(self.domain.bucket_starts(), len(parts))}
+        for name, values in self.keys.items():
+            out[name] = np.repeat(values, n_buckets)
+        if self.levels is not None:
+            out["level"] = np.repeat(self.levels, n_buckets)
+        out["estimate"] = np.concatenate([p.values for p in parts])
+        out["std_error"] = np.sqrt(np.concatenate([p.range_variance(rows, rows + 1) for p in parts]))
+        if window is not None:
+            sums = [window_sums(p, window) for p in parts]
+            out["window_sum"] = np.concatenate([s for s, _ in sums])
+            out["window_std_error"] = np.sqrt(np.concatenate([v for _, v in sums]))
+            if alarm_threshold is not None:
+                out["alarm"] = out["window_sum"] >= _validate.real(alarm_threshold, "alarm_threshold")
+        elif alarm_threshold is not None:
+            raise InvalidParameter("alarm_threshold needs window (the number of buckets summed)")
+        return out
+
+
+def release_event_counts(times, *, start, stop, every, epsilon: float, method: str = "pegasus",
+                         keys: Mapping[str, object] | None = None, hierarchy: bool = False, units=None,
+                         cap: int | None = None, budget: Budget | None = None, note: str | None = None,
+                         time_column: str = "time", **params) -> CountRelease:
+    """Bucket events over the public domain and release every count stream.
+
+    Privacy cost: ``epsilon``-DP (pure), charged once. Neighbours: add/remove one event
+    (sensitivity 1), or with ``units``/``cap`` all of one unit's events in one bucket
+    (sensitivity ``cap``). Partitions compose in parallel. With ``hierarchy=True`` the key
+    columns are levels, coarsest first (e.g. building, floor, room, access point): level
+    ``l`` partitions by the first ``l`` columns, every event is counted once per level,
+    and each level gets ``epsilon / L`` (sequential across levels, parallel within),
+    ALGORITHMS.md §2.6; the ledger is charged their exact sum, ``epsilon``.
+
+    Parameters
+    ----------
+    times : array-like
+        Event times (datetimes, or numbers with a numeric domain).
+    start, stop, every :
+        The public time domain ``[start, stop)`` and bucket width (:func:`time_domain`).
+    method : {"pegasus", "laplace"}
+        PeGaSus, or per-bucket Laplace (the baseline).
+    keys : mapping of column name to array, optional
+        Partition columns (one value per event).
+    **params
+        PeGaSus parameters (``grouper_share``, ``theta``, ``smoother``).
+
+    Examples
+    --------
+    >>> import numpy as np, dpsql
+    >>> times = np.array(["2024-01-01T00:01", "2024-01-01T00:07", "2024-01-01T00:08"], dtype="datetime64[ns]")
+    >>> budget = dpsql.Budget.in_memory(epsilon=1.0)
+    >>> with dpsql.testing.seeded(0):
+    ...     out = release_event_counts(times, start="2024-01-01", stop="2024-01-01T00:30", every="5m",
+    ...                                epsilon=1.0, keys={"floor": np.array([1, 1, 1]),
+    ...                                                   "room": np.array(["a", "b", "b"])},
+    ...                                hierarchy=True, budget=budget)
+    >>> cols = out.columns()
+    >>> len(cols["estimate"]), cols["level"][::6].tolist(), cols["room"][::6].tolist(), budget.spent
+    (18, [1, 2, 2], [None, 'a', 'b'], (1.0, 0.0))
+    """
+    method_name = _validate.choice(method, "method", COUNT_METHODS)
+    epsilon = _validate.epsilon(epsilon)
+    domain = time_domain(start=start, stop=stop, every=every)
+    keys = dict(keys or {})
+    if hierarchy and not keys:
+        raise InvalidParameter("hierarchy needs at least one key column (the levels, coarsest first)")
+    names = list(keys)
+    level_columns = [names[:level] for level in range(1, len(names) + 1)] if hierarchy else [names]
+    level_epsilon = _equal_share(epsilon, len(level_columns))
+    sensitivity = 1.0 if cap is None else float(_validate.integer(cap, "cap", minimum=1))
+    blocks, key_rows, levels = [], {name: [] for name in names}, []
+    for level, columns in enumerate(level_columns, start=1):
+        b = bucket_events(times, domain=domain, keys={c: keys[c] for c in columns}, units=units, cap=cap,
+                          time_column=time_column)
+        if b.counts.shape[0] == 0:
+            raise InvalidData(f"no event falls in [{start}, {stop}) : the partition keys are taken from the events, "
+                              "so there is no stream to release")
+        blocks.append(b.counts)
+        levels += [level] * b.counts.shape[0]
+        for name in names:
+            key_rows[name].append(b.keys[name] if name in b.keys else np.full(b.counts.shape[0], None))
+    counts = np.concatenate(blocks).astype(np.float64)
+    partitioned = counts.shape[0] > 1
+    offsets = np.arange(counts.shape[0] + 1) * domain.n_buckets if partitioned else None
+    release = publish(COUNT_METHODS[method_name], counts.ravel(), budget=budget, column="counts",
+                      partition_offsets=offsets, partition_levels=levels if partitioned else None, note=note,
+                      epsilon=level_epsilon, sensitivity=sensitivity, **params)
+    key_values = {name: np.concatenate(rows) for name, rows in key_rows.items()}
+    return CountRelease(release, domain, key_values, np.asarray(levels) if hierarchy else None)
+
+
+def _equal_share(epsilon: float, parts: int) -> float:
+    """The largest float ``x <= epsilon / parts`` whose exact ``parts``-fold sum is at most
+    ``epsilon``, so sequential composition never exceeds the budget by rounding."""
+    share = epsilon / parts
+    while Decimal(parts) * Decimal(repr(share)) > Decimal(repr(epsilon)):
+        share = float(np.nextafter(share, 0.0))
+    return share

@@ -1,0 +1,97 @@
+"""Sparse vector technique: AboveThreshold sessions with group resets (ALGORITHMS.md P3).
+
+Privacy cost (stated where it is defined): one *session* draws its noisy threshold
+``theta + Lap(2 * sensitivity / epsilon)`` once, then answers "above / below" for a
+sequence of queries ``q + Lap(4 * sensitivity / epsilon) >= threshold`` and stops at the
+first "above". A session is ``epsilon``-DP for queries of L1 sensitivity
+``sensitivity`` (Dwork & Roth, AboveThreshold with ``c = 1``: half the budget to the
+threshold, half to the queries). Only the booleans are released, never the noisy
+threshold nor the noisy queries.
+
+A new session must draw a *fresh* threshold: ``theta + new noise``. Re-using the last
+noisy threshold and adding noise to it (``theta_tilde += Lap``) lets the threshold
+random-walk away from ``theta``; that is the re-implementation bug of ALGORITHMS.md
+§2.9.1. Here a threshold is only ever computed by :meth:`AboveThreshold.thresholds`,
+which adds independent noise to the public ``theta`` and nothing else.
+
+Noise is lattice Laplace (:class:`dpsql.mechanisms.LaplaceLattice`): the private query
+is rounded to the lattice before integer noise is added, so comparisons never see a
+float sum of a private value and continuous noise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dpsql.mechanisms.laplace import LaplaceLattice
+from dpsql.noise import NoiseSource
+
+
+@dataclass(frozen=True)
+class AboveThreshold:
+    """Calibrated noise of AboveThreshold sessions for queries of sensitivity ``sensitivity``.
+
+    Draws are batched so that callers can pre-draw one threshold per *possible* session
+    start and one query noise per *possible* query; each session uses its own threshold
+    draw and each query its own query draw, which has exactly the distribution of the
+    sequential algorithm.
+
+    Examples
+    --------
+    >>> import dpsql
+    >>> svt = AboveThreshold(sensitivity=2.0, epsilon=1.0)
+    >>> with dpsql.testing.seeded(3) as source:
+    ...     session = svt.session(theta=10.0, noise=source)
+    ...     answers = [session.above(q) for q in (0.0, 1.0, 500.0)]
+    >>> answers
+    [False, False, True]
+    """
+
+    sensitivity: float
+    epsilon: float
+    threshold_noise: LaplaceLattice = field(init=False)
+    query_noise: LaplaceLattice = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "threshold_noise", LaplaceLattice(2.0 * self.sensitivity, self.epsilon))
+        object.__setattr__(self, "query_noise", LaplaceLattice(4.0 * self.sensitivity, self.epsilon))
+
+    def thresholds(self, theta: float, noise: NoiseSource, size: int) -> np.ndarray:
+        """``size`` independent noisy thresholds ``theta + Lap(2 sensitivity / epsilon)``,
+        one per session (never accumulated across sessions)."""
+        return self.threshold_noise.release(np.full(size, float(theta)), noise)
+
+    def query_noise_units(self, noise: NoiseSource, size: int) -> np.ndarray:
+        """``size`` independent query noise draws ``Lap(4 sensitivity / epsilon)`` in lattice
+        units, one per query."""
+        return self.query_noise.noise_units(noise, size)
+
+    def above(self, queries: np.ndarray, query_noise_units: np.ndarray, thresholds) -> np.ndarray:
+        """The answers for true (private) ``queries``, each perturbed by its own pre-drawn
+        noise: ``q + noise >= threshold``."""
+        lattice = self.query_noise
+        return lattice.from_units(lattice.to_units(queries) + query_noise_units) >= thresholds
+
+    def session(self, theta: float, noise: NoiseSource) -> AboveThresholdSession:
+        """A new session with its own fresh noisy threshold."""
+        return AboveThresholdSession(self, self.thresholds(theta, noise, 1)[0], noise)
+
+
+class AboveThresholdSession:
+    """One AboveThreshold session: ``above(q)`` until the first ``True``, then halted."""
+
+    def __init__(self, svt: AboveThreshold, threshold: float, noise: NoiseSource):
+        self._svt = svt
+        self._threshold = threshold
+        self._noise = noise
+        self.halted = False
+
+    def above(self, query: float) -> bool:
+        """Answer one query; a halted session refuses further queries (its budget is spent)."""
+        if self.halted:
+            raise RuntimeError("this AboveThreshold session has halted; start a new session")
+        units = self._svt.query_noise_units(self._noise, 1)
+        self.halted = bool(self._svt.above(np.array([float(query)]), units, self._threshold)[0])
+        return self.halted
