@@ -23,10 +23,10 @@ from dpsql.ldp.topl import PmDirectStream, ToplStream  # noqa: E402
 
 register_method("topl", ToplStream)
 register_method("pm_direct", PmDirectStream)
-from dpsql.streams.pegasus import CountLaplaceStream, PegasusStream  # noqa: E402
+from dpsql.ldp.du import MACHINES as _DU_MACHINES  # noqa: E402
 
-register_method("pegasus", PegasusStream)
-register_method("count_laplace", CountLaplaceStream)
+for _name, _factory in _DU_MACHINES.items():
+    register_method(_name, _factory)
 from dpsql.streams.pegasus import CountLaplaceStream, PegasusStream  # noqa: E402
 
 register_method("pegasus", PegasusStream)

@@ -1,0 +1,136 @@
+"""Server-side linear post-processing of reports and its noise model.
+
+The published stream of every DU method is linear in the reports: reports are
+replicated over the slots they cover (``R``), then smoothed by a simple moving average
+(``S``, ALGORITHMS.md P13). Under deviation feedback the report noise itself passes
+through a linear filter ``G`` (see :class:`ReportNoise`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dpsql.release import ErrorModel
+
+ALIGNS = ("trailing", "center")
+
+
+def _reach(window: int, align: str) -> tuple[int, int]:
+    """Slots before and after a row that its average covers."""
+    return (window - 1, 0) if align == "trailing" else (window // 2, window // 2)
+
+
+def moving_average(x: np.ndarray, window: int, align: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """Rows ``start:stop`` of the simple moving average of ``x`` (post-processing).
+
+    ``align="trailing"``: mean of the last ``window`` values (DU reference code,
+    ``movmean(x, [W-1 0], 'shrink')``), causal. ``align="center"``: mean of the ``window``
+    values centred on the row (paper, ``window = 2k + 1``). Windows shrink at both ends
+    of ``x``, so neither variant is exactly sum-preserving there.
+
+    Examples
+    --------
+    >>> moving_average(np.array([3.0, 6.0, 9.0, 0.0]), 3, "trailing")
+    array([3. , 4.5, 6. , 5. ])
+    >>> moving_average(np.array([3.0, 6.0, 9.0, 0.0]), 3, "center")
+    array([4.5, 6. , 5. , 4.5])
+    """
+    stop = len(x) if stop is None else stop
+    back, ahead = _reach(window, align)
+    rows = np.arange(start, stop)
+    lo = np.maximum(rows - back, 0)
+    hi = np.minimum(rows + ahead + 1, len(x))
+    cumulative = np.concatenate([[0.0], np.cumsum(x)])
+    return (cumulative[hi] - cumulative[lo]) / (hi - lo)
+
+
+def _moving_average_transpose(e: np.ndarray, window: int, align: str) -> np.ndarray:
+    """``S^T e`` row-wise: how much each slot's raw value weighs in ``sum_r e_r * SMA_r``."""
+    n = e.shape[1]
+    back, ahead = _reach(window, align)
+    rows = np.arange(n)
+    count = np.minimum(rows + ahead + 1, n) - np.maximum(rows - back, 0)
+    cumulative = np.concatenate([np.zeros((e.shape[0], 1)), np.cumsum(e / count, axis=1)], axis=1)
+    return cumulative[:, np.minimum(rows + back + 1, n)] - cumulative[:, np.maximum(rows - ahead, 0)]
+
+
+def feedback_impulse(gain: float, memory: int | None, length: int) -> np.ndarray:
+    """Impulse response ``g`` of report noise under deviation feedback.
+
+    Without clipping, the noise ``eta`` of the reports solves
+    ``eta_k + gain * sum_{h=1..memory} eta_{k-h} = xi_k`` (``xi`` the fresh randomiser
+    noise), so ``eta = G xi`` with ``G`` lower-triangular Toeplitz of first column
+    ``g``. The filter is stable for ``0 <= gain < 1`` (its poles lie strictly inside the
+    unit circle, Eneström-Kakeya), so ``g`` is cut once ``memory`` consecutive terms are
+    below 1e-18: later terms are exactly those of a zero state.
+    """
+    if memory == 0 or gain == 0.0:
+        return np.ones(1)
+    g = np.zeros(length)
+    g[0] = 1.0
+    window_sum = 0.0
+    quiet = 0
+    span = memory or 1
+    for k in range(1, length):
+        window_sum += g[k - 1] - (g[k - 1 - memory] if memory is not None and k - 1 - memory >= 0 else 0.0)
+        g[k] = -gain * window_sum
+        quiet = quiet + 1 if abs(g[k]) < 1e-18 else 0
+        if quiet > span:
+            return g[:k + 1]
+    return g
+
+
+class ReportNoise(ErrorModel):
+    """Noise of range sums of ``S R G xi``: fresh per-report noise ``xi`` (independent,
+    variance ``report_variance``), the feedback filter ``G`` (:func:`feedback_impulse`),
+    replication over each report's slots ``R`` and the moving average ``S``.
+
+    ``Var(sum_{i<=t<j} values_t) = sum_k c_k^2 Var(xi_k)`` with ``c = G^T R^T S^T 1_[i,j)``,
+    computed with FFTs, blocks of queries at a time.
+
+    What it covers: the randomiser's own noise, exactly propagated. ``report_variance``
+    is the worst case over inputs (Square Wave's variance is largest at the ends of
+    [0, 1], smallest at 1/2), so for runs where the feedback input is never clipped the
+    true variance lies between this model evaluated at the smallest and at the largest
+    per-report variance. Not covered (as for every :class:`ErrorModel`): the bias of raw
+    SW reports towards the middle, and the data-dependent effect of clipping the
+    feedback input, which makes the filter non-linear.
+    """
+
+    def __init__(self, *, report_index: np.ndarray, report_variance, gain: float = 0.0,
+                 memory: int | None = 0, window: int = 1, align: str = "trailing"):
+        self._n = len(report_index)
+        self._report_starts = np.flatnonzero(np.diff(report_index, prepend=-1))
+        reports = len(self._report_starts)
+        self._variance = np.broadcast_to(np.asarray(report_variance, dtype=np.float64), (reports,))
+        self._impulse = feedback_impulse(gain, memory, reports)
+        self._window, self._align = window, align
+
+    def range_variance(self, starts, stops):
+        starts = np.asarray(starts, dtype=np.int64)
+        stops = np.asarray(stops, dtype=np.int64)
+        out = np.empty(starts.shape, dtype=np.float64)
+        block = max(1, (1 << 22) // max(self._n, 1))
+        for first in range(0, len(starts), block):
+            out[first:first + block] = self._block(starts[first:first + block], stops[first:first + block])
+        return out
+
+    def _block(self, starts, stops):
+        rows = np.arange(len(starts))
+        indicator = np.zeros((len(starts), self._n + 1))
+        np.add.at(indicator, (rows, starts), 1.0)
+        np.add.at(indicator, (rows, stops), -1.0)
+        slot_weight = np.cumsum(indicator[:, :-1], axis=1)
+        if self._window > 1:
+            slot_weight = _moving_average_transpose(slot_weight, self._window, self._align)
+        report_weight = np.add.reduceat(slot_weight, self._report_starts, axis=1)
+        if len(self._impulse) > 1:
+            report_weight = self._through_feedback(report_weight)
+        return (report_weight**2 * self._variance).sum(axis=1)
+
+    def _through_feedback(self, v: np.ndarray) -> np.ndarray:
+        """``G^T v`` row-wise: ``c_s = sum_{k >= s} g_{k-s} v_k`` (a correlation)."""
+        reports = v.shape[1]
+        size = 1 << int(np.ceil(np.log2(reports + len(self._impulse))))
+        spectrum = np.fft.rfft(v[:, ::-1], size, axis=1) * np.fft.rfft(self._impulse, size)
+        return np.fft.irfft(spectrum, size, axis=1)[:, :reports][:, ::-1]
