@@ -69,8 +69,10 @@ class BinaryTreeStream(StreamMachine):
     3.0
     """
 
-    def __init__(self, n: int, *, epsilon: float, upper: float, lower: float = 0.0, noise: NoiseSource):
+    def __init__(self, n: int, *, epsilon: float, upper: float, lower: float = 0.0, delta: float = 0.0,
+                 noise: NoiseSource):
         self.epsilon = _validate.epsilon(epsilon)
+        _validate.delta(delta, pure=True, method="binary_tree")
         self.lower, self.upper = _validate.bounds(lower, upper)
         self.n = _validate.integer(n, "n", minimum=1)
         self.cost = (self.epsilon, 0.0)
