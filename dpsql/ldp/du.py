@@ -576,9 +576,9 @@ def ba_sw(values, *, epsilon: float, w: int, lower: float, upper: float, budget=
     --------
     >>> import numpy as np, dpsql
     >>> with dpsql.testing.seeded(0):
-    ...     rel = dpsql.ldp.ba_sw(np.full(300, 0.5), epsilon=50.0, w=5, lower=0.0, upper=1.0)
-    >>> rel.params["publications"] < 100
-    True
+    ...     rel = dpsql.ldp.ba_sw(np.full(300, 0.5), epsilon=1.0, w=5, lower=0.0, upper=1.0)
+    >>> rel.components, rel.params["epsilon_unit"]
+    ({'dissimilarity': (0.5, 0.0), 'publication': (0.5, 0.0)}, 0.1)
     """
     return _publish("ba_sw", values, budget, note, dict(epsilon=epsilon, w=w, lower=lower, upper=upper, **params))
 
@@ -660,8 +660,8 @@ def pp_s(values, *, epsilon: float, w: int, lower: float, upper: float, budget=N
     >>> import numpy as np, dpsql
     >>> with dpsql.testing.seeded(0):
     ...     rel = dpsql.ldp.pp_s(np.full(60, 0.4), epsilon=1.0, w=6, lower=0.0, upper=1.0, n_s=3)
-    >>> rel.params["segment_length"], rel.params["memory"], rel.params["epsilon_report"]
-    (2, 3, 0.16666666666666666)
+    >>> rel.params["segment_length"], rel.params["memory"], rel.params["epsilon_report"]  # 1 / (ceil(5/2) + 1 + 3)
+    (2, 3, 0.14285714285714285)
     """
     return _publish("pp_s", values, budget, note, dict(epsilon=epsilon, w=w, lower=lower, upper=upper, **params))
 
