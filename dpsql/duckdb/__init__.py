@@ -1,0 +1,127 @@
+"""DuckDB front end: private stream releases as SQL table macros, charged to a ledger.
+
+>>> import duckdb, dpsql
+>>> con = duckdb.connect()
+>>> budget = dpsql.Budget.in_memory(epsilon=1.0)
+>>> dpsql.duckdb.register(con, budget=budget)
+>>> con.execute("CREATE TABLE t AS SELECT range AS ts, 5.0 AS v FROM range(100)")  # doctest: +ELLIPSIS
+<...>
+>>> with dpsql.testing.seeded(0):
+...     rows = con.sql("SELECT * FROM dp_range_sum('t', 'ts', 'v', method := 'laplace', "
+...                    "epsilon := 0.5, upper := 10)").fetchall()
+>>> len(rows), budget.spent
+(100, (0.5, 0.0))
+
+See :mod:`dpsql.duckdb.range_sum` for the SQL surface and :func:`register` for the
+rules (what is charged when, what a failed query costs).
+
+Plugging in more macros
+-----------------------
+:func:`register` runs every function of :data:`_INSTALLERS` as ``install(con, context)``
+with the connection's :class:`~dpsql.duckdb._machinery.Context` (bound budget, plan and
+result stores). To add a module's macros (e.g. ``dpsql/duckdb/counts.py``,
+``dpsql/duckdb/ldp.py``), define ``install(con, context)`` in it and add two lines here:
+``from dpsql.duckdb import counts`` and ``counts.install`` in ``_INSTALLERS``.
+
+The reusable pieces live in :mod:`dpsql.duckdb._machinery`:
+
+* ``install_stream_release(context, "dp_pegasus", default_method="pegasus")`` is a
+  complete one-value-per-row table macro ``dp_pegasus(tbl, order_col, value_col,
+  method := 'pegasus', partition_by := NULL, <every registered method parameter>)``,
+  with the same validation, charging, outputs and error bars as ``dp_range_sum``.
+* For other shapes, a macro is ``context.macro("name(tbl, ...) AS TABLE FROM
+  query(dp__plan_name(...))")`` with two UDFs registered by ``context.udf`` (which sets
+  ``side_effects=True``): a *plan* UDF (bind time; use ``resolve_source``,
+  ``describe``, ``require_columns``, ``require_numeric``, store a ``Plan`` in
+  ``context.plans`` and return ``unnest_sql(run_call, outputs, constants)``) and a
+  *run* UDF (execution time; ``read_ordered`` for the ordered, validated Arrow read,
+  ``publish_ordered`` for the one charge, ``remember_error_models`` for error bars,
+  then ``context.hold(columns)`` returns the handle the result query unnests).
+  ``method_parameters()`` and ``params_struct()`` pass named parameters through to
+  publish generically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import duckdb
+
+from dpsql.accountant import Budget
+from dpsql.duckdb import _machinery, range_sum
+from dpsql.errors import InvalidParameter
+
+#: ``install(con, context)`` functions run by :func:`register`, in order.
+_INSTALLERS = [range_sum.install]
+
+
+def register(con: duckdb.DuckDBPyConnection, *, budget: Budget) -> None:
+    """Install dpsql's SQL functions into ``con``, charging ``budget``.
+
+    Idempotent: calling it again re-installs the functions (picking up methods
+    registered since) and binds the new ``budget``; nothing else is needed before the
+    first query. See :mod:`dpsql.duckdb.range_sum` for the functions.
+
+    Accounting rules. Every execution of a query runs each dpsql macro call in it once:
+    one release, charged once to ``budget`` through :func:`dpsql.api.publish` before
+    any value reaches the query. Two macro calls in one query (or one query executed
+    twice) are two releases, charged twice; noise is never shared between rows or
+    calls (the UDFs are registered with ``side_effects=True``). A call that fails
+    before its release is complete (bad argument or data, budget exhausted, an error
+    while the source is read) charges nothing and releases nothing. A release already
+    charged is not refunded when the rest of the query fails, because such a failure
+    may depend on the private values.
+
+    Parameters
+    ----------
+    con : duckdb.DuckDBPyConnection
+    budget : dpsql.Budget
+        The ledger scope every release from this connection is charged to.
+
+    Examples
+    --------
+    >>> import duckdb, dpsql
+    >>> con = duckdb.connect()
+    >>> dpsql.duckdb.register(con, budget=dpsql.Budget.in_memory(epsilon=1.0))
+    >>> con.sql("SELECT count(*) FROM duckdb_functions() WHERE function_name = 'dp_range_sum'").fetchone()
+    (1,)
+    """
+    if not isinstance(budget, Budget):
+        raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
+    if not isinstance(con, duckdb.DuckDBPyConnection):
+        raise InvalidParameter(f"con must be a duckdb connection, got {type(con).__name__}")
+    context, _ = _machinery.context_for(con, budget)
+    _machinery.install_list_udfs(context)
+    for install in _INSTALLERS:
+        install(con, context)
+
+
+@contextlib.contextmanager
+def typed_errors():
+    """Re-raise DuckDB errors caused by dpsql as the original typed :class:`dpsql.DPError`.
+
+    DuckDB reports an exception raised inside a Python function as its own
+    ``InvalidInputException`` whose text carries the dpsql error's class name and
+    message; inside this block the original error object is raised instead.
+
+    Examples
+    --------
+    >>> import duckdb, dpsql
+    >>> con = duckdb.connect()
+    >>> dpsql.duckdb.register(con, budget=dpsql.Budget.in_memory(epsilon=1.0))
+    >>> with dpsql.duckdb.typed_errors():
+    ...     con.sql("SELECT * FROM dp_range_sum('missing', 'ts', 'v', epsilon := 1, upper := 1)")
+    Traceback (most recent call last):
+    ...
+    dpsql.errors.InvalidParameter: tbl 'missing' not found: ...
+    """
+    try:
+        yield
+    except duckdb.Error as error:
+        original = _machinery.typed_error(error)
+        if original is error:
+            raise
+        raise original from error
+
+
+__all__ = ["register", "typed_errors"]

@@ -1,0 +1,564 @@
+"""Shared machinery of the DuckDB front end: one :class:`Context` per connection.
+
+A DuckDB table macro cannot run Python, and code running inside a query cannot use
+that query's connection. A private release from SQL therefore happens in three steps,
+all driven by one table macro::
+
+    CREATE MACRO dp_x(tbl, ...) AS TABLE FROM query(dp__plan_x(tbl, ...))
+
+1. **Plan, at bind time.** DuckDB folds the arguments of a table function while it
+   binds, so ``dp__plan_x`` (a Python UDF) runs once per binding. It resolves the
+   source (catalog table or view, a file path, or a Polars / Arrow / pandas object
+   named like a Python variable of the caller), checks that the columns exist and have
+   usable types, stores a :class:`Plan` and returns the SQL text of the result query.
+   It draws no noise and charges nothing (binding may happen more than once).
+2. **Run, at execution time.** The result query starts with
+   ``WITH h AS MATERIALIZED (SELECT dp__run('<plan token>') AS h)``: the ``dp__run``
+   UDF (``side_effects=True``, so never folded or shared) reads the source through a
+   second connection (``con.cursor()``) as an ordered Arrow stream in large batches,
+   validates the order and partition keys batch by batch, and calls
+   :func:`dpsql.api.publish` (the single charging path) with the budget bound to the
+   connection. Its result is held under a fresh integer handle.
+3. **Return.** The same query unnests typed lists, one per output column, that
+   ``dp__list_<type>(h, column)`` UDFs hand over zero-copy from Arrow. Unnesting a
+   Python-made list costs a few milliseconds for 10^7 rows; everything else is the
+   one sort DuckDB does for the ordered scan.
+
+Consequences, documented in the user-facing docstrings:
+
+* Each execution of a query is one release, charged once; two macro calls in one
+  query are two releases, charged twice. Nothing is charged when the run fails
+  (bad argument, bad data, budget exhausted, an error raised while the source is
+  read). Once a release is charged, later failures of the surrounding query are not
+  refunded: their errors may depend on the private values.
+* The source is read through a second connection, so it must be visible there:
+  regular tables and views, files, and Python objects found by name. Temporary tables
+  and views and objects registered with ``con.register`` are private to their
+  connection and are refused with a message saying so; so is uncommitted data of an
+  explicit transaction, which the second connection does not see.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import itertools
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dpsql import api
+from dpsql.accountant import Budget
+from dpsql.errors import DPError, InvalidData, InvalidParameter, InvalidTimeKey
+from dpsql.release import ErrorModel
+
+#: Key and value types handed back to SQL as typed lists; any other type travels as
+#: VARCHAR and is cast back (exact, slower).
+LIST_TYPES = ("BIGINT", "INTEGER", "SMALLINT", "TINYINT", "UBIGINT", "UINTEGER", "USMALLINT", "UTINYINT",
+              "DOUBLE", "FLOAT", "DATE", "TIMESTAMP", "TIMESTAMP_S", "TIMESTAMP_MS", "TIMESTAMP_NS",
+              "TIMESTAMP WITH TIME ZONE", "TIME", "VARCHAR", "BOOLEAN")
+NUMERIC_TYPES = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER",
+                 "UBIGINT", "UHUGEINT", "FLOAT", "DOUBLE", "DECIMAL")
+#: Rows per Arrow batch of the ordered scan: large enough that per-batch Python work
+#: is negligible, small enough to keep the validation in cache-friendly pieces.
+BATCH_ROWS = 1 << 20
+#: How many plans and error models a connection keeps (bounded memory).
+KEEP_PLANS = 256
+KEEP_ERROR_MODELS = 8
+
+
+def quote_ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def quote_literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def list_udf_name(sql_type: str) -> str:
+    return "dp__list_" + sql_type.lower().replace(" ", "_")
+
+
+class _Bounded(OrderedDict):
+    """A dict that forgets its oldest entries beyond ``limit``."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+
+@dataclass
+class Source:
+    """Where a macro reads from: SQL text usable after ``FROM`` on a cursor, plus the
+    Python object to register there first when the source is a variable."""
+
+    name: str
+    sql: str
+    python_object: object | None = None
+
+    def cursor(self, con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
+        cur = con.cursor()
+        if self.python_object is not None:
+            cur.register(self.sql.strip('"'), self.python_object)
+        return cur
+
+
+@dataclass
+class Plan:
+    """Everything a run needs, fixed at bind time."""
+
+    source: Source
+    value_col: str
+    order_col: str | None
+    partition_by: str | None
+    method: str
+    params: dict
+    note: str
+    key_types: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Ordered:
+    """An ordered, validated read of a source: Arrow key columns, the value column
+    (chunked, validated by publish) and the partition offsets."""
+
+    keys: dict[str, pa.Array]
+    values: pa.ChunkedArray
+    offsets: np.ndarray | None
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+class Context:
+    """What one connection's dpsql functions share: the bound budget, plans, results
+    waiting to be unnested, error models for error bars and recent typed errors."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, budget: Budget):
+        self.con = con
+        self.budget = budget
+        self.plans: _Bounded = _Bounded(KEEP_PLANS)
+        self.results: dict[int, dict[str, pa.Array]] = {}
+        self.constants: _Bounded = _Bounded(KEEP_PLANS)
+        self.error_models: _Bounded = _Bounded(KEEP_ERROR_MODELS)
+        self.recent_errors: _Bounded = _Bounded(32)
+        self._lock = threading.Lock()
+        self._counter = itertools.count(1)
+
+    def next_id(self) -> int:
+        with self._lock:
+            return next(self._counter)
+
+    # -- registering functions ---------------------------------------------------------
+
+    def udf(self, name: str, function: Callable, parameters: list[str], return_type: str, *,
+            arrow: bool = False) -> None:
+        """Register a Python UDF (replacing an older one of that name) with
+        ``side_effects=True`` (never folded, never shared between rows or calls), NULLs
+        passed through to Python, and dpsql errors remembered for :func:`typed_error`."""
+        with contextlib.suppress(duckdb.Error):
+            self.con.remove_function(name)
+        self.con.create_function(name, self._remembering(function), parameters, return_type,
+                                 type="arrow" if arrow else "native", null_handling="special",
+                                 side_effects=True)
+
+    def macro(self, sql: str) -> None:
+        """``CREATE OR REPLACE`` a (table) macro; ``sql`` starts after ``MACRO``."""
+        self.con.execute("CREATE OR REPLACE MACRO " + sql)
+
+    def _remembering(self, function: Callable) -> Callable:
+        @functools.wraps(function)
+        def call(*args):
+            try:
+                return function(*args)
+            except DPError as error:
+                self.recent_errors[f"{type(error).__name__}: {error}"] = error
+                raise
+        return call
+
+    # -- results handed back to SQL ----------------------------------------------------
+
+    def hold(self, columns: dict[str, pa.Array], constants: dict[str, pa.Array] | None = None) -> int:
+        """Hold a result for the result query; ``constants`` are one-element columns that
+        the query may read any number of times (DuckDB re-evaluates them per chunk)."""
+        handle = self.next_id()
+        self.results[handle] = columns
+        self.constants[handle] = constants or {}
+        return handle
+
+    def take(self, handle: int, column: str) -> pa.Array:
+        """Column ``column`` of result ``handle``; the per-row columns are handed over
+        once and the result is freed after its last one."""
+        constant = self.constants.get(handle, {}).get(column)
+        if constant is not None:
+            return constant
+        columns = self.results.get(handle)
+        if columns is None or column not in columns:
+            raise InvalidParameter(f"result {handle} column {column!r} was already read or never produced")
+        out = columns.pop(column)
+        if not columns:
+            del self.results[handle]
+        return out
+
+
+def install_list_udfs(context: Context) -> None:
+    """``dp__list_<type>(handle, column)``: column of a held result as one ``<type>[]``."""
+    def taker(handles: pa.Array, columns: pa.Array) -> pa.Array:
+        pieces = [context.take(h, c) for h, c in zip(handles.to_pylist(), columns.to_pylist())]
+        return pa.concat_arrays([pa.ListArray.from_arrays(pa.array([0, len(p)], pa.int32()), p) for p in pieces])
+
+    for sql_type in LIST_TYPES:
+        context.udf(list_udf_name(sql_type), taker, ["BIGINT", "VARCHAR"], f"{sql_type}[]", arrow=True)
+
+
+# -- bind time ---------------------------------------------------------------------------
+
+def parse_params(params_json: str | None, *, drop: Iterable[str] = ()) -> dict:
+    """Macro parameters (``to_json`` of a struct) -> publish keyword arguments, NULLs dropped."""
+    params = json.loads(params_json) if params_json else {}
+    return {k: v for k, v in params.items() if v is not None and k not in set(drop)}
+
+
+def column_name(value, parameter: str, *, required: bool = True) -> str | None:
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value:
+        raise InvalidParameter(f"{parameter} must be a column name (a non-empty string), got {value!r}")
+    return value
+
+
+def resolve_source(context: Context, table) -> Source:
+    """A catalog table or view, a file path DuckDB can scan, or a Polars / Arrow / pandas
+    object named like a variable of the calling Python code (DuckDB's own lookup rule)."""
+    if not isinstance(table, str) or not table:
+        raise InvalidParameter(f"tbl must be a table name (a non-empty string), got {table!r}")
+    sql = f"query_table({quote_literal(table)})"
+    cur = context.con.cursor()
+    try:
+        cur.sql(f"SELECT * FROM {sql} LIMIT 0")
+        return Source(table, sql)
+    except duckdb.CatalogException:
+        pass
+    except duckdb.Error as error:
+        raise InvalidParameter(f"tbl {table!r} cannot be read: {error}") from None
+    finally:
+        cur.close()
+    python_object = _caller_variable(table)
+    if python_object is None:
+        raise InvalidParameter(
+            f"tbl {table!r} not found: expected a table or view, a file path, or a Polars/Arrow/pandas "
+            "variable of that name. dpsql reads its input through a second connection, so TEMP tables "
+            "and views and objects registered with con.register() are not visible to it; use a regular "
+            "table or view, or pass the data frame's variable name")
+    return Source(table, quote_ident(f"dp__source_{context.next_id()}"), python_object)
+
+
+def _caller_variable(name: str):
+    """Variable ``name`` of the first calling Python frame outside dpsql and duckdb (the
+    frame DuckDB's own replacement scan would search), if it is a scannable data frame."""
+    frame = inspect.currentframe()
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(("dpsql.duckdb", "duckdb",
+                                                                                  "_duckdb")):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    for scope in (frame.f_locals, frame.f_globals):
+        candidate = scope.get(name)
+        if candidate is not None and _scannable(candidate):
+            return candidate
+    return None
+
+
+def _scannable(obj) -> bool:
+    module = type(obj).__module__.split(".")[0]
+    return module in ("polars", "pyarrow", "pandas")
+
+
+def describe(context: Context, source: Source) -> dict[str, str]:
+    """Column name -> DuckDB type name of ``source``."""
+    cur = source.cursor(context.con)
+    try:
+        rel = cur.sql(f"SELECT * FROM {source.sql} LIMIT 0")
+        return {name: str(t) for name, t in zip(rel.columns, rel.types)}
+    finally:
+        cur.close()
+
+
+def require_columns(columns: dict[str, str], source: Source, **named: str | None) -> None:
+    """Every named column exists in ``source`` (messages name the parameter and column)."""
+    for parameter, name in named.items():
+        if name is not None and name not in columns:
+            raise InvalidParameter(f"{parameter} {name!r} is not a column of {source.name!r}; "
+                                   f"columns are {', '.join(map(repr, columns))}")
+
+
+def require_numeric(columns: dict[str, str], value_col: str) -> None:
+    sql_type = columns[value_col]
+    if sql_type.split("(")[0] not in NUMERIC_TYPES:
+        raise InvalidData(f"column {value_col!r} must be numeric, got {sql_type}")
+
+
+def unnest_sql(run_call: str, outputs: list[tuple[str, str, str]],
+               constants: list[tuple[str, str, str]] = ()) -> str:
+    """The result query: run once (materialised), then unnest each held column.
+
+    ``outputs`` are ``(held column, SQL type, output name)``, one value per row;
+    ``constants`` are held as one-element lists and repeated on every row. Types
+    outside :data:`LIST_TYPES` were held as VARCHAR and are cast back.
+    """
+    def held(column: str, sql_type: str) -> str:
+        return f"{list_udf_name(sql_type if sql_type in LIST_TYPES else 'VARCHAR')}(h, {quote_literal(column)})"
+
+    def typed(expression: str, sql_type: str) -> str:
+        return expression if sql_type in LIST_TYPES else f"CAST({expression} AS {sql_type})"
+
+    items = [f"{typed(f'unnest({held(c, t)})', t)} AS {quote_ident(name)}" for c, t, name in outputs]
+    items += [f"{typed(f'{held(c, t)}[1]', t)} AS {quote_ident(name)}" for c, t, name in constants]
+    return f"WITH dp__run AS MATERIALIZED (SELECT {run_call} AS h) SELECT {', '.join(items)} FROM dp__run"
+
+
+# -- execution time ----------------------------------------------------------------------
+
+def read_ordered(context: Context, plan: Plan) -> Ordered:
+    """Scan ``plan.source`` ordered by partition then order key, in Arrow batches.
+
+    Refuses NULL or duplicate order keys within a partition and NULL partition keys
+    (:class:`InvalidTimeKey`, naming the column). Values are not converted here:
+    :func:`dpsql.api.publish` validates them and names the column.
+    """
+    key_cols = [c for c in (plan.partition_by, plan.order_col) if c is not None]
+    select = [f"{_as_held(quote_ident(c), plan.key_types[c])} AS {quote_ident(c)}" for c in key_cols]
+    select.append(quote_ident(plan.value_col))
+    order = f" ORDER BY {', '.join(map(quote_ident, key_cols))}" if key_cols else ""
+    cur = plan.source.cursor(context.con)
+    try:
+        reader = cur.sql(f"SELECT {', '.join(select)} FROM {plan.source.sql}{order}").to_arrow_reader(BATCH_ROWS)
+        chunks: dict[str, list] = {c: [] for c in [*key_cols, plan.value_col]}
+        boundaries = [np.zeros(1, dtype=np.int64)]
+        checker = _KeyChecker(plan.order_col, plan.partition_by)
+        seen = 0
+        for batch in reader:
+            for c in chunks:
+                chunks[c].append(batch.column(c))
+            boundaries.append(checker.check(batch) + seen)
+            seen += batch.num_rows
+    finally:
+        cur.close()
+    keys = {c: pa.chunked_array(chunks[c], type=_chunk_type(chunks[c])).combine_chunks() for c in key_cols}
+    values = pa.chunked_array(chunks[plan.value_col], type=_chunk_type(chunks[plan.value_col]))
+    offsets = None
+    if plan.partition_by is not None:
+        offsets = np.concatenate([*boundaries, [seen]]) if seen else None
+    return Ordered(keys=keys, values=values, offsets=offsets)
+
+
+def _as_held(quoted: str, sql_type: str) -> str:
+    return quoted if sql_type in LIST_TYPES else f"CAST({quoted} AS VARCHAR)"
+
+
+def _chunk_type(chunks: list) -> pa.DataType | None:
+    return None if chunks else pa.float64()
+
+
+class _KeyChecker:
+    """Validates sorted key batches, remembering the previous batch's last keys."""
+
+    def __init__(self, order_col: str | None, partition_by: str | None):
+        self.order_col = order_col
+        self.partition_by = partition_by
+        self.last: dict[str, pa.Array] = {}
+
+    def _with_previous(self, batch: pa.RecordBatch, column: str) -> pa.Array:
+        current = batch.column(column)
+        previous = self.last.get(column)
+        self.last[column] = current.slice(len(current) - 1) if len(current) else previous
+        if previous is None:
+            return current
+        return pa.concat_arrays([previous, current])
+
+    def check(self, batch: pa.RecordBatch) -> np.ndarray:
+        """Validate one batch; return the in-batch row indices where a new partition starts."""
+        if batch.num_rows == 0:
+            return np.zeros(0, dtype=np.int64)
+        carried = self.partition_by in self.last or self.order_col in self.last
+        new_partition = np.zeros(batch.num_rows + carried, dtype=bool)
+        if self.partition_by is not None:
+            if batch.column(self.partition_by).null_count:
+                raise InvalidTimeKey(f"partition column {self.partition_by!r} contains NULL values; "
+                                     "every row needs a partition key")
+            parts = self._with_previous(batch, self.partition_by)
+            new_partition[1:] = pc.not_equal(parts.slice(1), parts.slice(0, len(parts) - 1)).to_numpy(
+                zero_copy_only=False)
+        if self.order_col is not None:
+            nulls = batch.column(self.order_col).null_count
+            if nulls:
+                raise InvalidTimeKey(f"order column {self.order_col!r} contains {nulls} NULL value(s)"
+                                     f"{self._where()}; every row needs a time key")
+            keys = self._with_previous(batch, self.order_col)
+            same = pc.equal(keys.slice(1), keys.slice(0, len(keys) - 1)).to_numpy(zero_copy_only=False)
+            duplicated = same & ~new_partition[1:]
+            if duplicated.any():
+                row = int(np.flatnonzero(duplicated)[0]) + 1
+                raise InvalidTimeKey(f"order column {self.order_col!r} has duplicate value "
+                                     f"{keys[row].as_py()!r}{self._where()}; time keys must be unique "
+                                     "within a partition")
+        starts = np.flatnonzero(new_partition)
+        return starts - carried
+
+
+    def _where(self) -> str:
+        return f" within a partition of {self.partition_by!r}" if self.partition_by else ""
+
+
+def publish_ordered(context: Context, plan: Plan, ordered: Ordered):
+    """:func:`dpsql.api.publish` on an ordered read: the one charge of the release."""
+    return api.publish(plan.method, ordered.values, budget=context.budget, column=plan.value_col,
+                       partition_offsets=ordered.offsets, note=plan.note, **plan.params)
+
+
+def remember_error_models(context: Context, release) -> None:
+    """Keep each partition's :class:`ErrorModel` and length under the release id, for error bars."""
+    parts = release.parts if isinstance(release, api.PartitionedRelease) else (release,)
+    context.error_models[release.release_id] = tuple((p.error, len(p)) for p in parts)
+
+
+def error_models(context: Context, release_id: str) -> tuple[tuple[ErrorModel, int], ...]:
+    models = context.error_models.get(release_id)
+    if models is None:
+        raise InvalidParameter(f"release {release_id!r} is not held by this connection: error bars are "
+                               f"available for its last {KEEP_ERROR_MODELS} releases")
+    return models
+
+
+def typed_error(error: BaseException) -> BaseException:
+    """The dpsql error a DuckDB error carries (same type, same message), else ``error``."""
+    text = str(error)
+    for context in _CONTEXTS.values():
+        for message, original in reversed(context.recent_errors.items()):
+            if message in text:
+                return original
+    return error
+
+
+#: id(connection) -> its Context (checked with ``context.con is con``).
+_CONTEXTS: dict[int, Context] = {}
+
+
+def context_for(con: duckdb.DuckDBPyConnection, budget: Budget) -> tuple[Context, bool]:
+    """The connection's context, created or rebound to ``budget``; True if created."""
+    existing = _CONTEXTS.get(id(con))
+    if existing is not None and existing.con is con:
+        existing.budget = budget
+        return existing, False
+    context = Context(con, budget)
+    _CONTEXTS[id(con)] = context
+    return context, True
+
+
+# -- the generic one-value-per-row stream macro --------------------------------------------
+
+#: Core parameter names every stream macro accepts, whatever is registered yet.
+CORE_PARAMETERS = ("epsilon", "delta", "upper", "lower", "m", "r", "fanout", "smoother", "holdout_share")
+#: Output columns a stream macro adds to the keys and the private value.
+ROW_COLUMN, PART_COLUMN, RELEASE_COLUMN = "dp_row", "dp_part", "release_id"
+
+
+def method_parameters(exclude: Iterable[str] = ()) -> list[str]:
+    """Parameter names of every registered method (plus :data:`CORE_PARAMETERS`), in a
+    stable order: the named macro parameters passed through to publish unchanged."""
+    from dpsql import streams  # noqa: F401  (registers the methods)
+
+    names = dict.fromkeys(CORE_PARAMETERS)
+    for factory in api.METHODS.values():
+        for parameter in inspect.signature(factory).parameters.values():
+            if parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+                names[parameter.name] = None
+    skip = {"n", "noise", "self", *exclude}
+    return [name for name in names if name not in skip]
+
+
+def params_struct(names: Iterable[str]) -> str:
+    """``to_json({'a': a, ...})``: the macro's named parameters as one JSON text."""
+    return "to_json({" + ", ".join(f"{quote_literal(n)}: {quote_ident(n)}" for n in names) + "})"
+
+
+def install_stream_release(context: Context, macro: str, *, default_method: str | None) -> None:
+    """Install table macro ``macro(tbl, order_col, value_col, method := default_method,
+    partition_by := NULL, <every method parameter> := NULL)``.
+
+    It releases one private value per row with ``dpsql.api.publish(method, ...)``
+    (NULL parameters are left to the core's defaults) and returns the partition key (if
+    any), the order key, the private value under the value column's name, ``dp_row``
+    (0-based position within the partition's stream), ``dp_part`` (0-based partition
+    index) and ``release_id``: rows sorted by partition then order key.
+    """
+    names = method_parameters(exclude=("method",))
+    plan_udf, run_udf = f"dp__plan_{macro}", f"dp__run_{macro}"
+
+    def plan(table, order_col, value_col, partition_by, method, params_json):
+        order_col = column_name(order_col, "order_col")
+        value_col = column_name(value_col, "value_col")
+        partition_by = column_name(partition_by, "partition_by", required=False)
+        if not isinstance(method, str):
+            raise InvalidParameter(f"method must be a method name, got {method!r}")
+        outputs = [c for c in (partition_by, order_col, value_col) if c is not None]
+        clash = {ROW_COLUMN, PART_COLUMN, RELEASE_COLUMN}.intersection(outputs)
+        if len(set(outputs)) < len(outputs) or clash:
+            raise InvalidParameter(f"order_col, value_col and partition_by must be distinct columns not named "
+                                   f"{ROW_COLUMN!r}, {PART_COLUMN!r} or {RELEASE_COLUMN!r}; got {outputs}")
+        source = resolve_source(context, table)
+        columns = describe(context, source)
+        require_columns(columns, source, order_col=order_col, value_col=value_col, partition_by=partition_by)
+        require_numeric(columns, value_col)
+        keys = [c for c in (partition_by, order_col) if c is not None]
+        token = str(context.next_id())
+        context.plans[token] = Plan(source=source, value_col=value_col, order_col=order_col,
+                                    partition_by=partition_by, method=method, params=parse_params(params_json),
+                                    note=f"duckdb {macro}({table!r}, {order_col!r}, {value_col!r})",
+                                    key_types={c: columns[c] for c in keys})
+        outputs = [(c, columns[c], c) for c in keys]
+        outputs += [(value_col, "DOUBLE", value_col), (ROW_COLUMN, "BIGINT", ROW_COLUMN),
+                    (PART_COLUMN, "BIGINT", PART_COLUMN)]
+        return unnest_sql(f"{run_udf}({quote_literal(token)})", outputs,
+                          [(RELEASE_COLUMN, "VARCHAR", RELEASE_COLUMN)])
+
+    def run(token):
+        plan = planned(context, token)
+        ordered = read_ordered(context, plan)
+        release = publish_ordered(context, plan, ordered)
+        remember_error_models(context, release)
+        n = len(ordered)
+        offsets = ordered.offsets if ordered.offsets is not None else np.array([0, n])
+        sizes = np.diff(offsets)
+        columns = dict(ordered.keys)
+        columns[plan.value_col] = pa.array(release.values)
+        columns[ROW_COLUMN] = pa.array(np.arange(n, dtype=np.int64) - np.repeat(offsets[:-1], sizes))
+        columns[PART_COLUMN] = pa.array(np.repeat(np.arange(len(sizes), dtype=np.int64), sizes))
+        return context.hold(columns, {RELEASE_COLUMN: pa.array([release.release_id], pa.string())})
+
+    context.udf(plan_udf, plan, ["VARCHAR"] * 6, "VARCHAR")
+    context.udf(run_udf, run, ["VARCHAR"], "BIGINT")
+    defaults = f"method := {quote_literal(default_method) if default_method else 'NULL'}, partition_by := NULL"
+    context.macro(
+        f"{macro}(tbl, order_col, value_col, {defaults}, {', '.join(f'{n} := NULL' for n in names)}) AS TABLE "
+        f"FROM query({plan_udf}(tbl, order_col, value_col, partition_by, method, {params_struct(names)}))")
+
+
+def planned(context: Context, token: str) -> Plan:
+    plan = context.plans.get(token)
+    if plan is None:
+        raise InvalidParameter("this query's plan is no longer held by the connection; run the query again")
+    return plan
