@@ -30,7 +30,6 @@ import datetime as dt
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from decimal import Decimal
 
 import numpy as np
 
@@ -39,7 +38,7 @@ from dpsql.accountant import Budget
 from dpsql.api import PartitionedRelease, publish
 from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
 from dpsql.release import Release
-from dpsql.streams.pegasus import DEFAULT_GROUPER_SHARE
+from dpsql.streams.pegasus import DEFAULT_GROUPER_SHARE, largest_share
 
 #: Front-end method names -> registered machines.
 COUNT_METHODS = {"pegasus": "pegasus", "laplace": "count_laplace"}
@@ -391,7 +390,7 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
         raise InvalidParameter("hierarchy needs at least one key column (the levels, coarsest first)")
     names = list(keys)
     level_columns = [names[:level] for level in range(1, len(names) + 1)] if hierarchy else [names]
-    level_epsilon = _equal_share(epsilon, len(level_columns))
+    level_epsilon = largest_share(epsilon, epsilon / len(level_columns), count=len(level_columns))
     sensitivity = 1.0 if cap is None else float(_validate.integer(cap, "cap", minimum=1))
     blocks, key_rows, levels = [], {name: [] for name in names}, []
     for level, columns in enumerate(level_columns, start=1):
@@ -412,12 +411,3 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
                       epsilon=level_epsilon, sensitivity=sensitivity, **params)
     key_values = {name: np.concatenate(rows) for name, rows in key_rows.items()}
     return CountRelease(release, domain, key_values, np.asarray(levels) if hierarchy else None)
-
-
-def _equal_share(epsilon: float, parts: int) -> float:
-    """The largest float ``x <= epsilon / parts`` whose exact ``parts``-fold sum is at most
-    ``epsilon``, so sequential composition never exceeds the budget by rounding."""
-    share = epsilon / parts
-    while Decimal(parts) * Decimal(repr(share)) > Decimal(repr(epsilon)):
-        share = float(np.nextafter(share, 0.0))
-    return share

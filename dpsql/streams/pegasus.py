@@ -36,6 +36,7 @@ for the rare long groups.
 from __future__ import annotations
 
 import heapq
+from decimal import Decimal
 from functools import cache
 
 import numpy as np
@@ -64,6 +65,21 @@ def count_neighbour(sensitivity: float) -> str:
         return ADD_REMOVE_EVENT
     return (f"add/remove one privacy unit's events within one time step (at most {sensitivity:g} counted per "
             "step; time domain and partition keys public)")
+
+
+def largest_share(total: float, share: float, *, count: int = 1, rest: float = 0.0) -> float:
+    """The largest float ``x <= share`` with ``count * x + rest <= total`` in exact
+    arithmetic, so that budget pieces never add up to more than ``total`` by rounding.
+
+    >>> largest_share(0.3, 0.3 - 0.03, rest=0.03) + 0.03 <= 0.3
+    True
+    """
+    def exact_sum(x):
+        return count * Decimal(x) + Decimal(rest)
+
+    while exact_sum(share) > Decimal(total):
+        share = float(np.nextafter(share, -np.inf))
+    return share
 
 
 def perturb_units(counts: np.ndarray, lattice: LaplaceLattice, noise: NoiseSource) -> np.ndarray:
@@ -145,7 +161,7 @@ class PegasusStream(StreamMachine):
         self.smoother = _validate.choice(smoother, "smoother", SMOOTHERS)
         self.sensitivity = _validate.real(sensitivity, "sensitivity", minimum=0.0, strict=True)
         self.eps_g = self.grouper_share * self.epsilon
-        self.eps_p = self.epsilon - self.eps_g
+        self.eps_p = largest_share(self.epsilon, self.epsilon - self.eps_g, rest=self.eps_g)
         _validate.epsilon(self.eps_g, "grouper_share * epsilon")
         _validate.epsilon(self.eps_p, "(1 - grouper_share) * epsilon")
         default_theta = THETA_TIMES_SCALE * self.sensitivity / self.eps_g
@@ -255,7 +271,7 @@ def _first_above_short(true, thresholds, query_units, svt: AboveThreshold) -> np
         if candidates.size == 0:
             break
         window = true[candidates[:, None] + np.arange(d + 1)]
-        dev = np.abs(window - window.mean(axis=1, keepdims=True)).sum(axis=1)
+        dev = np.abs(window - window.sum(axis=1, keepdims=True) / (d + 1)).sum(axis=1)
         hit = svt.above(dev, query_units[candidates + d], thresholds[candidates])
         ends[candidates[hit]] = candidates[hit] + d
         candidates = candidates[~hit]
