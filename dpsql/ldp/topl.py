@@ -232,7 +232,9 @@ class ToplStream(StreamMachine):
                   "upper": device.upper, "m": self.m, "r": self.r, "pruning": self.pruning,
                   "variance_units": self.variance_units, "bias_coefficient": self.bias_coefficient}
         return dict(method="topl", params=params, threshold=device.threshold + device.lower,
-                    error=IndependentNoise(self.row_variances(), self.n),
+                    error=IndependentNoise(self.row_variances(), self.n, excess_kurtosis=max(
+                        SQUARE_WAVE.worst_excess_kurtosis(device.threshold_epsilon),
+                        HYBRID.worst_excess_kurtosis(device.epsilon))),
                     components={"threshold": (device.threshold_epsilon, 0.0), "stream": (device.epsilon, 0.0)},
                     reports=np.concatenate(self._reports))
 
@@ -334,7 +336,9 @@ class PmDirectStream(StreamMachine):
         params = {"epsilon": self.epsilon, "w": self.w, "lower": self.lower, "upper": self.upper,
                   "report_epsilon": self.report_epsilon}
         row_variance = ((self.upper - self.lower) / 2.0) ** 2 * PIECEWISE.worst_variance(self.report_epsilon)
-        return dict(method="pm_direct", params=params, error=IndependentNoise(row_variance, self.n),
+        kurtosis = PIECEWISE.worst_excess_kurtosis(self.report_epsilon)
+        return dict(method="pm_direct", params=params,
+                    error=IndependentNoise(row_variance, self.n, excess_kurtosis=kurtosis),
                     components={"reports": (self.epsilon, 0.0)}, reports=np.concatenate(self._reports))
 
 

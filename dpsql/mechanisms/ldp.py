@@ -102,6 +102,30 @@ class Randomiser(ABC):
     def cell_probabilities(self, x: float, eps: float) -> tuple[np.ndarray, np.ndarray]:
         """``(reports, probabilities)``: the exact distribution of the released report for one input."""
 
+    @abstractmethod
+    def central_moment4(self, x, eps: float) -> np.ndarray:
+        """Fourth central moment of the report for input ``x``."""
+
+    def excess_kurtosis(self, x, eps: float) -> np.ndarray:
+        """Excess kurtosis of the report for input ``x`` (unchanged by affine debiasing)."""
+        return self.central_moment4(x, eps) / self.variance(x, eps) ** 2 - 3.0
+
+    def worst_excess_kurtosis(self, eps: float) -> float:
+        """Largest excess kurtosis over the input domain: a grid of 1001 inputs (both ends
+        included), refined twice around its maximum (the maximum may be interior).
+
+        Error models use it to size intervals: a sum of independent reports has at most the
+        largest excess kurtosis of its terms.
+        """
+        lo, hi = self.domain
+        grid = np.linspace(lo, hi, 1001)
+        for _ in range(3):
+            values = self.excess_kurtosis(grid, eps)
+            best = int(np.argmax(values))
+            step = grid[1] - grid[0]
+            grid = np.linspace(max(lo, grid[best] - step), min(hi, grid[best] + step), 1001)
+        return float(values.max())
+
     def clip(self, x) -> np.ndarray:
         return np.clip(_as_array(x), *self.domain)
 
@@ -298,6 +322,10 @@ class Piecewise(Randomiser):
     def worst_variance(self, eps):
         return float(self.variance(1.0, eps))
 
+    def central_moment4(self, x, eps):
+        d = self.density(x, eps)
+        return d.central_moment(4, d.mean())
+
     def output_range(self, eps):
         c = self.bound(eps)
         return -c, c
@@ -346,6 +374,12 @@ class StochasticRounding(Randomiser):
 
     def worst_variance(self, eps):
         return self.bound(eps) ** 2
+
+    def central_moment4(self, x, eps):
+        x = self.clip(x)
+        c = self.bound(eps)
+        up = self.positive_probability(x, eps)
+        return up * (c - x) ** 4 + (1.0 - up) * (c + x) ** 4
 
     def output_range(self, eps):
         c = self.bound(eps)
@@ -409,6 +443,11 @@ class Hybrid(Randomiser):
     def worst_variance(self, eps):
         """The variance is ``a + c x^2``, so its maximum over ``[-1, 1]`` is at ``x = 0`` or ``|x| = 1``."""
         return float(max(self.variance(0.0, eps), self.variance(1.0, eps)))
+
+    def central_moment4(self, x, eps):
+        """Both components are unbiased, so the mixture's central moments mix linearly."""
+        alpha = self.pm_probability(eps)
+        return alpha * PIECEWISE.central_moment4(x, eps) + (1.0 - alpha) * STOCHASTIC_ROUNDING.central_moment4(x, eps)
 
     def output_range(self, eps):
         return PIECEWISE.output_range(eps) if self.pm_probability(eps) > 0 else STOCHASTIC_ROUNDING.output_range(eps)

@@ -1,0 +1,308 @@
+"""Local-DP randomisers (ALGORITHMS.md P8-P11) and the SW density estimator."""
+
+import math
+
+import numpy as np
+import pytest
+
+from dpsql.mechanisms.ldp import (
+    HYBRID,
+    PIECEWISE,
+    SQUARE_WAVE,
+    STOCHASTIC_ROUNDING,
+    lattice_spacing,
+    sw_em,
+    sw_histogram,
+    sw_output_edges,
+    sw_transition_matrix,
+    sw_w_prune,
+)
+from dpsql.testing import seeded
+
+RANDOMISERS = [SQUARE_WAVE, PIECEWISE, STOCHASTIC_ROUNDING, HYBRID]
+
+
+def exact_moments(randomiser, x, eps):
+    """Mean, variance and fourth central moment of the released (lattice) report."""
+    reports, mass = randomiser.cell_probabilities(x, eps)
+    mean = mass @ reports
+    centred = reports - mean
+    return mean, mass @ centred**2, mass @ centred**4
+
+
+# -- Square Wave --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("eps, b, p, q, mean1, var1", [
+    (0.05, 0.4836, 0.5213, 0.4958, 0.51229, 0.32248),
+    (0.5, 0.3582, 0.7559, 0.4585, 0.60653, 0.24420),
+    (1.0, 0.2561, 1.1363, 0.4180, 0.68394, 0.18663),
+    (2.0, 0.1293, 2.5380, 0.3435, 0.78383, 0.12160),
+])
+def test_square_wave_oracles(eps, b, p, q, mean1, var1):
+    c = SQUARE_WAVE.constants(eps)
+    assert (round(c.b, 4), round(c.p, 4), round(c.q, 4)) == (b, p, q)
+    assert c.p / c.q == pytest.approx(math.exp(eps), rel=1e-12)
+    assert 2 * c.b * c.p + c.q == pytest.approx(1.0, abs=1e-14)  # total mass
+    assert round(float(SQUARE_WAVE.mean(1.0, eps)), 5) == mean1
+    assert round(float(SQUARE_WAVE.variance(1.0, eps)), 5) == var1
+    # DU's closed form for Var(D_x), and the spec's mean formula, at x = 1.
+    du = 2 * c.b**3 * c.p / 3 - c.b**2 * c.q**2 + c.b**2 * c.q - c.b * c.q**2 + c.b * c.q - c.q**2 / 4 + c.q / 3
+    assert float(SQUARE_WAVE.variance(1.0, eps)) == pytest.approx(du, rel=1e-12)
+    assert float(SQUARE_WAVE.mean(1.0, eps)) == pytest.approx(2 * c.b * c.p - c.b * c.q + c.q / 2, rel=1e-12)
+    assert SQUARE_WAVE.output_range(eps) == (-c.b, 1 + c.b)
+
+
+def test_square_wave_small_epsilon_is_continuous_and_tends_to_half():
+    below, above = SQUARE_WAVE.constants(0.01 - 1e-12).b, SQUARE_WAVE.constants(0.01).b
+    assert abs(below - above) < 5e-12  # the closed form loses ~1e-12 to cancellation at 0.01
+    assert SQUARE_WAVE.constants(1e-9).b == pytest.approx(0.5, abs=1e-9)
+    c = SQUARE_WAVE.constants(1e-6)
+    assert 2 * c.b * c.p + c.q == pytest.approx(1.0, abs=1e-12)
+
+
+def test_square_wave_moments_match_numerical_integration():
+    eps = 1.0
+    y = np.linspace(-0.3, 1.3, 1_600_001)
+    for x in (0.0, 0.37, 1.0):
+        density = SQUARE_WAVE.pdf(y, x, eps)
+        dy = y[1] - y[0]
+        mean = np.sum(y * density) * dy
+        assert mean == pytest.approx(float(SQUARE_WAVE.mean(x, eps)), abs=1e-5)
+        assert mean == pytest.approx(0.5 + 2 * 0.2561 * (1.1363 - 0.4180) * (x - 0.5), abs=1e-3)
+        var = np.sum((y - mean) ** 2 * density) * dy
+        assert var == pytest.approx(float(SQUARE_WAVE.variance(x, eps)), abs=1e-5)
+        mu4 = np.sum((y - mean) ** 4 * density) * dy
+        assert mu4 == pytest.approx(float(SQUARE_WAVE.central_moment4(x, eps)), abs=1e-5)
+    assert round(float(SQUARE_WAVE.central_moment4(1.0, 1.0)), 5) == 0.07530  # DU's mu_4 oracle
+
+
+def test_square_wave_worst_variance_is_at_the_domain_end():
+    xs = np.linspace(0, 1, 101)
+    for eps in (0.1, 1.0, 3.0):
+        assert SQUARE_WAVE.worst_variance(eps) == pytest.approx(SQUARE_WAVE.variance(xs, eps).max(), rel=1e-12)
+
+
+def test_square_wave_empirical_moments_and_debias():
+    n, eps = 200_000, 1.0
+    for x in (0.0, 0.3, 1.0):
+        with seeded(11) as source:
+            y = SQUARE_WAVE.perturb(np.full(n, x), eps, source)
+        mean, var, mu4 = exact_moments(SQUARE_WAVE, x, eps)
+        assert abs(y.mean() - mean) < 4 * math.sqrt(var / n)
+        assert abs(y.var() - var) < 4 * math.sqrt((mu4 - var**2) / n)
+        estimate = SQUARE_WAVE.debias(y, eps)
+        sd = math.sqrt(float(SQUARE_WAVE.debiased_variance(x, eps)) / n)
+        assert abs(estimate.mean() - x) < 4 * sd
+
+
+def test_inputs_are_clipped_to_the_domain():
+    with seeded(1) as source:
+        y = SQUARE_WAVE.perturb(np.full(50_000, 7.0), 2.0, source)
+    lo, hi = SQUARE_WAVE.output_range(2.0)
+    assert y.min() >= lo - 1e-6 and y.max() <= hi + 1e-6
+    assert abs(y.mean() - float(SQUARE_WAVE.mean(1.0, 2.0))) < 0.01
+    assert float(PIECEWISE.variance(-3.0, 1.0)) == float(PIECEWISE.variance(-1.0, 1.0))
+
+
+# -- exact distributions: lattice, ratio bound, moments -------------------------------------------------
+
+
+@pytest.mark.parametrize("randomiser", RANDOMISERS, ids=lambda r: r.name)
+@pytest.mark.parametrize("eps", [0.05, 0.5, 1.0, 2.0])
+def test_ratio_bound_holds_cell_by_cell(randomiser, eps):
+    lo, hi = randomiser.domain
+    inputs = [lo, hi, lo + 0.3 * (hi - lo), lo + 0.71 * (hi - lo)]
+    support = None
+    distributions = []
+    for x in inputs:
+        reports, mass = randomiser.cell_probabilities(x, eps)
+        assert mass.sum() == pytest.approx(1.0, abs=1e-9)
+        assert np.all(mass >= 0)
+        if support is None:
+            support = reports
+        np.testing.assert_array_equal(reports, support)  # the report set does not depend on the input
+        distributions.append(mass)
+    bound = math.exp(eps) * (1 + 1e-9)
+    for a in distributions:
+        for b in distributions:
+            positive = b > 0
+            assert np.all(a[~positive] == 0)
+            assert np.max(a[positive] / b[positive]) <= bound
+    # The bound is attained (the randomiser uses its whole budget) for the extreme inputs.
+    worst = np.max(distributions[0][distributions[1] > 0] / distributions[1][distributions[1] > 0])
+    assert worst == pytest.approx(math.exp(eps), rel=1e-6)
+
+
+@pytest.mark.parametrize("randomiser", [SQUARE_WAVE, PIECEWISE, HYBRID], ids=lambda r: r.name)
+def test_reports_lie_on_the_public_lattice(randomiser):
+    eps = 1.0
+    lo, hi = randomiser.domain
+    support = randomiser.cell_probabilities(lo, eps)[0]
+    with seeded(5) as source:
+        y = randomiser.perturb(np.linspace(lo, hi, 20_000), eps, source)
+    assert np.all(np.isin(y, support))
+    g = lattice_spacing(PIECEWISE.output_range(eps)[1] * 2 if randomiser is not SQUARE_WAVE else 1 + 2 * 0.2561)
+    on_grid = np.isin(y, STOCHASTIC_ROUNDING.cell_probabilities(0.0, eps)[0]) | (np.mod(y / g - 0.5, 1.0) == 0)
+    assert on_grid.all()
+
+
+@pytest.mark.parametrize("randomiser", [PIECEWISE, STOCHASTIC_ROUNDING, HYBRID], ids=lambda r: r.name)
+@pytest.mark.parametrize("eps", [0.5, 1.0, 2.0])
+def test_unbiased_with_the_stated_variance(randomiser, eps):
+    n = 100_000
+    for x in (-1.0, -0.2, 0.6, 1.0):
+        mean, var, mu4 = exact_moments(randomiser, x, eps)
+        assert mean == pytest.approx(x, abs=1e-9)  # unbiased, exactly (up to the lattice)
+        assert var == pytest.approx(float(randomiser.variance(x, eps)), rel=1e-9)
+        with seeded(int(100 * (x + 2) + 10 * eps)) as source:
+            y = randomiser.perturb(np.full(n, x), eps, source)
+        assert abs(y.mean() - x) < 4 * math.sqrt(var / n)
+        assert abs(y.var() - var) < 4 * math.sqrt((mu4 - var**2) / n)
+        assert mu4 == pytest.approx(float(randomiser.central_moment4(x, eps)), rel=1e-9)
+        assert mu4 / var**2 - 3 <= randomiser.worst_excess_kurtosis(eps) + 1e-9
+
+
+@pytest.mark.parametrize("randomiser", RANDOMISERS, ids=lambda r: r.name)
+def test_worst_excess_kurtosis_bounds_every_input(randomiser):
+    for eps in (0.05, 1.0, 4.0):
+        worst = randomiser.worst_excess_kurtosis(eps)
+        fine = randomiser.excess_kurtosis(np.linspace(*randomiser.domain, 100_001), eps)
+        assert fine.max() <= worst + 1e-6
+    for x in randomiser.domain:
+        _, var, mu4 = exact_moments(randomiser, x, 1.0)
+        assert mu4 / var**2 - 3 <= randomiser.worst_excess_kurtosis(1.0) + 1e-9
+    # Two-point SR: the closed form (1 - 6 p (1 - p)) / (p (1 - p)) at the extreme input.
+    up = STOCHASTIC_ROUNDING.positive_probability(1.0, 2.0)
+    assert STOCHASTIC_ROUNDING.worst_excess_kurtosis(2.0) == pytest.approx((1 - 6 * up * (1 - up)) / (up * (1 - up)))
+
+
+@pytest.mark.parametrize("eps, c_pm, c_sr", [(0.05, 80.004, 40.008), (1.0, 4.0830, 2.1640), (2.0, 2.1640, 1.3130)])
+def test_piecewise_and_rounding_constants(eps, c_pm, c_sr):
+    assert PIECEWISE.bound(eps) == pytest.approx(c_pm, abs=6e-4)
+    assert STOCHASTIC_ROUNDING.bound(eps) == pytest.approx(c_sr, abs=6e-4)
+    assert PIECEWISE.output_range(eps) == (-PIECEWISE.bound(eps), PIECEWISE.bound(eps))
+    assert PIECEWISE.bound(0.01) == pytest.approx(400, rel=1e-3)
+    up = STOCHASTIC_ROUNDING.positive_probability(1.0, eps)
+    assert up / (1 - up) == pytest.approx(math.exp(eps), rel=1e-12)
+
+
+def test_piecewise_closed_form_variance_and_density_constants():
+    for eps in (0.3, 1.0, 2.5):
+        d = PIECEWISE.density(np.array([-1.0, 0.0, 0.4, 1.0]), eps)
+        assert d.p / d.q == pytest.approx(math.exp(eps), rel=1e-12)
+        np.testing.assert_allclose(d.central_moment(2, d.mean()), PIECEWISE.variance(d.a * 0 + [-1, 0, 0.4, 1], eps),
+                                   rtol=1e-10)
+        np.testing.assert_allclose(d.mean(), [-1.0, 0.0, 0.4, 1.0], atol=1e-12)
+        # Domain bounds, not the per-sample band, bound the reports (the reference code's P9 bug).
+        assert np.all(d.a >= -PIECEWISE.bound(eps) - 1e-12) and np.all(d.c <= PIECEWISE.bound(eps) + 1e-12)
+
+
+@pytest.mark.parametrize("eps, worst, alpha", [(0.05, 1600.667, 0.0), (0.5, 16.671, 0.0), (1.0, 4.2890, 0.3935),
+                                               (2.0, 1.0423, 0.6321)])
+def test_hybrid_oracles(eps, worst, alpha):
+    assert HYBRID.worst_variance(eps) == pytest.approx(worst, abs=6e-4)
+    assert HYBRID.pm_probability(eps) == pytest.approx(alpha, abs=6e-5)
+    if eps > 0.61:
+        half = math.exp(eps / 2)
+        eq22 = (half + 3) / (3 * half * (half - 1)) + (math.exp(eps) + 1) ** 2 / (half * math.expm1(eps) ** 2)
+        assert HYBRID.worst_variance(eps) == pytest.approx(eq22, rel=1e-12)
+        # The variance does not depend on the input above the switch.
+        np.testing.assert_allclose(HYBRID.variance(np.linspace(-1, 1, 11), eps), eq22, rtol=1e-12)
+    else:
+        assert HYBRID.worst_variance(eps) == pytest.approx(STOCHASTIC_ROUNDING.bound(eps) ** 2, rel=1e-12)
+
+
+def test_hybrid_switch_boundary_is_the_papers():
+    assert HYBRID.pm_probability(0.61) == 0.0  # paper: eps <= 0.61 -> SR only (the code used <)
+    assert HYBRID.pm_probability(0.6100001) > 0.0
+    with seeded(3) as source:
+        y = HYBRID.perturb(np.zeros(1000), 0.61, source)
+    assert set(np.unique(np.abs(y))) == {STOCHASTIC_ROUNDING.bound(0.61)}
+
+
+def test_pdf_matches_cell_probabilities():
+    eps, x = 1.0, 0.3
+    for randomiser in (SQUARE_WAVE, PIECEWISE):
+        reports, mass = randomiser.cell_probabilities(x, eps)
+        g = reports[1] - reports[0]
+        inner = slice(2, -2)
+        np.testing.assert_allclose(mass[inner], randomiser.pdf(reports[inner], x, eps) * g, atol=2 * g)
+    assert float(STOCHASTIC_ROUNDING.pdf(STOCHASTIC_ROUNDING.bound(eps), 1.0, eps)) == pytest.approx(
+        math.exp(eps) / (math.exp(eps) + 1))
+
+
+# -- SW density estimation --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("eps", [0.5, 2.0])
+def test_transition_matrix_is_exact(eps):
+    n_out, n_in = 32, 16
+    kernel = sw_transition_matrix(eps, n_out, n_in)
+    np.testing.assert_allclose(kernel.sum(axis=0), 1.0, atol=1e-12)
+    edges = sw_output_edges(eps, n_out)
+    for i in (0, 5, 15):
+        vs = (i + (np.arange(4000) + 0.5) / 4000) / n_in  # midpoint rule over the input bin
+        per_v = np.diff(np.stack([SQUARE_WAVE.cdf(edges, v, eps) for v in vs]), axis=1).mean(axis=0)
+        np.testing.assert_allclose(kernel[:, i], per_v, atol=1e-7)
+
+
+def test_histogram_of_lattice_reports_matches_the_bin_edges_exactly():
+    eps, x, n_out = 1.0, 0.37, 64
+    reports, mass = SQUARE_WAVE.cell_probabilities(x, eps)
+    binned = np.bincount(np.searchsorted(sw_output_edges(eps, n_out)[1:-1], reports, side="right"),
+                         weights=mass, minlength=n_out)
+    np.testing.assert_allclose(binned, np.diff(SQUARE_WAVE.cdf(sw_output_edges(eps, n_out), x, eps)), atol=1e-12)
+    counts = sw_histogram(reports[::1000], eps, n_out)
+    assert counts.sum() == reports[::1000].size
+
+
+def test_em_recovers_a_point_mass():
+    with seeded(21) as source:
+        reports = SQUARE_WAVE.perturb(np.full(100_000, 0.3), 2.0, source)
+    density = sw_em(reports, 2.0, n_in=256, n_out=256)  # 1024 bins work too; 256 keeps the suite fast
+    assert density.sum() == pytest.approx(1.0)
+    assert abs(int(np.argmax(density)) - int(0.3 * 256)) <= 2
+
+
+def test_em_recovers_a_known_distribution():
+    eps, n = 2.0, 100_000
+    with seeded(22) as source:
+        truth = 0.2 + 0.4 * source.uniform(n)
+        reports = SQUARE_WAVE.perturb(truth, eps, source)
+    density = sw_em(reports, eps, n_in=256, n_out=256)
+    centres = (np.arange(256) + 0.5) / 256
+    assert density[(centres > 0.2) & (centres < 0.6)].sum() > 0.85
+    # Wasserstein-1 distance between estimated and true CDFs on [0, 1].
+    true_cdf = np.clip((centres + 0.5 / 256 - 0.2) / 0.4, 0, 1)
+    assert np.abs(np.cumsum(density) - true_cdf).sum() / 256 < 0.03
+    smoothed = sw_em(reports, eps, n_in=256, n_out=256, smoothing=True)
+    assert smoothed.sum() == pytest.approx(1.0)
+    assert np.abs(np.diff(smoothed, 2)).sum() < np.abs(np.diff(density, 2)).sum()
+
+
+def test_sw_w_prune_paper_rule():
+    d = np.array([0.5, 0.3, 0.19, 0.0, 0.0, 0.0, 0.0, 0.0, 0.01])
+    np.testing.assert_allclose(sw_w_prune(d), np.r_[d[:3], np.zeros(6)] / 0.99)
+    # Empty bins below the support do not qualify as w: w must itself hold mass.
+    shifted = np.r_[np.zeros(6), d]
+    np.testing.assert_allclose(sw_w_prune(shifted), np.r_[np.zeros(6), d[:3], np.zeros(6)] / 0.99)
+    # A run shorter than 5 small bins does not prune.
+    short = np.array([0.5, 0.3, 0.0, 0.0, 0.0, 0.0, 0.2])
+    np.testing.assert_allclose(sw_w_prune(short), short)
+    # Small means below fraction * total (here 1e-4).
+    tiny = np.array([0.6, 0.39, 5e-5, 5e-5, 5e-5, 5e-5, 5e-5, 0.00975])
+    assert sw_w_prune(tiny)[2:].sum() == 0.0
+
+
+def test_sw_w_prune_code_rule():
+    d = np.array([0.5, 5e-5, 0.3, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.09995])
+    pruned = sw_w_prune(d, rule="code")
+    # Bin 1 zeroed (< 1e-4), tail from the 5-zero run removed, lost mass spread over the 3 kept bins.
+    lost = 5e-5 + 0.09995
+    np.testing.assert_allclose(pruned, [0.5 + lost / 3, 0, 0.3 + lost / 3, 0.1 + lost / 3, 0, 0, 0, 0, 0, 0])
+    # The code's rule on a density with an empty start would remove everything: left unchanged.
+    empty_start = np.r_[np.zeros(5), 1.0]
+    np.testing.assert_allclose(sw_w_prune(empty_start, rule="code"), empty_start)
+    with pytest.raises(ValueError, match="pruning rule"):
+        sw_w_prune(d, rule="other")
