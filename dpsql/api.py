@@ -13,7 +13,7 @@ import inspect
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from decimal import Decimal
+from fractions import Fraction
 
 import numpy as np
 
@@ -141,11 +141,12 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
 
 
 def _compose(costs: list[float], levels: list[int]) -> float:
-    """Maximum within a level (disjoint partitions), exact sum across levels (sequential)."""
+    """Maximum within a level (disjoint partitions), sum across levels (sequential), added
+    exactly and rounded once to the nearest float."""
     per_level: dict[int, float] = {}
     for level, cost in zip(levels, costs):
         per_level[level] = max(per_level.get(level, 0.0), cost)
-    return float(sum((Decimal(repr(c)) for c in per_level.values()), Decimal(0)))
+    return float(sum((Fraction(c) for c in per_level.values()), Fraction(0)))
 
 
 def _offsets(partition_offsets, n: int) -> np.ndarray:
@@ -237,3 +238,102 @@ def pak(values, *, epsilon: float, upper: float, delta: float | None = None, low
     """
     return publish("pak", values, budget=budget, note=note, epsilon=epsilon, upper=upper, delta=delta, lower=lower,
                    m=m, holdout_share=holdout_share, tail_p=tail_p, lam=lam, beta_lt=beta_lt, rho=rho)
+
+
+def tops(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | None = None, r: int | None = None,
+         fanout: int = 16, smoother: str = "recent", window: int = 8, alpha: float = 0.6,
+         holdout_share: float = 0.15, c: float = 60.0, step: float | None = None, levels_for_nm: str = "paper",
+         budget: Budget | None = None, note: str | None = None) -> Release:
+    """ToPS (Wang et al., CCS 2021): a Noisy-Max threshold from the first ``m`` rows, then an
+    online consistent fanout-16 hierarchy over blocks clipped at that threshold, then a smoother.
+
+    Threshold: Report-Noisy-Max over ToPS Eq. 6 at ``(1 - holdout_share) * epsilon`` (candidates
+    ``step, 2 step, ..., upper - lower``; ``levels_for_nm`` chooses the paper's or the reference
+    code's level count). Hold-out rows: each carries ``1/m`` of their total clipped at the
+    threshold plus Laplace noise at ``holdout_share * epsilon``. Other rows: per chunk of ``r``
+    rows, a forest whose leaves are blocks of ``g = fanout**s`` values (``s`` by Eq. 7), Laplace
+    noise at ``epsilon / levels`` per level, consistency (Hay et al.) applied online, and the
+    ``smoother`` (``recent``, ``mean``, ``median``, ``moving`` with ``window``, ``exponential``
+    with ``alpha``, or ``none``) spreading each block sum over its rows causally.
+    ``m`` defaults to ``min(65536, n // 4)`` and ``r`` to ``min(2**20, n - m)``.
+
+    Cost: ``epsilon``-DP (delta = 0), replace-one-value neighbours (time order public). Values
+    outside ``[lower, upper]`` are clipped to it, and stream values above the threshold to the
+    threshold: that is part of the mechanism. ``range_ci`` covers the noise only, not this
+    clipping bias or the smoother's prediction bias.
+
+    Examples
+    --------
+    >>> import numpy as np, dpsql
+    >>> budget = dpsql.Budget.in_memory(epsilon=1.0)
+    >>> values = np.arange(300_000) % 10.0
+    >>> with dpsql.testing.seeded(2):
+    ...     rel = dpsql.tops(values, epsilon=0.5, upper=1000.0, budget=budget)
+    >>> budget.spent, rel.params["m"], rel.params["block"], 9.0 <= rel.threshold <= 10.0
+    ((0.5, 0.0), 65536, 16, True)
+    >>> low, high = rel.range_ci(100_000, 200_000)
+    >>> bool(low <= values[100_000:200_000].sum() <= high)
+    True
+    """
+    return publish("tops", values, budget=budget, note=note, epsilon=epsilon, upper=upper, lower=lower, m=m, r=r,
+                   fanout=fanout, smoother=smoother, window=window, alpha=alpha, holdout_share=holdout_share, c=c,
+                   step=step, levels_for_nm=levels_for_nm)
+
+
+def hierarchy(values, *, epsilon: float, upper: float, lower: float = 0.0, r: int | None = None, fanout: int = 16,
+              consistency: bool = True, smoother: str = "recent", window: int = 8, alpha: float = 0.6,
+              depth: int | None = None, budget: Budget | None = None, note: str | None = None) -> Release:
+    """The ToPS perturber and smoother with a known public bound (the paper's ``H^c_16``).
+
+    Values are clipped to ``[lower, upper]``. Per chunk of ``r`` rows (default
+    ``min(2**20, n)``) a forest of ``fanout``-ary trees over blocks of ``g = fanout**depth``
+    values (``depth`` by ToPS Eq. 7 unless given) gets Laplace noise at ``epsilon / levels`` per
+    level; ``consistency`` (Hay et al., applied online) makes it least-squares consistent; the
+    ``smoother`` spreads each block's noisy sum over its rows (see :func:`tops`). With
+    ``consistency=False`` each block keeps its own leaf noise (ablation).
+
+    Cost: ``epsilon``-DP (delta = 0), replace-one-value neighbours (time order public). Values
+    outside ``[lower, upper]`` are clipped to it: that is part of the mechanism.
+
+    Examples
+    --------
+    >>> import numpy as np, dpsql
+    >>> with dpsql.testing.seeded(4):
+    ...     rel = dpsql.hierarchy(np.full(2**16, 3.0), epsilon=1.0, upper=8.0, fanout=2, depth=0, smoother="none")
+    >>> rel.params["levels"], rel.epsilon
+    (16, 1.0)
+    >>> bool(abs(rel.range_sum(0, 2**16) - 3.0 * 2**16) < 5 * rel.range_variance(0, 2**16) ** 0.5)
+    True
+    """
+    return publish("hierarchy", values, budget=budget, note=note, epsilon=epsilon, upper=upper, lower=lower, r=r,
+                   fanout=fanout, consistency=consistency, smoother=smoother, window=window, alpha=alpha,
+                   depth=depth)
+
+
+def threshold(values, *, epsilon: float, upper: float, lower: float = 0.0, method: str = "nm",
+              budget: Budget | None = None, note: str | None = None, **params) -> Release:
+    """A private clipping threshold for ``values`` in ``[lower, upper]``, released on its own.
+
+    ``method="nm"``: the ToPS Noisy-Max optimizer, ``epsilon``-DP; options ``r`` (the query
+    range the threshold is for, default 2**20), ``fanout`` (16), ``c`` (60), ``step``,
+    ``levels_for_nm`` (``"paper"``/``"code"``), ``epsilon_perturber`` (the budget of the stream
+    release it is for; default ``epsilon``). ``method="pak"``: PAK's smooth-sensitivity
+    quantile, ``(epsilon, delta)``-DP; options ``delta`` (default ``1 / n**2``), ``tail_p``,
+    ``lam``, ``beta_lt``, ``rho``.
+
+    Replace-one-value neighbours. Values outside ``[lower, upper]`` are clipped to it (part of
+    the mechanism). The release has one value, also in ``Release.threshold``; it has no range
+    sums.
+
+    Examples
+    --------
+    >>> import numpy as np, dpsql
+    >>> budget = dpsql.Budget.in_memory(epsilon=1.0)
+    >>> values = np.r_[np.full(9_900, 20.0), np.full(100, 900.0)]
+    >>> with dpsql.testing.seeded(5):
+    ...     rel = dpsql.threshold(values, epsilon=0.5, upper=1000.0, budget=budget)
+    >>> rel.threshold, len(rel), budget.spent
+    (20.0, 1, (0.5, 0.0))
+    """
+    return publish("threshold", values, budget=budget, note=note, epsilon=epsilon, upper=upper, lower=lower,
+                   estimator=method, **params)

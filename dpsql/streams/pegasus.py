@@ -36,7 +36,7 @@ for the rare long groups.
 from __future__ import annotations
 
 import heapq
-from decimal import Decimal
+from fractions import Fraction
 from functools import cache
 
 import numpy as np
@@ -75,9 +75,9 @@ def largest_share(total: float, share: float, *, count: int = 1, rest: float = 0
     True
     """
     def exact_sum(x):
-        return count * Decimal(x) + Decimal(rest)
+        return count * Fraction(x) + Fraction(rest)
 
-    while exact_sum(share) > Decimal(total):
+    while exact_sum(share) > Fraction(total):
         share = float(np.nextafter(share, -np.inf))
     return share
 

@@ -1,0 +1,186 @@
+"""Event tables -> count streams: time domain, bucketing, contribution caps, hierarchies, ledger."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import numpy as np
+import pytest
+
+import dpsql
+from dpsql import testing
+from dpsql.counts import bucket_events, release_event_counts, time_domain
+
+T0 = np.datetime64("2024-03-01T00:00", "ns")
+
+
+def minutes(*values):
+    return T0 + np.array(values, dtype="timedelta64[m]").astype("timedelta64[ns]")
+
+
+# -- time domain ----------------------------------------------------------------------------------
+
+
+def test_domain_from_datetimes_strings_and_durations():
+    d = time_domain(start=dt.datetime(2024, 3, 1), stop="2024-03-01T01:00", every=dt.timedelta(minutes=15))
+    assert d.n_buckets == 4 and d.datetime
+    assert time_domain(start=T0, stop=T0 + np.timedelta64(1, "h"), every="1h").n_buckets == 1
+    assert time_domain(start=T0, stop="2024-03-01T01:00", every="7m").n_buckets == 9  # last bucket is short
+    assert time_domain(start=T0, stop="2024-03-02", every="1h30m").n_buckets == 16
+    utc = dt.datetime(2024, 3, 1, 1, tzinfo=dt.timezone(dt.timedelta(hours=1)))
+    assert time_domain(start=utc, stop="2024-03-01T01:00", every="1h").start == T0.astype(np.int64)
+    assert time_domain(start=0, stop=10.5, every=2).n_buckets == 6
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"start": None, "stop": "2024-03-02", "every": "1h"}, "start is required"),
+    ({"start": T0, "stop": None, "every": "1h"}, "stop is required"),
+    ({"start": T0, "stop": "2024-03-02", "every": None}, "every is required"),
+    ({"start": "2024-03-02", "stop": T0, "every": "1h"}, "stop must be after start"),
+    ({"start": T0, "stop": "2024-03-02", "every": "5 minutes"}, "every must be a duration"),
+    ({"start": T0, "stop": "2024-03-02", "every": "0m"}, "positive"),
+    ({"start": T0, "stop": "2024-03-02", "every": 5}, "every must be a duration"),
+    ({"start": "yesterday", "stop": "2024-03-02", "every": "1h"}, "start must be a datetime"),
+    ({"start": 0, "stop": 10, "every": 0}, "every must be > 0"),
+])
+def test_domain_errors_name_the_parameter(kwargs, match):
+    with pytest.raises(dpsql.InvalidParameter, match=match):
+        time_domain(**kwargs)
+
+
+# -- bucketing --------------------------------------------------------------------------------------
+
+
+def test_empty_buckets_released_and_outside_events_dropped():
+    d = time_domain(start=T0, stop="2024-03-01T01:00", every="10m")
+    b = bucket_events(minutes(-1, 0, 9, 9, 35, 60, 61), domain=d)
+    assert b.counts.tolist() == [[3, 0, 0, 1, 0, 0]]
+    assert str(d.bucket_starts()[3]) == "2024-03-01T00:30:00.000000000"
+
+
+def test_partitions_by_key_combination():
+    d = time_domain(start=0, stop=4, every=1)
+    b = bucket_events([0, 0, 1, 3, 3], domain=d, keys={"ap": ["x", "y", "x", "x", "y"], "floor": [1, 1, 1, 1, 2]})
+    assert b.keys["ap"].tolist() == ["x", "y", "y"] and b.keys["floor"].tolist() == [1, 1, 2]
+    assert b.counts.tolist() == [[1, 1, 0, 1], [1, 0, 0, 0], [0, 0, 0, 1]]
+
+
+def test_contribution_cap_keeps_earliest_events_per_unit_and_bucket_across_partitions():
+    d = time_domain(start=0, stop=20, every=10)
+    times = [5, 1, 3, 2, 12, 13, 14, 4]
+    units = ["a", "a", "a", "a", "a", "a", "a", "b"]
+    rooms = ["r1", "r2", "r1", "r1", "r1", "r1", "r1", "r2"]
+    b = bucket_events(times, domain=d, keys={"room": rooms}, units=units, cap=2)
+    # unit a, bucket 0: times 1 (r2) and 2 (r1) are its earliest two; b's event always counts
+    assert b.keys["room"].tolist() == ["r1", "r2"]
+    assert b.counts.tolist() == [[1, 2], [2, 0]]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"units": ["a", "b"]}, dpsql.InvalidParameter, "cap"),
+    ({"cap": 2}, dpsql.InvalidParameter, "privacy unit"),
+    ({"units": ["a", "b"], "cap": 0}, dpsql.InvalidParameter, "cap must be >= 1"),
+    ({"keys": {"room": ["a", None]}}, dpsql.InvalidData, "'room' contains 1 null"),
+    ({"keys": {"room": ["a"]}}, dpsql.InvalidData, "one value per event"),
+])
+def test_bucketing_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        bucket_events([1, 2], domain=time_domain(start=0, stop=4, every=1), **kwargs)
+
+
+def test_time_column_errors():
+    d = time_domain(start=T0, stop="2024-03-02", every="1h")
+    with pytest.raises(dpsql.InvalidTimeKey, match="'ts' contains 1 null"):
+        bucket_events(np.array([T0, np.datetime64("NaT")]), domain=d, time_column="ts")
+    with pytest.raises(dpsql.InvalidData, match="must hold datetimes"):
+        bucket_events(np.array([1, 2]), domain=d, time_column="ts")
+    with pytest.raises(dpsql.InvalidData, match="NaN"):
+        bucket_events(np.array([1.0, np.nan]), domain=time_domain(start=0, stop=4, every=1), time_column="ts")
+
+
+# -- release and ledger ----------------------------------------------------------------------------------
+
+
+def events(n=4000, seed=0):
+    rng = np.random.default_rng(seed)
+    times = T0 + rng.integers(0, 6 * 3600, n).astype("timedelta64[s]").astype("timedelta64[ns]")
+    building = rng.choice(["B1", "B2"], n)
+    floor = rng.choice([1, 2], n)
+    room = rng.choice(["a", "b", "c"], n)
+    return times, building, floor, room
+
+
+def test_partitioned_release_charges_epsilon_once():
+    times, building, _, _ = events()
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    with testing.seeded(1):
+        out = release_event_counts(times, start=T0, stop="2024-03-01T06:00", every="30m", epsilon=0.7,
+                                   keys={"building": building}, budget=budget, smoother="average")
+    assert budget.spent == (0.7, 0.0) and len(budget.history()) == 1
+    cols = out.columns(window=4, alarm_threshold=600)
+    assert len(cols["estimate"]) == 2 * 12 and "level" not in cols
+    assert cols["building"].tolist() == ["B1"] * 12 + ["B2"] * 12
+    true = bucket_events(times, domain=out.domain, keys={"building": building}).counts.ravel()
+    assert np.abs(cols["estimate"] - true).max() < 60
+    assert np.all(cols["std_error"] > 0) and np.all(cols["window_std_error"] >= cols["std_error"])
+    np.testing.assert_array_equal(cols["alarm"], cols["window_sum"] >= 600)
+
+
+def test_hierarchy_levels_share_epsilon_and_ledger_equals_epsilon():
+    times, building, floor, room = events()
+    for epsilon in (1.0, 0.3, 0.1):
+        budget = dpsql.Budget.in_memory(epsilon=epsilon)
+        with testing.seeded(2):
+            out = release_event_counts(times, start=T0, stop="2024-03-01T06:00", every="1h", epsilon=epsilon,
+                                       keys={"building": building, "floor": floor, "room": room},
+                                       hierarchy=True, budget=budget)
+        assert budget.spent == (epsilon, 0.0) and len(budget.history()) == 1
+        assert out.release.epsilon == epsilon
+        parts = out.parts()
+        assert {p.epsilon for p in parts} == {dpsql.streams.pegasus.largest_share(epsilon, epsilon / 3, count=3)}
+        assert abs(parts[0].epsilon - epsilon / 3) < 1e-15
+    cols = out.columns()
+    levels = cols["level"]
+    # 2 buildings, 4 (building, floor), 12 (building, floor, room) streams of 6 hours
+    assert np.bincount(levels).tolist() == [0, 2 * 6, 4 * 6, 12 * 6]
+    assert all(v is None for v in cols["floor"][levels == 1]) and all(v is None for v in cols["room"][levels < 3])
+    # every level counts every event once: true totals agree across levels
+    true = {lvl: bucket_events(times, domain=out.domain,
+                               keys=dict(list({"building": building, "floor": floor, "room": room}.items())[:lvl]))
+            for lvl in (1, 2, 3)}
+    assert len({int(t.counts.sum()) for t in true.values()}) == 1
+
+
+def test_laplace_method_and_cap_sensitivity():
+    times, building, _, _ = events(n=500)
+    units = np.arange(500) % 50
+    with testing.seeded(3):
+        out = release_event_counts(times, start=T0, stop="2024-03-01T06:00", every="1h", epsilon=1.0,
+                                   method="laplace", units=units, cap=3)
+    part = out.parts()[0]
+    assert part.method == "count_laplace" and part.params["sensitivity"] == 3.0
+    assert part.range_variance(0, 1) == pytest.approx(2 * 9.0, rel=1e-3)
+    assert "privacy unit" in part.neighbour
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"method": "tree"}, dpsql.InvalidParameter, "method"),
+    ({"method": "laplace", "smoother": "js"}, dpsql.InvalidParameter, "smoother"),
+    ({"epsilon": -1.0}, dpsql.InvalidParameter, "epsilon"),
+    ({"smoother": "mode"}, dpsql.InvalidParameter, "smoother"),
+    ({"hierarchy": True}, dpsql.InvalidParameter, "hierarchy needs"),
+    ({"start": "2030-01-01", "stop": "2030-01-02", "keys": {"b": ["x"] * 3}}, dpsql.InvalidData, "no event"),
+])
+def test_refused_release_charges_nothing(kwargs, error, match):
+    budget = dpsql.Budget.in_memory(epsilon=2.0)
+    params = {"start": T0, "stop": "2024-03-01T06:00", "every": "1h", "epsilon": 1.0, **kwargs}
+    with pytest.raises(error, match=match):
+        release_event_counts(minutes(1, 2, 3), budget=budget, **params)
+    assert budget.spent == (0.0, 0.0)
+
+
+def test_no_events_without_keys_releases_zero_stream():
+    with testing.seeded(4):
+        out = release_event_counts(minutes(500), start=T0, stop="2024-03-01T01:00", every="10m", epsilon=1e9,
+                                   theta=1.0)
+    assert out.columns()["estimate"].tolist() == [0.0] * 6
