@@ -1,0 +1,224 @@
+"""ToPS (ALGORITHMS.md §4): Noisy-Max threshold, online consistent fanout-16 hierarchy, smoother.
+
+Two machines:
+
+* :class:`HierarchyStream` (method ``"hierarchy"``) releases a stream whose values are
+  clipped to a *known* public ``[lower, upper]``: the paper's ``H^c_16`` with a smoother.
+* :class:`ToPS` (method ``"tops"``) first chooses the threshold privately on a hold-out prefix
+  (Noisy-Max, §4.2 Phase 1), publishes the hold-out's noisy total, then runs
+  :class:`HierarchyStream` on the remaining rows with ``upper = threshold``.
+
+Hierarchy, per chunk of ``r`` values (ALGORITHMS.md 4.2 Phase 2): ``h = ceil(log_f r)`` levels,
+the smoother replaces the lowest ``s`` of them (Eq. 7), so leaves are blocks of ``g = f^s``
+values and the forest has ``L = h - s`` levels. A chunk holds ``g * ceil(r / g)`` rows (so
+every block but the stream's last is whole) and its forest covers
+``ceil(rows / (g f^(L-1)))`` complete top nodes (padding leaves are never released). The
+noise forest is drawn and made consistent when the chunk's first row arrives; block sums
+are released as blocks complete; rows are emitted as they arrive (the smoother's prediction
+for a block is known when it starts), except with ``smoother="none"``, whose rows wait for
+their block. State is one chunk's leaf noise plus the smoother's.
+
+Privacy (replace-one-value neighbours; time order public): every value lies in one node per
+level, each level gets ``epsilon / L`` with sensitivity ``upper - lower`` (the threshold for
+ToPS), so each chunk is ``epsilon``-DP; chunks are disjoint (parallel composition);
+consistency and smoothing are post-processing. ``HierarchyStream`` is ``epsilon``-DP. ToPS
+adds the threshold and hold-out total on the disjoint hold-out (see
+:mod:`dpsql.streams.holdout`) and is ``epsilon``-DP overall. Values outside
+``[lower, upper]`` (or above the threshold) are clipped: that is part of the mechanism.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dpsql import _validate
+from dpsql.errors import InvalidParameter
+from dpsql.mechanisms import LaplaceLattice
+from dpsql.mechanisms.hierarchy import BlockStreamNoise, Forest, smoothing_depth, tree_height
+from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_threshold
+from dpsql.mechanisms.smoothers import SMOOTHERS, make_smoother
+from dpsql.noise import NoiseSource
+from dpsql.release import StreamMachine
+from dpsql.streams.holdout import ThresholdedStream
+
+#: The paper's largest query range and chunk length.
+PAPER_RANGE = 1 << 20
+
+
+def _check_hierarchy_options(*, fanout, consistency, smoother, window, alpha):
+    fanout = _validate.integer(fanout, "fanout", minimum=2)
+    if not isinstance(consistency, bool):
+        raise InvalidParameter(f"consistency must be True or False, got {consistency!r}")
+    smoother = _validate.choice(smoother, "smoother", SMOOTHERS)
+    window = _validate.integer(window, "window", minimum=1)
+    alpha = _validate.real(alpha, "alpha", minimum=0.0, strict=True)
+    if alpha > 1:
+        raise InvalidParameter(f"alpha must satisfy 0 < alpha <= 1, got {alpha!r}")
+    return fanout, consistency, smoother, window, alpha
+
+
+class HierarchyStream(StreamMachine):
+    """Known-bound hierarchy with online consistency and a block smoother (method ``"hierarchy"``).
+
+    Parameters: ``epsilon``; public bounds ``lower``/``upper`` (values are clipped to them);
+    ``r`` the largest query range and chunk length (default ``min(2**20, n)``); ``fanout``
+    (16); ``consistency`` (True; False releases each leaf's own noise, so upper levels are
+    spent but unused: the ablation of consistency for a per-row release); ``smoother`` (one
+    of :data:`dpsql.mechanisms.smoothers.SMOOTHERS`, default ``"recent"``) with ``window``
+    (moving, default 8) and ``alpha`` (exponential, default 0.6, the reference code's);
+    ``depth`` overrides Eq. 7's ``s`` (``0 <= depth < h``).
+
+    Examples
+    --------
+    >>> import numpy as np, dpsql
+    >>> with dpsql.testing.seeded(0) as source:
+    ...     machine = HierarchyStream(4096, epsilon=1.0, upper=10.0, r=1024, noise=source)
+    ...     out = np.concatenate([machine.feed(np.full(3000, 4.0)), machine.feed(np.full(1096, 4.0)),
+    ...                           machine.close()])
+    >>> out.shape, machine.describe()["params"]["block"]
+    ((4096,), 16)
+    """
+
+    def __init__(self, n: int, *, epsilon: float, upper: float, lower: float = 0.0, r: int | None = None,
+                 fanout: int = 16, consistency: bool = True, smoother: str = "recent", window: int = 8,
+                 alpha: float = 0.6, depth: int | None = None, noise: NoiseSource):
+        self.n = n
+        self.epsilon = _validate.epsilon(epsilon)
+        self.lower, self.upper = _validate.bounds(lower, upper)
+        self.r = min(PAPER_RANGE, n) if r is None else _validate.integer(r, "r", minimum=1)
+        self.fanout, self.consistency, self.smoother_name, window, alpha = _check_hierarchy_options(
+            fanout=fanout, consistency=consistency, smoother=smoother, window=window, alpha=alpha)
+        height = tree_height(self.r, self.fanout)
+        if depth is None:
+            self.depth = smoothing_depth(self.epsilon, self.r, self.fanout)
+        else:
+            self.depth = _validate.integer(depth, "depth", minimum=0)
+            if self.depth >= height:
+                raise InvalidParameter(f"depth must be < {height} (the levels a tree over r={self.r} values "
+                                       f"has), got {self.depth}")
+        self.block = self.fanout**self.depth
+        self.levels = height - self.depth
+        self.chunk_blocks = -(-self.r // self.block)
+        self.chunk_rows = self.chunk_blocks * self.block
+        self.cost = (self.epsilon, 0.0)
+        bound = self.upper - self.lower
+        self._lap = LaplaceLattice(sensitivity=bound, epsilon=self.epsilon / self.levels)
+        self._inverse_gamma = 1.0 / self._lap.granularity
+        self._bound_units = bound * self._inverse_gamma
+        self._smoother = make_smoother(self.smoother_name, block=self.block, initial_sum=self.block * bound / 2,
+                                       window=window, alpha=alpha)
+        self._noise = noise
+        self._rows = 0
+        self._leaf_noise = np.empty(0, dtype=np.int64)
+        self._partial_units = 0.0
+        self._prediction = self._smoother.first_prediction
+
+    def feed(self, chunk: np.ndarray) -> np.ndarray:
+        pieces = []
+        start = 0
+        while start < len(chunk):
+            if self._rows % self.chunk_rows == 0:
+                self._start_chunk()
+            take = min(len(chunk) - start, self.chunk_rows - self._rows % self.chunk_rows)
+            pieces.append(self._feed_within_chunk(chunk[start:start + take]))
+            start += take
+        out = pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else np.empty(0)
+        if self.lower:
+            out += self.lower
+        return out
+
+    def close(self) -> np.ndarray:
+        return np.empty(0)
+
+    def _start_chunk(self):
+        rows = min(self.chunk_rows, self.n - self._rows)
+        leaves = -(-rows // self.block)
+        if self.consistency:
+            forest = Forest.covering(leaves, self.fanout, self.levels)
+            self._leaf_noise = forest.consistent_leaf_noise(self._lap, self._noise, leaves)
+        else:
+            self._leaf_noise = self._lap.noise_units(self._noise, leaves)
+
+    def _feed_within_chunk(self, values: np.ndarray) -> np.ndarray:
+        """Rows ``self._rows ..`` of one chunk: clip, sum per block in lattice units, release the
+        blocks that complete, and emit one output per row (``none``: per completed block row)."""
+        g = self.block
+        units = np.subtract(values, self.lower)
+        units *= self._inverse_gamma
+        np.clip(units, 0.0, self._bound_units, out=units)
+        np.rint(units, out=units)
+        offset = self._rows % g
+        cuts = np.arange(min(g - offset, len(values)), len(values), g)
+        starts = np.concatenate([[0], cuts])
+        sums = np.add.reduceat(units, starts)
+        sums[0] += self._partial_units
+        lengths = np.diff(starts, append=len(values))
+        chunk_start = self._rows - self._rows % self.chunk_rows
+        first_block = (self._rows - chunk_start) // g
+        block_ends = np.minimum(chunk_start + (first_block + 1 + np.arange(len(starts))) * g, self.n)
+        self._rows += len(values)
+        complete = len(starts) if block_ends[-1] <= self._rows else len(starts) - 1
+        self._partial_units = 0.0 if complete == len(starts) else float(sums[-1])
+        released_units = sums[:complete].astype(np.int64) + self._leaf_noise[first_block:first_block + complete]
+        released = self._lap.from_units(released_units)
+        block_lengths = block_ends[:complete] - (chunk_start + (first_block + np.arange(complete)) * g)
+        if not self._smoother.predictive:
+            return np.repeat(released / block_lengths, block_lengths)
+        predictions = np.concatenate([[self._prediction], self._smoother.predict(released)])
+        self._prediction = float(predictions[complete])
+        out = np.repeat(predictions[:len(starts)], lengths)
+        last_rows = starts[:complete] + lengths[:complete] - 1
+        out[last_rows] = released - (block_lengths - 1) * predictions[:complete]
+        return out
+
+    def describe(self) -> dict:
+        params = {"epsilon": self.epsilon, "lower": self.lower, "upper": self.upper, "r": self.r,
+                  "fanout": self.fanout, "consistency": self.consistency, "smoother": self.smoother_name,
+                  **self._smoother.params(), "depth": self.depth, "block": self.block, "levels": self.levels}
+        error = BlockStreamNoise(n_rows=self.n, block=self.block, chunk_blocks=self.chunk_blocks,
+                                 fanout=self.fanout, levels=self.levels, node_variance=self._lap.variance,
+                                 consistent=self.consistency, prefix_terms=self._smoother.prefix_terms)
+        return dict(method="hierarchy", params=params, error=error, components={"hierarchy": self.cost})
+
+
+class ToPS(ThresholdedStream):
+    """ToPS (method ``"tops"``): Noisy-Max threshold on the hold-out, then :class:`HierarchyStream`.
+
+    Parameters beyond :class:`~dpsql.streams.holdout.ThresholdedStream`'s: ``r`` (default
+    ``min(2**20, n - m)``: the paper's range, capped at the rows the stream phase has),
+    ``fanout``, ``smoother``, ``window``, ``alpha`` as for the hierarchy, and for the
+    threshold ``c`` (Eq. 6 constant, 60), ``step`` (candidate spacing, see
+    :func:`dpsql.mechanisms.noisy_max.default_step`) and ``levels_for_nm`` (``"paper"`` or
+    ``"code"``, ALGORITHMS.md 4.5.2). The threshold gets ``(1 - holdout_share) * epsilon``; its
+    Eq. 6 scores use the stream phase's ``epsilon``.
+    """
+
+    method = "tops"
+
+    def __init__(self, n: int, *, epsilon: float, upper: float, lower: float = 0.0, m: int | None = None,
+                 r: int | None = None, fanout: int = 16, smoother: str = "recent", window: int = 8,
+                 alpha: float = 0.6, holdout_share: float = 0.15, c: float = 60.0, step: float | None = None,
+                 levels_for_nm: str = "paper", noise: NoiseSource):
+        super().__init__(n, epsilon=epsilon, upper=upper, lower=lower, m=m, holdout_share=holdout_share, noise=noise)
+        self.r = min(PAPER_RANGE, n - self.m) if r is None else _validate.integer(r, "r", minimum=1)
+        self.fanout, _, self.smoother, self.window, self.alpha = _check_hierarchy_options(
+            fanout=fanout, consistency=True, smoother=smoother, window=window, alpha=alpha)
+        self.c = _validate.real(c, "c", minimum=0.0, strict=True)
+        self.step = default_step(self.bound) if step is None else _validate.real(step, "step", minimum=0.0,
+                                                                                  strict=True)
+        self.levels_for_nm = _validate.choice(levels_for_nm, "levels_for_nm", NM_LEVELS)
+
+    def _choose_threshold(self, holdout_sorted: np.ndarray) -> float:
+        return nm_threshold(holdout_sorted, epsilon=self.epsilon_threshold, upper=self.bound,
+                            epsilon_perturber=self.epsilon, r=self.r, fanout=self.fanout, c=self.c, step=self.step,
+                            levels_for_nm=self.levels_for_nm, noise=self.noise)
+
+    def _stream_phase(self, n_rest: int, threshold: float) -> StreamMachine:
+        return HierarchyStream(n_rest, epsilon=self.epsilon, upper=threshold, r=self.r, fanout=self.fanout,
+                               smoother=self.smoother, window=self.window, alpha=self.alpha, noise=self.noise)
+
+    def _method_params(self) -> dict:
+        stream = self._stream.describe()["params"]
+        return {"r": self.r, "fanout": self.fanout, "smoother": self.smoother,
+                **{k: stream[k] for k in ("window", "alpha", "depth", "block", "levels") if k in stream},
+                "c": self.c, "step": self.step, "levels_for_nm": self.levels_for_nm}
