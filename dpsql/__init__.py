@@ -2,7 +2,16 @@
 
 from dpsql import ldp, testing
 from dpsql.accountant import Budget
-from dpsql.api import PartitionedRelease, binary_tree, laplace_stream, pak, publish
+from dpsql.api import (
+    PartitionedRelease,
+    binary_tree,
+    hierarchy,
+    laplace_stream,
+    pak,
+    publish,
+    threshold,
+    tops,
+)
 from dpsql.counts import pegasus
 from dpsql.errors import (
     BudgetExhausted,
@@ -17,6 +26,6 @@ from dpsql.release import Release
 
 __all__ = [
     "Budget", "BudgetExhausted", "DPError", "InvalidData", "InvalidParameter", "InvalidTimeKey",
-    "NonPrivateRelease", "NotionMismatch", "PartitionedRelease", "Release", "binary_tree", "laplace_stream", "ldp",
-    "pak", "pegasus", "publish", "testing",
+    "NonPrivateRelease", "NotionMismatch", "PartitionedRelease", "Release", "binary_tree", "hierarchy",
+    "laplace_stream", "ldp", "pak", "pegasus", "publish", "testing", "threshold", "tops",
 ]

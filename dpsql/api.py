@@ -270,7 +270,7 @@ def tops(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | N
     >>> with dpsql.testing.seeded(2):
     ...     rel = dpsql.tops(values, epsilon=0.5, upper=1000.0, budget=budget)
     >>> budget.spent, rel.params["m"], rel.params["block"], 9.0 <= rel.threshold <= 10.0
-    ((0.5, 0.0), 65536, 16, True)
+    ((0.5, 0.0), 65536, 256, True)
     >>> low, high = rel.range_ci(100_000, 200_000)
     >>> bool(low <= values[100_000:200_000].sum() <= high)
     True
@@ -331,7 +331,7 @@ def threshold(values, *, epsilon: float, upper: float, lower: float = 0.0, metho
     >>> budget = dpsql.Budget.in_memory(epsilon=1.0)
     >>> values = np.r_[np.full(9_900, 20.0), np.full(100, 900.0)]
     >>> with dpsql.testing.seeded(5):
-    ...     rel = dpsql.threshold(values, epsilon=0.5, upper=1000.0, budget=budget)
+    ...     rel = dpsql.threshold(values, epsilon=0.5, upper=1000.0, r=4096, budget=budget)
     >>> rel.threshold, len(rel), budget.spent
     (20.0, 1, (0.5, 0.0))
     """

@@ -31,6 +31,12 @@ from dpsql.streams.pegasus import CountLaplaceStream, PegasusStream  # noqa: E40
 
 register_method("pegasus", PegasusStream)
 register_method("count_laplace", CountLaplaceStream)
+from dpsql.streams.threshold import ThresholdRelease  # noqa: E402
+from dpsql.streams.tops import HierarchyStream, ToPS  # noqa: E402
+
+register_method("hierarchy", HierarchyStream)
+register_method("tops", ToPS)
+register_method("threshold", ThresholdRelease)
 
 def run(method: str, values, *, noise: NoiseSource, chunk: int = 1 << 20, **params) -> Release:
     """Pure release: ``values`` through ``method`` with ``noise``; charges nothing."""
