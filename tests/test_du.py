@@ -139,11 +139,12 @@ def test_ns_objective_uses_sigma_to_the_fourth():
         assert abs(du.sample_variance_objective(n, 1.0) - (mu4 - var * (n - 3) / (n - 1))) > 1e-3 or n == 3
 
 
-@pytest.mark.parametrize("eps, w, qlen", [(1.0, 20, 10), (0.5, 30, 40), (2.0, 3, 10), (1.0, 1, 5)])
+@pytest.mark.parametrize("eps, w, qlen", [(1.0, 20, 10), (0.5, 30, 40), (2.0, 3, 10), (1.0, 1, 5), (2.0, 30, 30)])
 def test_choose_ns_is_the_argmin(eps, w, qlen):
     top = min(w, qlen)
     expected = 1 if top < 2 else min(range(2, top + 1), key=lambda n: du.sample_variance_objective(n, eps))
     assert du.choose_ns(eps, w, qlen) == expected
+    assert du.choose_ns(2.0, 30, 30) == 21  # an interior minimum
 
 
 def test_segments_paper_remainder_and_unsampled_tail():

@@ -495,7 +495,8 @@ def params_struct(names: Iterable[str]) -> str:
     return "to_json({" + ", ".join(f"{quote_literal(n)}: {quote_ident(n)}" for n in names) + "})"
 
 
-def install_stream_release(context: Context, macro: str, *, default_method: str | None) -> None:
+def install_stream_release(context: Context, macro: str, *, default_method: str | None,
+                           extra_outputs: tuple[list[tuple[str, str]], Callable] | None = None) -> None:
     """Install table macro ``macro(tbl, order_col, value_col, method := default_method,
     partition_by := NULL, <every method parameter> := NULL)``.
 
@@ -504,6 +505,8 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
     any), the order key, the private value under the value column's name, ``dp_row``
     (0-based position within the partition's stream), ``dp_part`` (0-based partition
     index) and ``release_id``: rows sorted by partition then order key.
+    ``extra_outputs = (columns, compute)`` adds per-row columns ``[(name, SQL type)]``
+    computed by ``compute(release) -> {name: pa.Array}`` (post-processing of the release).
     """
     names = method_parameters(exclude=("method",))
     plan_udf, run_udf = f"dp__plan_{macro}", f"dp__run_{macro}"
@@ -532,6 +535,7 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
         outputs = [(c, columns[c], c) for c in keys]
         outputs += [(value_col, "DOUBLE", value_col), (ROW_COLUMN, "BIGINT", ROW_COLUMN),
                     (PART_COLUMN, "BIGINT", PART_COLUMN)]
+        outputs += [(name, sql_type, name) for name, sql_type in (extra_outputs[0] if extra_outputs else [])]
         return unnest_sql(f"{run_udf}({quote_literal(token)})", outputs,
                           [(RELEASE_COLUMN, "VARCHAR", RELEASE_COLUMN)])
 
@@ -547,13 +551,16 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
         columns[plan.value_col] = pa.array(release.values)
         columns[ROW_COLUMN] = pa.array(np.arange(n, dtype=np.int64) - np.repeat(offsets[:-1], sizes))
         columns[PART_COLUMN] = pa.array(np.repeat(np.arange(len(sizes), dtype=np.int64), sizes))
+        if extra_outputs:
+            columns.update(extra_outputs[1](release))
         return context.hold(columns, {RELEASE_COLUMN: pa.array([release.release_id], pa.string())})
 
     context.udf(plan_udf, plan, ["VARCHAR"] * 6, "VARCHAR")
     context.udf(run_udf, run, ["VARCHAR"], "BIGINT")
     defaults = f"method := {quote_literal(default_method) if default_method else 'NULL'}, partition_by := NULL"
     context.macro(
-        f"{macro}(tbl, order_col, value_col, {defaults}, {', '.join(f'{n} := NULL' for n in names)}) AS TABLE "
+        f"{macro}(tbl, order_col, value_col, {defaults}, {', '.join(quote_ident(n) + ' := NULL' for n in names)}) "
+        "AS TABLE "
         f"FROM query({plan_udf}(tbl, order_col, value_col, partition_by, method, {params_struct(names)}))")
 
 

@@ -57,6 +57,7 @@ from dpsql.duckdb._machinery import (
     parse_params,
     planned,
     publish_ordered,
+    quote_ident,
     quote_literal,
     read_ordered,
     require_columns,
@@ -152,7 +153,8 @@ def _install_threshold(context: Context) -> None:
 
     context.udf("dp__plan_threshold", plan, ["VARCHAR"] * 4, "VARCHAR")
     context.udf("dp__run_threshold", run, ["VARCHAR"], "BIGINT")
-    context.macro(f"dp_threshold(tbl, value_col, method := 'nm', {', '.join(f'{n} := NULL' for n in names)}) "
+    defaults = ", ".join(f"{quote_ident(n)} := NULL" for n in names)
+    context.macro(f"dp_threshold(tbl, value_col, method := 'nm', {defaults}) "
                   f"AS TABLE FROM query(dp__plan_threshold(tbl, value_col, method, {params_struct(names)}))")
 
 

@@ -94,10 +94,11 @@ def choose_ns(epsilon: float, w: int, qlen: int) -> int:
     """Number of samples per query of length ``qlen``: ``argmin_{2 <= n <= min(w, qlen)}``
     of :func:`sample_variance_objective` (DU Eq. 12), 1 when ``min(w, qlen) < 2``.
 
-    With the corrected Eq. 13 the objective decreases in ``n`` for every budget we
-    tried (SW tends to a uniform law on [-1/2, 3/2] as its budget shrinks, whose
-    ``mu4 - sigma^4 = 0.0889`` is the infimum), so the rule samples every slot up to
-    ``min(w, qlen)``; pass ``n_s`` explicitly to sample less.
+    With the corrected Eq. 13 the objective decreases in ``n`` while the per-sample budget
+    is small (SW tends to a uniform law on [-1/2, 3/2], whose ``mu4 - sigma^4 = 0.0889``
+    is the infimum), so the rule often samples every slot up to ``min(w, qlen)``; larger
+    budgets give an interior minimum (21 at ``epsilon = 2``, ``w = qlen = 30``). Pass
+    ``n_s`` explicitly to sample less.
 
     Examples
     --------
@@ -694,6 +695,19 @@ def published_stream(reports, lengths, n: int, *, sma: int = 1, align: str = "tr
 def slot_values(release) -> np.ndarray:
     """The unsmoothed per-slot stream of a release (what the reference code scores for means)."""
     return published_stream(release.reports, report_lengths(release), len(release.values))
+
+
+def report_view(release) -> tuple[np.ndarray, np.ndarray]:
+    """Per slot of a release (or of every partition of a partitioned one, concatenated):
+    the raw report covering it and that report's 0-based index in its user's stream.
+    This is the row form of a report table that the table front ends return."""
+    parts = getattr(release, "parts", (release,))
+    reports, index = [], []
+    for part in parts:
+        slots = report_slots(len(part.values), report_lengths(part))
+        reports.append(np.asarray(part.reports)[slots])
+        index.append(slots)
+    return np.concatenate(reports), np.concatenate(index)
 
 
 def subsequence_means(stream, starts, stops) -> np.ndarray:
