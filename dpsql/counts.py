@@ -38,7 +38,7 @@ from dpsql.accountant import Budget
 from dpsql.api import PartitionedRelease, publish
 from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
 from dpsql.release import Release
-from dpsql.streams.pegasus import DEFAULT_GROUPER_SHARE, largest_share
+from dpsql.streams.pegasus import DEFAULT_GROUPER_SHARE, largest_share, window_sums
 
 #: Front-end method names -> registered machines.
 COUNT_METHODS = {"pegasus": "pegasus", "laplace": "count_laplace"}
@@ -296,55 +296,64 @@ def _within_cap(unit: np.ndarray, bucket: np.ndarray, ticks: np.ndarray, cap: in
 # -- release -------------------------------------------------------------------------------------
 
 
+#: Output columns added to the bucket start and the key columns.
+ROW, PART, LEVEL, COUNT, STD_ERROR = "dp_row", "dp_part", "dp_level", "dp_count", "dp_std_error"
+WINDOW_SUM, WINDOW_STD_ERROR, ALARM = "dp_window_sum", "dp_window_std_error", "dp_alarm"
+
+
 @dataclass(frozen=True)
 class CountRelease:
     """A released set of count streams, one row per (level, partition, bucket).
 
-    ``columns()`` gives the table the front ends return; ``release`` the underlying
-    :class:`dpsql.Release` or :class:`dpsql.PartitionedRelease` (error bars per part).
+    :meth:`columns` gives the table the front ends return; ``release`` is the
+    underlying :class:`dpsql.Release` or :class:`dpsql.PartitionedRelease` (error bars
+    per part). Window sums and alarms are post-processing of ``release``.
     """
 
     release: Release | PartitionedRelease
     domain: TimeDomain
     keys: dict[str, np.ndarray]
     levels: np.ndarray | None
+    time_column: str
+    window: int | None = None
+    alarm_threshold: float | None = None
 
     def parts(self) -> list[Release]:
         return list(self.release.parts) if isinstance(self.release, PartitionedRelease) else [self.release]
 
-    def columns(self, *, window: int | None = None, alarm_threshold: float | None = None) -> dict[str, np.ndarray]:
-        """``bucket``, ``time`` (bucket start), the key columns (``None`` above a row's
-        level), ``level`` (hierarchies), ``estimate``, ``std_error`` (noise only) and, with
-        ``window``, ``window_sum``/``window_std_error`` and, with ``alarm_threshold``,
-        ``alarm`` (window sum >= threshold). All post-processing."""
-        from dpsql.streams.pegasus import window_sums
-
+    def columns(self) -> dict[str, np.ndarray]:
+        """The bucket start (named like the time column), the key columns (``None`` above
+        a row's level), ``dp_level`` (hierarchies only), ``dp_count`` (the estimate),
+        ``dp_std_error`` (its noise standard deviation), ``dp_row`` (bucket index) and
+        ``dp_part`` (stream index); with ``window``, ``dp_window_sum`` (sum of the last
+        ``window`` buckets, fewer at the start) and ``dp_window_std_error``; with
+        ``alarm_threshold``, ``dp_alarm`` (window sum >= threshold)."""
         n_buckets = self.domain.n_buckets
         parts = self.parts()
         rows = np.arange(n_buckets)
-        out: dict[str, np.ndarray] = {"bucket": np.tile(rows, len(parts)),
-                                      "time": np.tile(self.domain.bucket_starts(), len(parts))}
+        out: dict[str, np.ndarray] = {self.time_column: np.tile(self.domain.bucket_starts(), len(parts))}
         for name, values in self.keys.items():
             out[name] = np.repeat(values, n_buckets)
         if self.levels is not None:
-            out["level"] = np.repeat(self.levels, n_buckets)
-        out["estimate"] = np.concatenate([p.values for p in parts])
-        out["std_error"] = np.sqrt(np.concatenate([p.range_variance(rows, rows + 1) for p in parts]))
-        if window is not None:
-            sums = [window_sums(p, window) for p in parts]
-            out["window_sum"] = np.concatenate([s for s, _ in sums])
-            out["window_std_error"] = np.sqrt(np.concatenate([v for _, v in sums]))
-            if alarm_threshold is not None:
-                out["alarm"] = out["window_sum"] >= _validate.real(alarm_threshold, "alarm_threshold")
-        elif alarm_threshold is not None:
-            raise InvalidParameter("alarm_threshold needs window (the number of buckets summed)")
+            out[LEVEL] = np.repeat(self.levels, n_buckets)
+        out[COUNT] = np.concatenate([p.values for p in parts])
+        out[STD_ERROR] = np.sqrt(np.concatenate([p.range_variance(rows, rows + 1) for p in parts]))
+        out[ROW] = np.tile(rows, len(parts))
+        out[PART] = np.repeat(np.arange(len(parts)), n_buckets)
+        if self.window is not None:
+            sums = [window_sums(p, self.window) for p in parts]
+            out[WINDOW_SUM] = np.concatenate([total for total, _ in sums])
+            out[WINDOW_STD_ERROR] = np.sqrt(np.concatenate([variance for _, variance in sums]))
+            if self.alarm_threshold is not None:
+                out[ALARM] = out[WINDOW_SUM] >= self.alarm_threshold
         return out
 
 
 def release_event_counts(times, *, start, stop, every, epsilon: float, method: str = "pegasus",
                          keys: Mapping[str, object] | None = None, hierarchy: bool = False, units=None,
-                         cap: int | None = None, budget: Budget | None = None, note: str | None = None,
-                         time_column: str = "time", **params) -> CountRelease:
+                         cap: int | None = None, window: int | None = None, alarm_threshold: float | None = None,
+                         budget: Budget | None = None, note: str | None = None, time_column: str = "time",
+                         **params) -> CountRelease:
     """Bucket events over the public domain and release every count stream.
 
     Privacy cost: ``epsilon``-DP (pure), charged once. Neighbours: add/remove one event
@@ -365,6 +374,12 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
         PeGaSus, or per-bucket Laplace (the baseline).
     keys : mapping of column name to array, optional
         Partition columns (one value per event).
+    units, cap : optional
+        Privacy-unit column (one value per event) and the most events of one unit
+        counted per bucket.
+    window, alarm_threshold : optional
+        Add sliding-window sums over ``window`` buckets and the event-monitoring alarm
+        ``window sum >= alarm_threshold`` to :meth:`CountRelease.columns` (free).
     **params
         PeGaSus parameters (``grouper_share``, ``theta``, ``smoother``).
 
@@ -379,11 +394,16 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
     ...                                                   "room": np.array(["a", "b", "b"])},
     ...                                hierarchy=True, budget=budget)
     >>> cols = out.columns()
-    >>> len(cols["estimate"]), cols["level"][::6].tolist(), cols["room"][::6].tolist(), budget.spent
+    >>> len(cols["dp_count"]), cols["dp_level"][::6].tolist(), cols["room"][::6].tolist(), budget.spent
     (18, [1, 2, 2], [None, 'a', 'b'], (1.0, 0.0))
     """
     method_name = _validate.choice(method, "method", COUNT_METHODS)
     epsilon = _validate.epsilon(epsilon)
+    window = None if window is None else _validate.integer(window, "window", minimum=1)
+    if alarm_threshold is not None:
+        if window is None:
+            raise InvalidParameter("alarm_threshold needs window (the number of buckets summed)")
+        alarm_threshold = _validate.real(alarm_threshold, "alarm_threshold")
     domain = time_domain(start=start, stop=stop, every=every)
     keys = dict(keys or {})
     if hierarchy and not keys:
@@ -410,4 +430,5 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
                       partition_offsets=offsets, partition_levels=levels if partitioned else None, note=note,
                       epsilon=level_epsilon, sensitivity=sensitivity, **params)
     key_values = {name: np.concatenate(rows) for name, rows in key_rows.items()}
-    return CountRelease(release, domain, key_values, np.asarray(levels) if hierarchy else None)
+    return CountRelease(release, domain, key_values, np.asarray(levels) if hierarchy else None, time_column,
+                        window, alarm_threshold)

@@ -115,15 +115,20 @@ def test_partitioned_release_charges_epsilon_once():
     budget = dpsql.Budget.in_memory(epsilon=1.0)
     with testing.seeded(1):
         out = release_event_counts(times, start=T0, stop="2024-03-01T06:00", every="30m", epsilon=0.7,
-                                   keys={"building": building}, budget=budget, smoother="average")
+                                   keys={"building": building}, budget=budget, smoother="average", window=4,
+                                   alarm_threshold=600, time_column="ts")
     assert budget.spent == (0.7, 0.0) and len(budget.history()) == 1
-    cols = out.columns(window=4, alarm_threshold=600)
-    assert len(cols["estimate"]) == 2 * 12 and "level" not in cols
+    cols = out.columns()
+    assert len(cols["dp_count"]) == 2 * 12 and "dp_level" not in cols
     assert cols["building"].tolist() == ["B1"] * 12 + ["B2"] * 12
+    assert cols["dp_row"].tolist() == list(range(12)) * 2 and cols["dp_part"].tolist() == [0] * 12 + [1] * 12
+    assert str(cols["ts"][1]) == "2024-03-01T00:30:00.000000000"
     true = bucket_events(times, domain=out.domain, keys={"building": building}).counts.ravel()
-    assert np.abs(cols["estimate"] - true).max() < 60
-    assert np.all(cols["std_error"] > 0) and np.all(cols["window_std_error"] >= cols["std_error"])
-    np.testing.assert_array_equal(cols["alarm"], cols["window_sum"] >= 600)
+    assert np.abs(cols["dp_count"] - true).max() < 60
+    assert np.all(cols["dp_std_error"] > 0) and np.all(cols["dp_window_std_error"] >= cols["dp_std_error"])
+    np.testing.assert_array_equal(cols["dp_alarm"], cols["dp_window_sum"] >= 600)
+    part = out.parts()[1]
+    assert cols["dp_window_sum"][12 + 5] == pytest.approx(part.values[2:6].sum())
 
 
 def test_hierarchy_levels_share_epsilon_and_ledger_equals_epsilon():
@@ -140,7 +145,7 @@ def test_hierarchy_levels_share_epsilon_and_ledger_equals_epsilon():
         assert {p.epsilon for p in parts} == {dpsql.streams.pegasus.largest_share(epsilon, epsilon / 3, count=3)}
         assert abs(parts[0].epsilon - epsilon / 3) < 1e-15
     cols = out.columns()
-    levels = cols["level"]
+    levels = cols["dp_level"]
     # 2 buildings, 4 (building, floor), 12 (building, floor, room) streams of 6 hours
     assert np.bincount(levels).tolist() == [0, 2 * 6, 4 * 6, 12 * 6]
     assert all(v is None for v in cols["floor"][levels == 1]) and all(v is None for v in cols["room"][levels < 3])
@@ -152,7 +157,7 @@ def test_hierarchy_levels_share_epsilon_and_ledger_equals_epsilon():
 
 
 def test_laplace_method_and_cap_sensitivity():
-    times, building, _, _ = events(n=500)
+    times = events(n=500)[0]
     units = np.arange(500) % 50
     with testing.seeded(3):
         out = release_event_counts(times, start=T0, stop="2024-03-01T06:00", every="1h", epsilon=1.0,
@@ -169,6 +174,9 @@ def test_laplace_method_and_cap_sensitivity():
     ({"epsilon": -1.0}, dpsql.InvalidParameter, "epsilon"),
     ({"smoother": "mode"}, dpsql.InvalidParameter, "smoother"),
     ({"hierarchy": True}, dpsql.InvalidParameter, "hierarchy needs"),
+    ({"window": 0}, dpsql.InvalidParameter, "window"),
+    ({"alarm_threshold": 3.0}, dpsql.InvalidParameter, "alarm_threshold needs window"),
+    ({"window": 2, "alarm_threshold": float("nan")}, dpsql.InvalidParameter, "alarm_threshold"),
     ({"start": "2030-01-01", "stop": "2030-01-02", "keys": {"b": ["x"] * 3}}, dpsql.InvalidData, "no event"),
 ])
 def test_refused_release_charges_nothing(kwargs, error, match):
@@ -183,4 +191,4 @@ def test_no_events_without_keys_releases_zero_stream():
     with testing.seeded(4):
         out = release_event_counts(minutes(500), start=T0, stop="2024-03-01T01:00", every="10m", epsilon=1e9,
                                    theta=1.0)
-    assert out.columns()["estimate"].tolist() == [0.0] * 6
+    assert out.columns()["dp_count"].tolist() == [0.0] * 6

@@ -50,7 +50,7 @@ from dpsql.release import ADD_REMOVE_EVENT, ErrorModel, IndependentNoise, Releas
 SMOOTHERS = ("median", "average", "js")
 #: Steps after a group's start for which the first "above" is searched for every possible
 #: start at once; longer groups continue in :func:`_first_above_long`.
-SHORT_GROUP = 12
+SHORT_GROUP = 20
 #: Group prefixes up to this size get their medians by batched sorting; longer groups
 #: run a two-heap running median.
 SHORT_MEDIAN = 48
@@ -236,7 +236,7 @@ def partition(true: np.ndarray, thresholds: np.ndarray, query_units: np.ndarray,
     group still open at the end (``len(true)`` when the last group is closed).
     """
     m = len(true)
-    ends = _first_above_short(true, thresholds, query_units, svt)
+    ends = _first_above_short(true, thresholds, query_units, svt).tolist()  # Python ints: a tight loop
     starts = []
     s = 0
     while s < m:
