@@ -12,7 +12,7 @@ from dpsql.api import (
     threshold,
     tops,
 )
-from dpsql.counts import pegasus
+from dpsql.counts import count_stream, pegasus
 from dpsql.errors import (
     BudgetExhausted,
     DPError,
@@ -26,6 +26,6 @@ from dpsql.release import Release
 
 __all__ = [
     "Budget", "BudgetExhausted", "DPError", "InvalidData", "InvalidParameter", "InvalidTimeKey",
-    "NonPrivateRelease", "NotionMismatch", "PartitionedRelease", "Release", "binary_tree", "hierarchy",
+    "NonPrivateRelease", "NotionMismatch", "PartitionedRelease", "Release", "binary_tree", "count_stream", "hierarchy",
     "laplace_stream", "ldp", "pak", "pegasus", "publish", "testing", "threshold", "tops",
 ]

@@ -98,6 +98,26 @@ def pegasus(counts, *, epsilon: float, grouper_share: float = DEFAULT_GROUPER_SH
                    grouper_share=grouper_share, theta=theta, smoother=smoother, sensitivity=sensitivity)
 
 
+def count_stream(frame, time_column: str, **options):
+    """Private count streams from a Polars event table: see
+    :func:`dpsql.polars.counts.count_stream` for the parameters, privacy cost and
+    neighbour relation (``epsilon``-DP, add/remove one event). Imported lazily so that
+    ``import dpsql`` does not load the Polars namespace.
+
+    Examples
+    --------
+    >>> import polars as pl, dpsql
+    >>> events = pl.DataFrame({"t": [0.5, 1.5, 1.7, 9.0]})
+    >>> with dpsql.testing.seeded(0):
+    ...     out = dpsql.count_stream(events, "t", every=1.0, start=0, stop=4, epsilon=1.0)
+    >>> out["t"].to_list(), out.columns[1:3]
+    ([0.0, 1.0, 2.0, 3.0], ['dp_count', 'dp_std_error'])
+    """
+    from dpsql.polars.counts import count_stream as polars_count_stream
+
+    return polars_count_stream(frame, time_column, **options)
+
+
 # -- time domain -------------------------------------------------------------------------------
 
 
