@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import polars as pl
 
+from dpsql.polars import ldp  # noqa: F401  (adds .dpsql.ldp)
 from dpsql.polars._namespace import DpsqlExpr, namespace_method
 from dpsql.polars.range_sum import bucket_ci, range_sum, range_variance, threshold, window_ci
 
