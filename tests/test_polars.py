@@ -343,3 +343,53 @@ def test_interval_functions_refuse_bad_levels_and_forgotten_releases():
     forged = out.with_columns(pl.col("dp").struct.with_fields(pl.lit(-1, dtype=pl.Int64).alias("release")))
     with pytest.raises(dpsql.InvalidParameter, match="no longer held"):
         dpsql.polars.window_ci(forged, "dp", order_by="ts", period=14)
+
+
+# -- time keys of every kind sort the same way --------------------------------------------
+
+@pytest.mark.parametrize(("meter", "ts"), [
+    (pl.col("meter").cast(pl.String), pl.col("ts")),                       # string keys: dense ranks
+    (pl.col("meter") * 1_000_003, pl.col("ts")),                           # sparse integer keys
+    (pl.col("meter"), pl.col("ts").cast(pl.Float64) / 3),                  # float time: multi-column sort
+    (pl.col("meter"), pl.from_epoch("ts", time_unit="s")),                 # datetime time key
+    ([pl.col("meter") % 2, pl.col("meter") // 2], pl.col("ts").cast(pl.Int32)),  # two partition columns
+])
+def test_every_key_kind_releases_partitions_in_key_order_and_time_order(meter, ts):
+    frame = shuffled_frame(n=240, partitions=4, seed=7)
+    keys = [meter] if isinstance(meter, pl.Expr) else meter
+    with dpsql.testing.seeded(3):
+        out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(order_by=ts, partition_by=meter, **LAPLACE))
+    ordered = out.with_columns(*(k.alias(f"key{i}") for i, k in enumerate(keys)), ts.alias("time")).sort(
+        [f"key{i}" for i in range(len(keys))] + ["time"])
+    sizes = ordered.group_by([f"key{i}" for i in range(len(keys))], maintain_order=True).len()["len"]
+    with dpsql.testing.seeded(3):
+        oracle = publish("laplace", ordered["kwh"].to_numpy(), epsilon=0.5, upper=10.0,
+                         partition_offsets=np.concatenate([[0], np.cumsum(sizes)]))
+    np.testing.assert_array_equal(ordered["dp"].to_numpy(), oracle.values)
+
+
+def test_partition_order_does_not_change_values_in_time_order():
+    frame = shuffled_frame(n=240, partitions=4, seed=7)
+    with dpsql.testing.seeded(3):
+        ints = frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", errors=True, **LAPLACE),
+                            "meter", "ts")
+    with dpsql.testing.seeded(3):
+        floats = frame.select(pl.col("kwh").dpsql.range_sum(order_by=pl.col("ts") / 3, partition_by="meter",
+                                                            errors=True, **LAPLACE), "meter", "ts")
+    for out in (ints, floats):
+        by_position = out.sort(pl.col("kwh").struct.field("position"))
+        assert by_position.select(["meter", "ts"]).equals(out.sort("meter", "ts").select(["meter", "ts"]))
+    assert ints["kwh"].struct.field("value").equals(floats["kwh"].struct.field("value"))
+
+
+def test_null_partition_keys_form_one_partition():
+    frame = pl.DataFrame({"meter": [None, "a", None, "a"], "ts": [1, 1, 2, 2], "kwh": [1.0, 2.0, 3.0, 4.0]})
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", budget=budget, **LAPLACE))
+    assert budget.history()["partitions"].to_list() == [2]
+
+
+def test_partition_by_without_order_by_is_refused():
+    with pytest.raises(dpsql.InvalidParameter, match="partition_by needs order_by"):
+        dpsql.polars._machinery.private_expression(pl.col("kwh"), None, order_by=None, partition_by="meter",
+                                                   output=None, return_dtype=pl.Float64)

@@ -114,12 +114,17 @@ def check_budget(budget) -> None:
         raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
 
 
-def time_order(frame: pl.DataFrame, order_name: str, partition_names: Sequence[str],
-               labels: Sequence[str]) -> RowsInTimeOrder:
+def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partition_names: Sequence[str],
+               labels: Sequence[str]) -> tuple[RowsInTimeOrder, np.ndarray]:
     """Sort ``frame``'s rows by partition then order column; refuse unusable time keys.
 
+    Returns the order and ``values`` (one per row of ``frame``) in that order.
+
     ``labels`` are the user's names of the order column then the partition columns,
-    used in messages. Null partition keys form one partition of their own.
+    used in messages. Null partition keys form one partition of their own; partitions
+    come in no particular order. Integer and temporal time keys are sorted as one
+    int64 key (partition id times the time span, plus the time), several times faster
+    than Polars' multi-column sort; other keys fall back to that sort.
     """
     order = frame.get_column(order_name)
     if order.null_count():
@@ -127,12 +132,59 @@ def time_order(frame: pl.DataFrame, order_name: str, partition_names: Sequence[s
                              "needs a time key")
     if order.dtype.is_float() and order.is_nan().any():
         raise InvalidTimeKey(f"order column {labels[0]!r} contains NaN")
+    key = _single_key(frame, order, partition_names)
+    if key is None:
+        rows = _sorted_by_columns(frame, order_name, partition_names, labels)
+        return rows, rows.gather(values)
+    composite, span = key
+    if np.all(composite[1:] > composite[:-1]):
+        permutation = np.arange(len(composite))
+    else:
+        # one Polars sort of (key, value, row) is faster than an argsort plus two gathers
+        ordered = pl.DataFrame({"key": composite, "value": values}).with_row_index("row").sort("key")
+        permutation = ordered.get_column("row").to_numpy()
+        composite, values = ordered.get_column("key").to_numpy(), ordered.get_column("value").to_numpy()
+    _refuse_duplicates(composite[1:] == composite[:-1], labels)
+    if not partition_names:
+        return RowsInTimeOrder(permutation, np.array([0, len(permutation)]), partitioned=False), values
+    partition = composite // span
+    offsets = np.concatenate([[0], np.flatnonzero(partition[1:] != partition[:-1]) + 1, [len(permutation)]])
+    return RowsInTimeOrder(permutation, offsets, partitioned=True), values
+
+
+def _single_key(frame: pl.DataFrame, order: pl.Series, partition_names: Sequence[str]):
+    """``(partition_id * span + time - min_time, span)`` as int64, or None when the time
+    key is not integer-like or the product would overflow."""
+    if not (order.dtype.is_integer() or order.dtype.is_temporal()) or order.dtype == pl.UInt64:
+        return None
+    time = order.to_physical().cast(pl.Int64).to_numpy()
+    low = int(time.min())
+    span = int(time.max()) - low + 1
+    if not partition_names:
+        return time, span
+    ids = _partition_ids(frame, partition_names)
+    if (int(ids.max()) + 1) * span >= 2**62:
+        return None
+    return ids * span + (time - low), span
+
+
+def _partition_ids(frame: pl.DataFrame, partition_names: Sequence[str]) -> np.ndarray:
+    """Non-negative int64 partition ids, equal exactly when the partition keys are equal."""
+    if len(partition_names) == 1:
+        column = frame.get_column(partition_names[0])
+        if column.dtype.is_integer() and column.dtype != pl.UInt64 and not column.null_count():
+            ids = column.cast(pl.Int64).to_numpy()
+            low = int(ids.min())
+            if int(ids.max()) - low < len(ids):
+                return ids - low
+    ranks = frame.select(pl.struct(partition_names).rank("dense")).to_series()
+    return ranks.cast(pl.Int64).to_numpy() - 1
+
+
+def _sorted_by_columns(frame: pl.DataFrame, order_name: str, partition_names: Sequence[str],
+                       labels: Sequence[str]) -> RowsInTimeOrder:
     keys = [*partition_names, order_name]
     permutation = frame.select(pl.arg_sort_by(keys, multithreaded=True)).to_series().to_numpy()
-    if not partition_names:
-        sorted_order = order.gather(permutation)
-        _refuse_duplicates(sorted_order.to_numpy()[1:] == sorted_order.to_numpy()[:-1], labels)
-        return RowsInTimeOrder(permutation, np.array([0, len(permutation)]), partitioned=False)
     in_order = frame.select(keys)[permutation]
     new_partition = np.zeros(len(permutation) - 1, dtype=bool)
     for name in partition_names:
@@ -141,7 +193,7 @@ def time_order(frame: pl.DataFrame, order_name: str, partition_names: Sequence[s
     time_column = in_order.get_column(order_name).to_numpy()
     _refuse_duplicates(~new_partition & (time_column[1:] == time_column[:-1]), labels)
     offsets = np.concatenate([[0], np.flatnonzero(new_partition) + 1, [len(permutation)]])
-    return RowsInTimeOrder(permutation, offsets, partitioned=True)
+    return RowsInTimeOrder(permutation, offsets, partitioned=bool(partition_names))
 
 
 def _refuse_duplicates(repeated: np.ndarray, labels: Sequence[str]) -> None:
@@ -181,6 +233,8 @@ def private_expression(value: pl.Expr, release: Callable[[np.ndarray, RowsInTime
     if len(order_exprs) > 1:
         raise InvalidParameter("order_by must be a single column (the stream's time key)")
     partition_exprs = key_expressions(partition_by, "partition_by")
+    if partition_exprs and not order_exprs:
+        raise InvalidParameter("partition_by needs order_by: each partition is released in its time order")
     labels = [column_name(e, "order_by") for e in order_exprs] or ["<row order>"]
     labels += [column_name(e, "partition_by") for e in partition_exprs]
     partition_names = [f"__dpsql_partition_{k}" for k in range(len(partition_exprs))]
@@ -196,16 +250,13 @@ def private_expression(value: pl.Expr, release: Callable[[np.ndarray, RowsInTime
                 "group_by().agg() or group_by_dynamic().agg()): each group would be a separate release, "
                 "charged separately. Pass partition_by=... to the dpsql expression instead: one release, "
                 "charged once at the maximum over partitions.")
-        frame = batch.struct.unnest()
+        frame = batch.struct.unnest().rechunk()
         values = numeric_values(frame.get_column(_VALUE), name)
         if order_exprs:
-            rows = time_order(frame, _ORDER, partition_names, labels)
-        elif partition_names:
-            frame = frame.with_columns(pl.int_range(pl.len(), dtype=pl.Int64).alias(_ORDER))
-            rows = time_order(frame, _ORDER, partition_names, labels)
+            rows, in_order = time_order(frame, values, _ORDER, partition_names, labels)
         else:
-            rows = RowsInTimeOrder(np.arange(len(values)), np.array([0, len(values)]), partitioned=False)
-        result = release(rows.gather(values), rows, name)
+            rows, in_order = RowsInTimeOrder(np.arange(len(values)), np.array([0, len(values)]), False), values
+        result = release(in_order, rows, name)
         return output(result, rows)
 
     released = pl.struct(fields).alias(struct_name).map_batches(
