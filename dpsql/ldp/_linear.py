@@ -62,19 +62,24 @@ def feedback_impulse(gain: float, memory: int | None, length: int) -> np.ndarray
     noise), so ``eta = G xi`` with ``G`` lower-triangular Toeplitz of first column
     ``g``. The filter is stable for ``0 <= gain < 1`` (its poles lie strictly inside the
     unit circle, Eneström-Kakeya), so ``g`` is cut once ``memory`` consecutive terms are
-    below 1e-18: later terms are exactly those of a zero state.
+    below 1e-14 (``g_0 = 1``): what follows is the response of a negligible state.
+    The window sum is recomputed at every step rather than updated by add-and-drop,
+    whose rounding error would persist (that form has a pole at 1).
     """
     if memory == 0 or gain == 0.0:
         return np.ones(1)
     g = np.zeros(length)
     g[0] = 1.0
-    window_sum = 0.0
+    total = 0.0
     quiet = 0
     span = memory or 1
-    for k in range(1, length):
-        window_sum += g[k - 1] - (g[k - 1 - memory] if memory is not None and k - 1 - memory >= 0 else 0.0)
-        g[k] = -gain * window_sum
-        quiet = quiet + 1 if abs(g[k]) < 1e-18 else 0
+    for k in range(1, length):  # sequential recursion, cut early (typically a few hundred terms)
+        if memory is None:
+            total += g[k - 1]
+            g[k] = -gain * total
+        else:
+            g[k] = -gain * g[max(0, k - memory):k].sum()
+        quiet = quiet + 1 if abs(g[k]) < 1e-14 else 0
         if quiet > span:
             return g[:k + 1]
     return g

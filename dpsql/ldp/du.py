@@ -488,10 +488,8 @@ class BASWStream(_DUStream):
     encoder_class = AbsorptionEncoder
 
     def __init__(self, n, *, epsilon, w, lower, upper, accounting="strict", sma=1, align="trailing", noise):
-        plan = _plan("ba_sw", epsilon=epsilon, w=w, lower=lower, upper=upper, accounting=accounting, sma=sma,
-                     align=align, noise=noise)
-        plan.extra["epsilon_unit"] = plan.epsilon / (2 * plan.w)
-        self._setup(n, noise, plan)
+        self._setup(n, noise, _plan("ba_sw", epsilon=epsilon, w=w, lower=lower, upper=upper, accounting=accounting,
+                                    sma=sma, align=align, noise=noise))
 
     def _record(self, values: np.ndarray, units: np.ndarray) -> None:
         super()._record(values, np.ones(len(values), dtype=np.int64))
@@ -502,12 +500,12 @@ class BASWStream(_DUStream):
         values = np.concatenate(self._reports)
         units = np.concatenate(self._marks)
         published = units > 0
-        unit = plan.params["epsilon_unit"]
+        unit = plan.epsilon / (2 * plan.w)
         variance = np.array([SQUARE_WAVE.worst_variance(unit * u) for u in units[published]])
         error = ReportNoise(report_index=np.cumsum(published) - 1,
                             report_variance=(plan.upper - plan.lower) ** 2 * variance,
                             window=plan.sma, align=plan.align)
-        params = {**plan.params, "epsilon_report": None, "publications": int(published.sum())}
+        params = {**plan.params, "epsilon_report": None, "epsilon_unit": unit, "publications": int(published.sum())}
         return dict(method=plan.method, params=params, error=error, reports=values,
                     components={"dissimilarity": (plan.epsilon / 2, 0.0), "publication": (plan.epsilon / 2, 0.0)})
 
