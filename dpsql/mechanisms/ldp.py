@@ -499,6 +499,57 @@ def sw_transition_matrix(eps: float, n_out: int = 1024, n_in: int = 1024) -> np.
     return np.maximum(np.diff(cdf, axis=0), 0.0)
 
 
+class SWKernel:
+    """The operator of :func:`sw_transition_matrix` applied in ``O((n_in + n_out) log)`` time.
+
+    ``K theta`` is the difference, at the output edges, of
+    ``Phi(a) = q (a + b) sum(theta) + (p - q) / h [Psi(a + b) - Psi(a - b)]`` where
+    ``Psi(s) = sum_k u_k R(s - c_k)`` runs over the input edges ``c_k`` with weights
+    ``u_k = theta_k - theta_{k-1}`` (``R(t) = max(t, 0)^2 / 2``, ``h`` the input bin width):
+    the closed form of the matrix entries summed by parts. A sum of ``R`` over the nodes
+    below ``s`` is a quadratic in ``s`` with prefix-summed coefficients. ``K^T y`` is the
+    same construction with the roles of input and output edges swapped. Exact (to
+    rounding) and independent of any BLAS threading, which matters on a busy machine.
+    """
+
+    def __init__(self, eps: float, n_out: int = 1024, n_in: int = 1024):
+        self.b, self.p, self.q = SQUARE_WAVE.constants(eps)
+        self.out_edges = sw_output_edges(eps, n_out)
+        self.in_edges = np.linspace(0.0, 1.0, n_in + 1)
+        self.h = 1.0 / n_in
+
+    @staticmethod
+    def _ramp_sums(points: np.ndarray, nodes: np.ndarray, weights: np.ndarray, below: bool) -> np.ndarray:
+        """``sum_k weights_k R(points - nodes_k)`` (``below``) or ``sum_k weights_k R(nodes_k - points)``."""
+        w0 = np.concatenate([[0.0], np.cumsum(weights)])
+        w1 = np.concatenate([[0.0], np.cumsum(weights * nodes)])
+        w2 = np.concatenate([[0.0], np.cumsum(weights * nodes**2)])
+        if below:
+            k = np.searchsorted(nodes, points, side="left")
+            s0, s1, s2 = w0[k], w1[k], w2[k]
+        else:
+            k = np.searchsorted(nodes, points, side="right")
+            s0, s1, s2 = w0[-1] - w0[k], w1[-1] - w1[k], w2[-1] - w2[k]
+        return 0.5 * (points**2 * s0 - 2.0 * points * s1 + s2)
+
+    def forward(self, theta: np.ndarray) -> np.ndarray:
+        """``K @ theta``: expected output-bin probabilities for input-bin masses ``theta``."""
+        u = np.diff(np.concatenate([[0.0], theta, [0.0]]))
+        a = self.out_edges
+        psi = (self._ramp_sums(a + self.b, self.in_edges, u, below=True)
+               - self._ramp_sums(a - self.b, self.in_edges, u, below=True))
+        phi = self.q * (a + self.b) * theta.sum() + (self.p - self.q) / self.h * psi
+        return np.diff(phi)
+
+    def adjoint(self, y: np.ndarray) -> np.ndarray:
+        """``K.T @ y``."""
+        # Summation by parts: sum_j y_j (F(e_{j+1}) - F(e_j)) = sum_j z_j F(e_j), z_j = y_{j-1} - y_j.
+        z = -np.diff(np.concatenate([[0.0], y, [0.0]]))
+        e, c = self.out_edges, self.in_edges
+        lam = self._ramp_sums(c, e + self.b, z, below=False) - self._ramp_sums(c, e - self.b, z, below=False)
+        return self.q * float(z @ (e + self.b)) + (self.p - self.q) / self.h * (lam[:-1] - lam[1:])
+
+
 def sw_output_edges(eps: float, n_out: int = 1024) -> np.ndarray:
     """Edges of the EM output bins: ``n_out`` equal bins on ``[-b, 1 + b]``, inner edges on the lattice."""
     lo, hi = SQUARE_WAVE.output_range(eps)
@@ -529,7 +580,8 @@ def sw_em(reports, eps: float, *, n_out: int = 1024, n_in: int = 1024, smoothing
     Returns the probability mass of each of ``n_in`` equal input bins (sums to 1).
     Iterates ``theta <- theta * K^T (hist / K theta)``, normalised, with the exact
     :func:`sw_transition_matrix`; ``smoothing=True`` applies the binomial kernel after each
-    step (EMS). Stops when the L1 change is at most ``1 / len(reports)`` or, after two
+    step (EMS). The kernel is applied by :class:`SWKernel` (exact, no dense matrix). Stops
+    when the L1 change is at most ``1 / len(reports)`` or, after two
     iterations, when the log-likelihood improves by less than ``tolerance``, or after
     ``max_iterations`` (the reference code's rules). Post-processing: costs nothing.
 
@@ -543,20 +595,20 @@ def sw_em(reports, eps: float, *, n_out: int = 1024, n_in: int = 1024, smoothing
     True
     """
     reports = _as_array(reports)
-    kernel = sw_transition_matrix(eps, n_out, n_in)
+    kernel = SWKernel(eps, n_out, n_in)
     hist = sw_histogram(reports, eps, n_out)
     theta = np.full(n_in, 1.0 / n_in)
     previous_loglik = -np.inf
     for iteration in range(max_iterations):
         old = theta
-        theta = old * (kernel.T @ (hist / (kernel @ old)))
+        theta = old * kernel.adjoint(hist / kernel.forward(old))
         theta /= theta.sum()
         if smoothing:
             theta = _binomial_smooth(theta)
             theta /= theta.sum()
         if np.abs(theta - old).sum() <= 1.0 / reports.size:
             break
-        loglik = float(hist @ np.log(kernel @ theta))
+        loglik = float(hist @ np.log(kernel.forward(theta)))
         if iteration > 1 and abs(loglik - previous_loglik) < tolerance:
             break
         previous_loglik = loglik
@@ -566,11 +618,13 @@ def sw_em(reports, eps: float, *, n_out: int = 1024, n_in: int = 1024, smoothing
 def sw_w_prune(density, *, rule: str = "paper", fraction: float = 1e-4, run: int = 5) -> np.ndarray:
     """SW-W pruning of an estimated density whose upper tail should vanish (ToPS §4.1).
 
-    ``rule="paper"``: find the first bin ``w`` holding at least ``fraction`` of the mass
-    whose next ``run`` bins all hold less; zero every bin after ``w``. The paper's words
-    ("the first value w whose next 5 consecutive estimates are all below 0.01 %") leave
-    open whether ``w`` itself may be small; we require it not to be, so empty bins below
-    the data's support (e.g. no values near 0) cannot prune the whole density.
+    ``rule="paper"``: find the first bin ``w`` at or above the median bin, holding at least
+    ``fraction`` of the mass, whose next ``run`` bins all hold less; zero every bin after
+    ``w``. The paper's words ("the first value w whose next 5 consecutive estimates are
+    all below 0.01 %") leave open where "first" counts from. Counting from 0 lets empty
+    bins below the data's support, or EM ripples there (observed for a point mass at
+    ``eps = 2``), prune the whole distribution; SW-W exists to cut the *upper tail*, so
+    we count from the median and require ``w`` itself to hold mass.
     ``rule="code"`` reproduces the reference code: zero every bin below ``fraction`` of the
     mass, then zero everything from the start of the first run of ``run`` zero bins, then
     spread the removed mass equally over the remaining non-zero bins.
@@ -588,7 +642,9 @@ def sw_w_prune(density, *, rule: str = "paper", fraction: float = 1e-4, run: int
     small = density < fraction * total
     if rule == "paper":
         followed_by_small_run = np.lib.stride_tricks.sliding_window_view(small[1:], run).all(axis=1)
-        cut = np.flatnonzero(~small[:followed_by_small_run.size] & followed_by_small_run)
+        median_bin = int(np.searchsorted(np.cumsum(density), 0.5 * total))
+        candidate = ~small[:followed_by_small_run.size] & followed_by_small_run
+        cut = median_bin + np.flatnonzero(candidate[median_bin:])
         pruned = density.copy()
         if cut.size:
             pruned[cut[0] + 1:] = 0.0
