@@ -97,13 +97,20 @@ class BinaryTreeStream(StreamMachine):
         units = self._lap.to_units(np.clip(chunk, self.lower, self.upper))
         prefix = np.arange(self._rows + 1, self._rows + len(chunk) + 1, dtype=np.int64)
         prefix_noise = self._top_level_noise(prefix >> (self.levels - 1))
+        shifted, bit, node = (np.empty_like(prefix) for _ in range(3))  # reused by every level
         for level in range(self.levels - 1):
-            keys = prefix >> (level + 1)
+            np.right_shift(prefix, level, out=shifted)
+            np.bitwise_and(shifted, 1, out=bit)
+            shifted >>= 1  # the key of the left node at this level
+            last_key = int(shifted[-1])
             # Index 0 holds the last node seen before this chunk; new keys follow it.
             nodes = np.concatenate([[self._last_node_noise[level]],
-                                    self._lap.noise_units(self._noise, int(keys[-1]) - self._last_key[level])])
-            prefix_noise += ((prefix >> level) & 1) * nodes[keys - self._last_key[level]]
-            self._last_key[level] = int(keys[-1])
+                                    self._lap.noise_units(self._noise, last_key - self._last_key[level])])
+            shifted -= self._last_key[level]
+            np.take(nodes, shifted, out=node)
+            node *= bit
+            prefix_noise += node
+            self._last_key[level] = last_key
             self._last_node_noise[level] = int(nodes[-1])
         units += np.diff(prefix_noise, prepend=self._previous_prefix_noise)
         self._previous_prefix_noise = int(prefix_noise[-1])
