@@ -179,7 +179,7 @@ def _read_events(context: Context, plan: CountPlan):
                       else quoted)
     cur = plan.source.cursor(context.con)
     try:
-        table = cur.sql(f"SELECT {', '.join(select)} FROM {plan.source.sql}").fetch_arrow_table()
+        table = cur.sql(f"SELECT {', '.join(select)} FROM {plan.source.sql}").to_arrow_table()
     finally:
         cur.close()
     time = table.column(plan.time_col)
