@@ -26,7 +26,7 @@ def prefix_nodes(i, levels):
     nodes, start = set(), 0
     for level in reversed(range(levels)):
         size = 1 << level
-        while start + size <= i and (level == levels - 1 or not nodes or start % (2 * size) == 0):
+        while start + size <= i and (level == levels - 1 or start % (2 * size) == 0):
             nodes.add((level, start))
             start += size
     assert start == i

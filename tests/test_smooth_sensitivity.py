@@ -16,6 +16,7 @@ from dpsql.mechanisms.smooth_sensitivity import (
     smooth_sensitivity_quantile,
     smoothing_parameter,
 )
+from dpsql.noise import SeededNoise
 
 
 def literal_smooth_sensitivity(sorted_values, rank, b, upper, lower=0.0, reach=None):
@@ -47,23 +48,22 @@ def test_p4_oracle_two_sided_window(b, correct, code_variant):
 
 
 def test_matches_the_literal_formula_on_random_small_inputs():
-    rng = np.random.default_rng(0)  # test data only; no mechanism noise is drawn here
+    source = SeededNoise(0)
     for _ in range(300):
-        m = int(rng.integers(1, 25))
-        upper = float(rng.choice([1.0, 10.0, 100.0]))
-        if rng.random() < 0.5:
-            data = np.sort(rng.integers(0, int(upper) + 1, m).astype(float))  # with ties and values at the bounds
-        else:
-            data = np.sort(rng.random(m) * upper)
-        rank = int(rng.integers(0, m))
-        b = float(rng.choice([0.01, 0.1, 0.7, 3.0]))
+        pick_m, pick_upper, kind, pick_rank, pick_b = source.uniform(5)
+        m = 1 + int(pick_m * 24)
+        upper = [1.0, 10.0, 100.0][int(pick_upper * 3)]
+        # Half the cases are integers: ties and values at the bounds.
+        scaled = source.uniform(m) * (upper + 1 if kind < 0.5 else upper)
+        data = np.sort(np.floor(scaled) if kind < 0.5 else scaled)
+        rank = int(pick_rank * m)
+        b = [0.01, 0.1, 0.7, 3.0][int(pick_b * 4)]
         assert smooth_sensitivity_quantile(data, rank, b=b, upper=upper) == pytest.approx(
             literal_smooth_sensitivity(data, rank, b, upper), rel=1e-12)
 
 
 def test_matches_brute_force_on_a_larger_input():
-    rng = np.random.default_rng(1)
-    data = np.sort(np.round(rng.lognormal(2.0, 1.0, 1500), 1).clip(0, 200))
+    data = np.sort(np.round(np.exp(2.0 - np.log(SeededNoise(1).uniform(1500))), 1).clip(0, 200))
     lo = np.arange(0, 1502)[:, None]
     hi = np.arange(0, 1502)[None, :]
     x = np.concatenate([[0.0], data, [200.0]])
@@ -81,8 +81,7 @@ def test_lower_padding_is_used():
 
 
 def test_non_increasing_in_b():
-    rng = np.random.default_rng(2)
-    data = np.sort(rng.exponential(3.0, 400).clip(0, 50))
+    data = np.sort((-3.0 * np.log(SeededNoise(2).uniform(400))).clip(0, 50))
     values = [smooth_sensitivity_quantile(data, 390, b=b, upper=50.0) for b in np.geomspace(1e-3, 5.0, 30)]
     assert np.all(np.diff(values) <= 1e-12)
     assert values[0] > values[-1]
