@@ -46,11 +46,17 @@ class IndependentNoise(ErrorModel):
     """Independent noise per row with known per-row variances (e.g. per-value Laplace)."""
 
     def __init__(self, row_variance: np.ndarray | float, n: int, excess_kurtosis: float = 3.0):
-        row_variance = np.broadcast_to(np.asarray(row_variance, dtype=np.float64), (n,))
-        self._cumulative = np.concatenate([[0.0], np.cumsum(row_variance)])
+        row_variance = np.asarray(row_variance, dtype=np.float64)
+        # equal variances (the common case) need no O(n) prefix sums
+        self._equal = float(row_variance) if row_variance.ndim == 0 else None
+        if self._equal is None:
+            row_variance = np.broadcast_to(row_variance, (n,))
+            self._cumulative = np.concatenate([[0.0], np.cumsum(row_variance)])
         self.excess_kurtosis = excess_kurtosis
 
     def range_variance(self, starts, stops):
+        if self._equal is not None:
+            return (np.asarray(stops) - np.asarray(starts)) * self._equal
         return self._cumulative[stops] - self._cumulative[starts]
 
 
