@@ -18,7 +18,8 @@ constant ``u_0`` is ``initial_sum``. Predictions (per value, the paper's ``pred_
 * ``median``: ``median(u_0 .. u_{t-1}) / g`` (mean of the two middle values for even counts),
   kept with two heaps: one short Python step per block;
 * ``moving``: mean of the last ``window`` released sums (all of them while fewer exist) ``/ g``;
-* ``exponential``: ``e = u_0`` then ``e = alpha * u_j + (1 - alpha) * e``; ``pred = e / g``;
+* ``exponential``: ``e = u_0`` then ``e = alpha * u_j + (1 - alpha) * e``; ``pred = e / g``
+  (``MIN_ALPHA <= alpha <= 1``; the error model drops the oldest weights, < 1e-9 in total);
 * ``none`` (ablation, not predictive): every row of block ``t`` gets ``u_t / len_t``, so rows
   are only released when their block completes.
 
@@ -37,7 +38,10 @@ import numpy as np
 SMOOTHERS = ("recent", "mean", "median", "moving", "exponential", "none")
 
 #: Exponential weights below this fraction of the total are left out of the error model.
-_EXPONENTIAL_TAIL = 1e-12
+_EXPONENTIAL_TAIL = 1e-9
+#: Smallest exponential ``alpha``: its memory, and the exact error model's cost (quadratic in
+#: it), stay near 400 blocks; ``mean`` and ``moving`` serve longer memories.
+MIN_ALPHA = 0.05
 
 
 class BlockSmoother(ABC):
@@ -142,7 +146,7 @@ class Exponential(BlockSmoother):
 
     def _prediction_terms(self, blocks):
         """``e_{t-1} = sum_j w_j u_j`` with ``w_0 = (1-alpha)^(t-1)``, ``w_j = alpha (1-alpha)^(t-1-j)``,
-        kept for the last ``memory`` blocks (the rest weigh < 1e-12) and written as
+        kept for the last ``memory`` blocks (the rest weigh < 1e-9 together) and written as
         ``sum_j w_j (U(j+1) - U(j)) = sum_p (w_{p-1} - w_p) U(p)``."""
         decay = 1.0 - self.alpha
         back = np.arange(self._memory + 1)
@@ -212,7 +216,14 @@ class Unsmoothed(BlockSmoother):
 
 
 def make_smoother(name: str, *, block: int, initial_sum: float, window: int, alpha: float) -> BlockSmoother:
-    """The smoother ``name`` (one of :data:`SMOOTHERS`; validated by the caller)."""
+    """The smoother ``name`` (one of :data:`SMOOTHERS`; validated by the caller).
+
+    Examples
+    --------
+    >>> smoother = make_smoother("mean", block=4, initial_sum=8.0, window=1, alpha=1.0)
+    >>> smoother.first_prediction, smoother.predict(np.array([4.0, 12.0])).tolist()
+    (2.0, [1.0, 2.0])
+    """
     if name == "moving":
         return Moving(block, initial_sum, window)
     if name == "exponential":

@@ -36,7 +36,7 @@ from dpsql.errors import InvalidParameter
 from dpsql.mechanisms import LaplaceLattice
 from dpsql.mechanisms.hierarchy import BlockStreamNoise, Forest, smoothing_depth, tree_height
 from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_threshold
-from dpsql.mechanisms.smoothers import SMOOTHERS, make_smoother
+from dpsql.mechanisms.smoothers import MIN_ALPHA, SMOOTHERS, make_smoother
 from dpsql.noise import NoiseSource
 from dpsql.release import StreamMachine
 from dpsql.streams.holdout import ThresholdedStream
@@ -51,9 +51,9 @@ def _check_hierarchy_options(*, fanout, consistency, smoother, window, alpha):
         raise InvalidParameter(f"consistency must be True or False, got {consistency!r}")
     smoother = _validate.choice(smoother, "smoother", SMOOTHERS)
     window = _validate.integer(window, "window", minimum=1)
-    alpha = _validate.real(alpha, "alpha", minimum=0.0, strict=True)
-    if alpha > 1:
-        raise InvalidParameter(f"alpha must satisfy 0 < alpha <= 1, got {alpha!r}")
+    alpha = _validate.real(alpha, "alpha")
+    if not MIN_ALPHA <= alpha <= 1:
+        raise InvalidParameter(f"alpha must satisfy {MIN_ALPHA} <= alpha <= 1, got {alpha!r}")
     return fanout, consistency, smoother, window, alpha
 
 
@@ -65,8 +65,13 @@ class HierarchyStream(StreamMachine):
     (16); ``consistency`` (True; False releases each leaf's own noise, so upper levels are
     spent but unused: the ablation of consistency for a per-row release); ``smoother`` (one
     of :data:`dpsql.mechanisms.smoothers.SMOOTHERS`, default ``"recent"``) with ``window``
-    (moving, default 8) and ``alpha`` (exponential, default 0.6, the reference code's);
-    ``depth`` overrides Eq. 7's ``s`` (``0 <= depth < h``).
+    (moving, default 8) and ``alpha`` (exponential, default 0.6, the reference code's; at least
+    0.05); ``depth`` overrides Eq. 7's ``s`` (``0 <= depth < h``).
+
+    Error model (:class:`dpsql.mechanisms.hierarchy.BlockStreamNoise`): every smoother except
+    ``median`` is linear in the block sums, so range-sum variances are exact (the rounding of
+    the consistent noise to the lattice, at most ``gamma / 2`` per block, aside); for ``median``
+    they are exact given the released positions of the medians (a plug-in).
 
     Examples
     --------
