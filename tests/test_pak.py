@@ -56,6 +56,10 @@ def test_threshold_is_pak_threshold_of_the_holdout_and_the_stream_is_the_binary_
     tree = DyadicPrefixNoise(LaplaceLattice(tau, 1.0 / tree_levels(rest)).variance, tree_levels(rest))
     starts, stops = np.array([m, m + 5, m + 1000]), np.array([m + 7, len(LIGHT), m + 77_777])
     np.testing.assert_allclose(rel.range_variance(starts, stops), tree.range_variance(starts - m, stops - m))
+    # ALGORITHMS.md §3.6: Var(c(i) - c_hat(i)) = popcount(i - m) node variances + the hold-out total's.
+    for k in (1, 2, 7, 1000, 65_535, rest):
+        assert rel.range_variance(0, m + k) == pytest.approx(holdout_var + bin(k).count("1") * tree.range_variance(
+            np.array([0]), np.array([1]))[0])
     # A range straddling the boundary adds both parts.
     assert rel.range_variance(m - 10, m + 7) == pytest.approx(holdout_var * (10 / m) ** 2 + tree.range_variance(
         np.array([0]), np.array([7]))[0])
