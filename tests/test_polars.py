@@ -393,3 +393,54 @@ def test_partition_by_without_order_by_is_refused():
     with pytest.raises(dpsql.InvalidParameter, match="partition_by needs order_by"):
         dpsql.polars._machinery.private_expression(pl.col("kwh"), None, order_by=None, partition_by="meter",
                                                    output=None, return_dtype=pl.Float64)
+
+
+# -- the paper methods and the threshold through the front end ----------------------------
+
+@pytest.mark.parametrize(("method", "params"), [
+    ("tops", dict(epsilon=1.0, upper=30.0, m=200)),
+    ("pak", dict(epsilon=1.0, upper=30.0, delta=1e-6, m=200)),
+    ("binary_tree", dict(epsilon=1.0, upper=30.0)),
+])
+def test_paper_methods_pass_parameters_through_and_match_publish(method, params):
+    frame = shuffled_frame(n=1200, partitions=2, seed=12)
+    budget = dpsql.Budget.in_memory(epsilon=5.0, delta=1e-3)
+    with dpsql.testing.seeded(21):
+        out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(method=method, order_by="ts", partition_by="meter",
+                                                                  budget=budget, **params))
+    ordered = out.sort("meter", "ts")
+    with dpsql.testing.seeded(21):
+        oracle = publish(method, ordered["kwh"].to_numpy(), partition_offsets=[0, 600, 1200], **params)
+    np.testing.assert_array_equal(ordered["dp"].to_numpy(), oracle.values)
+    assert budget.spent == (oracle.epsilon, oracle.delta) and charges(budget) == 1
+
+
+def test_tree_method_window_variance_matches_empirical_variance():
+    frame = shuffled_frame(n=256, seed=13)
+    sums, variances = [], None
+    for seed in range(300):
+        with dpsql.testing.seeded(seed):
+            out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(method="binary_tree", epsilon=1.0, upper=12.0,
+                                                                      order_by="ts", errors=True))
+        rel = dpsql.polars._machinery.release_for_key(out["dp"].struct.field("release")[0])
+        windows = np.array([[0, 256], [3, 200], [100, 101], [17, 90]])
+        sums.append(rel.range_sum(windows[:, 0], windows[:, 1]))
+        variances = dpsql.polars.range_variance(rel, windows[:, 0], windows[:, 1])
+    empirical = np.var(np.array(sums), axis=0)
+    np.testing.assert_allclose(empirical / variances, 1.0, atol=0.25)
+    assert variances[1] < 153 * variances[2]  # correlated: far below the sum of per-row variances
+
+
+def test_threshold_is_one_scalar_charged_once():
+    frame = pl.DataFrame({"kwh": np.linspace(0.0, 9.0, 3000)})
+    budget = dpsql.Budget.in_memory(epsilon=2.0)
+    with dpsql.testing.seeded(2):
+        out = frame.lazy().select(pl.col("kwh").dpsql.threshold(epsilon=1.0, upper=10.0, estimator="nm",
+                                                                budget=budget)).collect()
+    with dpsql.testing.seeded(2):
+        oracle = publish("threshold", frame["kwh"].to_numpy(), epsilon=1.0, upper=10.0, estimator="nm")
+    assert out.shape == (1, 1) and out.item() == oracle.values[0]
+    assert budget.spent == (1.0, 0.0)
+    with pytest.raises(dpsql.InvalidParameter, match="'nope'"):
+        frame.select(pl.col("kwh").dpsql.threshold(epsilon=1.0, upper=10.0, estimator="nope", budget=budget))
+    assert charges(budget) == 1

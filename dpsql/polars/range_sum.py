@@ -128,13 +128,19 @@ def threshold(value: pl.Expr, *, order_by=None, budget=None, note: str | None = 
     ``(epsilon, delta)`` for the smooth-sensitivity PAK threshold), replace-one-value
     neighbours, charged once per evaluation. Values outside ``[lower, upper]`` are clipped.
 
+    Parameters are the threshold method's (``epsilon``, ``upper``, ``lower``,
+    ``estimator="nm"|"pak"``, ``delta``, ...), passed through unchanged. Partitions are
+    not offered: a scalar expression has one value per frame.
+
     Examples
     --------
     >>> import polars as pl, dpsql, dpsql.polars
     >>> df = pl.DataFrame({"kwh": [float(v % 7) for v in range(2000)]})
-    >>> with dpsql.testing.seeded(1):   # doctest: +SKIP
-    ...     df.select(pl.col("kwh").dpsql.threshold(epsilon=1.0, upper=10.0)).item() <= 10.0
-    True
+    >>> budget = dpsql.Budget.in_memory(epsilon=1.0)
+    >>> with dpsql.testing.seeded(1):
+    ...     theta = df.select(pl.col("kwh").dpsql.threshold(epsilon=1.0, upper=10.0, budget=budget)).item()
+    >>> 0.0 < theta <= 10.0, budget.spent
+    (True, (1.0, 0.0))
     """
     check_method("threshold")
     check_budget(budget)
