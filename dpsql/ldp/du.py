@@ -325,7 +325,8 @@ class DeviceEncoder:
     data units (``lower + (upper - lower) * x'``): for the segment methods one report
     per completed segment, for BA-SW one per slot (the value in force). Privacy and
     clipping as in the module docstring; the encoder never touches a ledger: the
-    device is the data owner.
+    device is the data owner. A trailing partial segment is never sent (the collector
+    repeats the last report over it), so the device need not know its stream's length.
 
     Examples
     --------
@@ -647,7 +648,9 @@ def pp_s(values, *, epsilon: float, w: int, lower: float, upper: float, budget=N
     default CAPP) over segment means, each report replicated over its segment.
 
     ``n_s`` samples per query of ``qlen`` slots (default ``w``) by Eq. 12 with the
-    sigma^4-corrected Eq. 13 (:func:`choose_ns`). Cost: ``epsilon`` under w-event LDP with
+    sigma^4-corrected Eq. 13 (:func:`choose_ns`, evaluated at ``epsilon / n`` per sample as
+    the paper does, in both accountings; the budget actually used per report is
+    ``epsilon_report``). Cost: ``epsilon`` under w-event LDP with
     ``epsilon_report = epsilon / (ceil((w-1)/L) + 1 + memory)`` (strict; ``L`` the
     segment length, ``memory`` in reports, default ``n_s``) or ``epsilon / ceil(w/L)``
     (paper, seeded test noise only). Values are clipped to ``[lower, upper]``.
