@@ -138,6 +138,15 @@ def estimate_threshold(sw_reports, *, bound: float, threshold_epsilon: float, ep
 
     ``pruning="none"`` is the paper's "SW" baseline (EM without pruning). Post-processing
     of the reports: costs nothing beyond the reports themselves.
+
+    Examples
+    --------
+    >>> import dpsql
+    >>> with dpsql.testing.seeded(1) as source:
+    ...     reports = SQUARE_WAVE.perturb(np.full(20_000, 0.25), 2.0, source)
+    >>> theta = estimate_threshold(reports, bound=100.0, threshold_epsilon=2.0, epsilon=1.0, r=10_000, n_bins=128)
+    >>> 20.0 <= theta <= 30.0
+    True
     """
     density = sw_em(sw_reports, threshold_epsilon, n_out=n_bins, n_in=n_bins)
     if pruning != "none":
@@ -148,12 +157,25 @@ def estimate_threshold(sw_reports, *, bound: float, threshold_epsilon: float, ep
 
 
 def estimate_holdout(sw_reports, *, bound: float, threshold_epsilon: float) -> np.ndarray:
-    """Unbiased estimates (above ``lower``) of the clipped hold-out values from their SW reports."""
+    """Unbiased estimates (above ``lower``) of the clipped hold-out values from their SW reports.
+
+    Examples
+    --------
+    >>> b, p, q = SQUARE_WAVE.constants(1.0)
+    >>> float(estimate_holdout(np.array([q * (1 + 2 * b) / 2]), bound=10.0, threshold_epsilon=1.0)[0])
+    0.0
+    """
     return bound * SQUARE_WAVE.debias(sw_reports, threshold_epsilon)
 
 
 def estimate_stream(hm_reports, *, threshold: float) -> np.ndarray:
-    """Unbiased estimates (above ``lower``) of the values clipped at ``threshold`` from their HM reports."""
+    """Unbiased estimates (above ``lower``) of the values clipped at ``threshold`` from their HM reports.
+
+    Examples
+    --------
+    >>> estimate_stream(np.array([-1.0, 0.0, 1.0]), threshold=4.0).tolist()
+    [0.0, 2.0, 4.0]
+    """
     return (np.asarray(hm_reports, dtype=np.float64) + 1.0) * threshold / 2.0
 
 

@@ -63,7 +63,13 @@ W_EVENT_LDP_NEIGHBOUR = ("local: one user's values replaced arbitrarily within a
 
 
 def lattice_spacing(width: float) -> float:
-    """Power-of-two cell width for an output interval of ``width`` (public)."""
+    """Power-of-two cell width for an output interval of ``width`` (public).
+
+    Examples
+    --------
+    >>> lattice_spacing(1.5) == 2.0**-20
+    True
+    """
     return 2.0 ** (math.floor(math.log2(width)) - LDP_LATTICE_BITS)
 
 
@@ -484,6 +490,12 @@ def sw_transition_matrix(eps: float, n_out: int = 1024, n_in: int = 1024) -> np.
     overlap term averaged over ``v`` in ``[c1, c2]`` integrates in closed form to
     ``(R(a+b-c1) - R(a+b-c2) - R(a-b-c1) + R(a-b-c2)) / (c2 - c1)``, ``R(t) = max(t, 0)^2 / 2``.
     Columns sum to 1 (up to rounding).
+
+    Examples
+    --------
+    >>> kernel = sw_transition_matrix(1.0, n_out=8, n_in=4)
+    >>> kernel.shape, bool(np.allclose(kernel.sum(axis=0), 1.0))
+    ((8, 4), True)
     """
     b, p, q = SQUARE_WAVE.constants(eps)
     edges = sw_output_edges(eps, n_out)[:, None]
@@ -510,6 +522,12 @@ class SWKernel:
     below ``s`` is a quadratic in ``s`` with prefix-summed coefficients. ``K^T y`` is the
     same construction with the roles of input and output edges swapped. Exact (to
     rounding) and independent of any BLAS threading, which matters on a busy machine.
+
+    Examples
+    --------
+    >>> theta = np.linspace(1.0, 2.0, 16)
+    >>> bool(np.allclose(SWKernel(1.0, 32, 16).forward(theta), sw_transition_matrix(1.0, 32, 16) @ theta))
+    True
     """
 
     def __init__(self, eps: float, n_out: int = 1024, n_in: int = 1024):
@@ -551,7 +569,14 @@ class SWKernel:
 
 
 def sw_output_edges(eps: float, n_out: int = 1024) -> np.ndarray:
-    """Edges of the EM output bins: ``n_out`` equal bins on ``[-b, 1 + b]``, inner edges on the lattice."""
+    """Edges of the EM output bins: ``n_out`` equal bins on ``[-b, 1 + b]``, inner edges on the lattice.
+
+    Examples
+    --------
+    >>> edges = sw_output_edges(1.0, 4)
+    >>> bool(edges[0] == -SQUARE_WAVE.constants(1.0).b), bool(np.all(np.mod(edges[1:-1], 2.0**-20) == 0))
+    (True, True)
+    """
     lo, hi = SQUARE_WAVE.output_range(eps)
     g = lattice_spacing(hi - lo)
     edges = np.linspace(lo, hi, n_out + 1)
@@ -560,7 +585,13 @@ def sw_output_edges(eps: float, n_out: int = 1024) -> np.ndarray:
 
 
 def sw_histogram(reports, eps: float, n_out: int = 1024) -> np.ndarray:
-    """Counts of SW reports in the EM output bins of :func:`sw_output_edges`."""
+    """Counts of SW reports in the EM output bins of :func:`sw_output_edges`.
+
+    Examples
+    --------
+    >>> sw_histogram(np.array([-0.2, 0.5, 0.51, 1.2]), 1.0, n_out=3).tolist()
+    [1.0, 2.0, 1.0]
+    """
     inner = sw_output_edges(eps, n_out)[1:-1]
     return np.bincount(np.searchsorted(inner, _as_array(reports), side="right"), minlength=n_out).astype(np.float64)
 
