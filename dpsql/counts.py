@@ -142,10 +142,9 @@ class TimeDomain:
 
     def buckets(self, ticks: np.ndarray) -> np.ndarray:
         """Bucket index of every time, ``-1`` outside ``[start, stop)``."""
-        inside = (ticks >= self.start) & (ticks < self.stop)
-        out = np.full(ticks.shape, -1, dtype=np.int64)
-        out[inside] = ((ticks[inside] - self.start) // self.every).astype(np.int64)
-        return out
+        offset = ticks - self.start
+        inside = (offset >= 0) & (ticks < self.stop)
+        return np.where(inside, offset // self.every, -1).astype(np.int64, copy=False)
 
 
 def time_domain(*, start, stop, every) -> TimeDomain:
@@ -214,10 +213,11 @@ def _ticks(times, column: str, domain: TimeDomain) -> np.ndarray:
     if domain.datetime:
         if arr.dtype.kind != "M":
             raise InvalidData(f"column {column!r} must hold datetimes for datetime bounds, got dtype {arr.dtype}")
-        arr = arr.astype("datetime64[ns]")
-        if np.isnat(arr).any():
-            raise InvalidTimeKey(f"column {column!r} contains {int(np.isnat(arr).sum())} null time(s)")
-        return arr.astype(np.int64)
+        arr = arr.astype("datetime64[ns]", copy=False)
+        nulls = int(np.isnat(arr).sum())
+        if nulls:
+            raise InvalidTimeKey(f"column {column!r} contains {nulls} null time(s)")
+        return arr.view(np.int64)
     if arr.dtype.kind == "M":
         raise InvalidData(f"column {column!r} holds datetimes: give start/stop as datetimes and every as a duration")
     return _validate.values(arr, column) if arr.size else arr.astype(np.float64)

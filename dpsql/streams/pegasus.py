@@ -187,7 +187,7 @@ class PegasusStream(StreamMachine):
         thresholds = np.concatenate([carried.thresholds, self._svt.thresholds(self.theta, self._noise, size)])
         query_units = np.concatenate([carried.query_units, self._svt.query_noise_units(self._noise, size)])
         starts, open_from = partition(true, thresholds, query_units, self._svt, tested=len(carried.true))
-        group_start = _group_start_per_row(starts, len(true))
+        group_start = group_start_per_row(starts, len(true))
         estimates = smooth(self._perturber.from_units(units), group_start, self.smoother)
         new_starts = starts[1:] if len(carried.true) else starts
         self._group_starts.append(new_starts + self._offset)
@@ -305,7 +305,12 @@ def _first_above_long(true, threshold, query_units, svt: AboveThreshold, s: int,
     return m
 
 
-def _group_start_per_row(starts: np.ndarray, m: int) -> np.ndarray:
+def group_start_per_row(starts: np.ndarray, m: int) -> np.ndarray:
+    """The start of each row's group, from the sorted group starts of ``m`` rows.
+
+    >>> group_start_per_row(np.array([0, 3, 4]), 6).tolist()
+    [0, 0, 0, 3, 4, 4]
+    """
     lengths = np.diff(np.append(starts, m))
     return np.repeat(starts, lengths)
 
