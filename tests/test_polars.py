@@ -78,7 +78,7 @@ def test_module_function_equals_namespace_method():
 
 @pytest.mark.parametrize("engine", ["eager", "in-memory", "streaming"])
 def test_one_charge_per_evaluation_on_every_engine(engine):
-    frame = shuffled_frame(n=20_000, partitions=3)
+    frame = shuffled_frame(n=300_000, partitions=3)  # several streaming morsels
     budget = dpsql.Budget.in_memory(epsilon=10.0)
     expr = pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", budget=budget, **LAPLACE)
     with dpsql.testing.seeded(1):
@@ -86,10 +86,11 @@ def test_one_charge_per_evaluation_on_every_engine(engine):
             out = frame.with_columns(dp=expr)
         else:
             out = frame.lazy().with_columns(dp=expr).filter(pl.col("ts") > 0).collect(engine=engine)
-    assert out.height == 20_000 and out["dp"].null_count() == 0
-    assert budget.spent == (0.5, 0.0)
-    history = budget.history()
-    assert history["partitions"].to_list() == [3] and history["rows"].to_list() == [20_000]
+        head = frame.lazy().with_columns(dp=expr).head(5).collect(engine="auto" if engine == "eager" else engine)
+    assert out.height == 300_000 and out["dp"].null_count() == 0 and head.height == 5
+    assert budget.spent == (1.0, 0.0)
+    history = budget.history()  # the head() query released every row too: no slice reaches the release
+    assert history["partitions"].to_list() == [3, 3] and history["rows"].to_list() == [300_000, 300_000]
 
 
 def test_collecting_a_lazy_query_twice_draws_fresh_noise_and_charges_twice():
@@ -205,6 +206,14 @@ def test_bad_parameters_are_refused_at_evaluation_and_nothing_is_charged(params,
     with pytest.raises(dpsql.InvalidParameter, match=text):
         frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", method="laplace", budget=budget,
                                                    **{"upper": 10.0, **params}))
+    assert charges(budget) == 0
+
+
+def test_unknown_method_parameters_are_refused_before_any_charge():
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
+    with pytest.raises(dpsql.InvalidParameter, match=r"unknown parameter.*'epsilonn'"):
+        shuffled_frame(n=20).select(pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, epsilonn=1.0,
+                                                                  **LAPLACE))
     assert charges(budget) == 0
 
 
@@ -333,6 +342,19 @@ def test_bucket_intervals_match_release_range_ci():
     np.testing.assert_allclose(part0["dp_low"].to_numpy(), low)
     np.testing.assert_allclose(part0["dp_high"].to_numpy(), high)
     assert daily.columns == ["meter", "ts", "dp_sum", "dp_low", "dp_high"]
+
+
+def test_interval_functions_work_on_lazy_frames_with_one_release():
+    frame = shuffled_frame(n=120)
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
+    lazy = frame.lazy().with_columns(dp=pl.col("kwh").dpsql.range_sum(order_by="ts", errors=True, budget=budget,
+                                                                      **LAPLACE))
+    with dpsql.testing.seeded(1):
+        windows = dpsql.polars.window_ci(lazy, "dp", order_by="ts", period=70).collect()
+    with dpsql.testing.seeded(1):
+        eager = dpsql.polars.window_ci(lazy.collect(), "dp", order_by="ts", period=70)
+    assert windows.drop("dp").equals(eager.drop("dp"))
+    assert charges(budget) == 2
 
 
 def test_interval_functions_refuse_bad_levels_and_forgotten_releases():
