@@ -20,9 +20,11 @@ back to the rows' physical order. What that guarantees, and why:
   in a query only once (CSE); then both columns hold the same draw and it is charged
   once. Either way, charges equal independent draws.
 
-``rolling(...).agg(...)`` keeps the struct name, so it is not detected; it is
-refused by nothing but its cost (one charge per window). Use Polars' rolling
-functions on the released column instead: that is free post-processing.
+Known gap: ``DataFrame.rolling(...).agg(...)`` and ``Expr.rolling(...)`` hand the UDF
+one window at a time *with* the struct name, so they are not detected. Each window
+is then a separate release, charged separately: the accounting stays honest (one
+charge per draw) but the budget is spent once per row. Release first, then use
+Polars' rolling functions on the released column: that is free post-processing.
 """
 
 from __future__ import annotations
