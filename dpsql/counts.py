@@ -20,7 +20,11 @@ weighting each counted event by ``1/k`` instead would release the same stream di
 by ``k``.
 
 Partitions are disjoint (one event, one partition), so their streams compose in
-parallel: a partitioned release costs ``epsilon`` once. Partition keys are treated as
+parallel: a partitioned release costs ``epsilon`` once. A unit's capped events may fall
+in several partitions of one bucket; the changes of those counts add up to at most
+``k``, and both the Laplace Perturber and the sparse-vector Grouper lose privacy in
+proportion to the change they see (the SVT proof shifts the threshold by the actual
+query change), so the partitions together still cost ``epsilon``. Partition keys are treated as
 public: the set of keys released is the set present in the events.
 """
 

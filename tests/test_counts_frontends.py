@@ -11,6 +11,7 @@ import pytest
 
 import dpsql
 import dpsql.duckdb
+import dpsql.polars  # the .dpsql namespace
 from dpsql import testing
 from dpsql.counts import release_event_counts
 
@@ -194,3 +195,16 @@ def test_sql_numeric_time_domain():
         out = con.sql("SELECT t, dp_count FROM dp_count_stream('nums', 't', every := 2, start := 0, stop := 6, "
                       "epsilon := 1e9, theta := 1.0)").fetchall()
     assert out == [(0.0, 1.0), (2.0, 2.0), (4.0, 0.0)]
+
+
+def test_bucketed_counts_release_through_the_generic_expression_and_macro(con, budget):
+    frame = pl.DataFrame({"ts": list(range(50)), "n": [3.0] * 50, "ap": ["x", "y"] * 25})
+    with testing.seeded(9):
+        out = frame.with_columns(pl.col("n").dpsql.range_sum(method="pegasus", epsilon=0.5, order_by="ts",
+                                                              partition_by="ap", smoother="average"))
+    assert out.height == 50 and abs(out["n"].mean() - 3.0) < 2.0
+    con.execute("CREATE TABLE counts AS SELECT * FROM frame")
+    with testing.seeded(9):
+        rows = con.sql("SELECT * FROM dp_range_sum('counts', 'ts', 'n', method := 'pegasus', epsilon := 0.5, "
+                       "partition_by := 'ap')").fetchall()
+    assert len(rows) == 50 and budget.spent == (0.5, 0.0)
