@@ -447,6 +447,9 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
         levels += [level] * b.counts.shape[0]
         for name in names:
             key_rows[name].append(b.keys[name] if name in b.keys else np.full(b.counts.shape[0], None))
+    if hierarchy:
+        levels_note = f"hierarchy of {len(level_columns)} levels at epsilon / {len(level_columns)} each"
+        note = f"{note}; {levels_note}" if note else levels_note
     counts = np.concatenate(blocks).astype(np.float64)
     partitioned = counts.shape[0] > 1
     offsets = np.arange(counts.shape[0] + 1) * domain.n_buckets if partitioned else None

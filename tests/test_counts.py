@@ -140,6 +140,7 @@ def test_hierarchy_levels_share_epsilon_and_ledger_equals_epsilon():
                                        keys={"building": building, "floor": floor, "room": room},
                                        hierarchy=True, budget=budget)
         assert budget.spent == (epsilon, 0.0) and len(budget.history()) == 1
+        assert budget.history()["note"][0] == "hierarchy of 3 levels at epsilon / 3 each"
         assert out.release.epsilon == epsilon
         parts = out.parts()
         assert {p.epsilon for p in parts} == {dpsql.streams.pegasus.largest_share(epsilon, epsilon / 3, count=3)}
