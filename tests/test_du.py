@@ -474,3 +474,17 @@ def test_capp_beats_sw_direct_on_subsequence_means_in_strict_mode():
         streams = _users(method, x, 2000, 31, epsilon=0.5, w=10, lower=0.0, upper=1.0, sma=1)
         mse[method] = du.subsequence_mean_mse(streams, x, starts, starts + 10)
     assert mse["capp"] < 0.95 * mse["sw_direct"]
+
+
+def test_debiased_sw_direct_is_unbiased_and_feedback_methods_are_refused():
+    x = np.linspace(0.0, 100.0, 40)
+    streams = _users("sw_direct", x, 4000, 41, epsilon=2.0, w=2, lower=0.0, upper=100.0)
+    estimate = du.debias(streams, lower=0.0, upper=100.0, epsilon_report=1.0)
+    b, p, q = SQUARE_WAVE.constants(1.0)
+    se = np.sqrt(100.0**2 * SQUARE_WAVE.worst_variance(1.0) / (2 * b * (p - q)) ** 2 / 4000)
+    assert np.all(np.abs(estimate.mean(axis=0) - x) < 4.5 * se)
+    assert np.abs(streams.mean(axis=0) - x).max() > 10 * se  # the raw reports are biased
+    with seeded(0):
+        rel = dpsql.ldp.capp(x, epsilon=1.0, w=2, lower=0.0, upper=100.0)
+    with pytest.raises(InvalidParameter, match="debiasing"):
+        du.debiased_slot_values(rel)

@@ -698,6 +698,36 @@ def slot_values(release) -> np.ndarray:
     return published_stream(release.reports, report_lengths(release), len(release.values))
 
 
+def debiased_slot_values(release) -> np.ndarray:
+    """Per-slot unbiased estimates of the true values from a release WITHOUT feedback
+    (``sw_direct``, ``sampling``): each raw SW report mapped back by the inverse of its
+    mean, ``(y - q(1 + 2b)/2) / (2b(p - q))`` (P8), in data units. Post-processing, free.
+    Raw SW reports are pulled towards the middle of ``[lower, upper]``; this removes that
+    pull at the price of a variance larger by ``1 / (2b(p - q))^2``. For the feedback
+    methods no per-report inverse exists (their inputs depend on past reports).
+
+    Examples
+    --------
+    >>> import numpy as np, dpsql
+    >>> with dpsql.testing.seeded(0):
+    ...     rel = dpsql.ldp.sw_direct(np.full(20000, 10.0), epsilon=2.0, w=1, lower=0.0, upper=100.0)
+    >>> round(float(slot_values(rel).mean())), round(float(debiased_slot_values(rel).mean()))
+    (27, 10)
+    """
+    if release.method not in ("sw_direct", "sampling"):
+        raise InvalidParameter(f"debiasing needs independent SW reports (sw_direct, sampling), not {release.method!r}")
+    params = release.params
+    return debias(slot_values(release), lower=params["lower"], upper=params["upper"],
+                  epsilon_report=params["epsilon_report"])
+
+
+def debias(reports, *, lower: float, upper: float, epsilon_report: float) -> np.ndarray:
+    """Raw SW reports in data units -> unbiased estimates of their inputs (see
+    :func:`debiased_slot_values`)."""
+    unit = (np.asarray(reports, dtype=np.float64) - lower) / (upper - lower)
+    return lower + (upper - lower) * SQUARE_WAVE.debias(unit, epsilon_report)
+
+
 def report_view(release) -> tuple[np.ndarray, np.ndarray]:
     """Per slot of a release (or of every partition of a partitioned one, concatenated):
     the raw report covering it and that report's 0-based index in its user's stream.
