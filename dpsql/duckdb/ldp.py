@@ -9,8 +9,10 @@ SQL surface (installed by :func:`dpsql.duckdb.register`):
     order ``order_col``), as a trusted ingestion gateway would or to simulate
     collection, and publishes the collector's stream. Cost: ``epsilon`` under w-event
     LDP per user (notion ``"w-event-ldp"`` with the given ``w``; neighbours: one user's
-    values in any ``w`` consecutive slots), one release charged once to a w-event-LDP
-    ledger scope: users are disjoint, so the charge is the maximum over users. Values
+    values in any ``w`` consecutive slots), one release charged once to the budget the
+    connection was registered with, which must be a w-event-LDP scope with the same
+    ``w`` (else ``NotionMismatch``, nothing charged): users are disjoint, so the charge
+    is the maximum over users. Values
     outside ``[lower, upper]`` are clipped (part of the mechanism). Every method
     parameter (``accounting``, ``memory``, ``bounds_mode``, ``clip_delta``, ``qlen``,
     ``n_s``, ``base``, ``sma``, ``align``) is a named parameter; NULL means the default.
