@@ -76,6 +76,10 @@ def machine_for(method: str, n: int, source: noise.NoiseSource, params: dict) ->
         known = sorted(set(accepted) - {"n", "noise"})
         raise InvalidParameter(f"unknown parameter(s) {', '.join(map(repr, unknown))} for method {method!r}; "
                                f"expected {', '.join(map(repr, known))}")
+    missing = [name for name, p in accepted.items()
+               if p.kind is p.KEYWORD_ONLY and p.default is p.empty and name not in params and name != "noise"]
+    if missing:
+        raise InvalidParameter(f"missing required parameter(s) {', '.join(map(repr, missing))} for method {method!r}")
     return factory(n, noise=source, **params)
 
 

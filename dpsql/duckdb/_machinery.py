@@ -342,10 +342,12 @@ def read_ordered(context: Context, plan: Plan) -> Ordered:
     key_cols = [c for c in (plan.partition_by, plan.order_col) if c is not None]
     select = [f"{_as_held(quote_ident(c), plan.key_types[c])} AS {quote_ident(c)}" for c in key_cols]
     select.append(quote_ident(plan.value_col))
-    order = f" ORDER BY {', '.join(map(quote_ident, key_cols))}" if key_cols else ""
+    # Qualified, so that keys held as VARCHAR are still sorted by their own type.
+    order = f" ORDER BY {', '.join('dp__source.' + quote_ident(c) for c in key_cols)}" if key_cols else ""
     cur = plan.source.cursor(context.con)
     try:
-        reader = cur.sql(f"SELECT {', '.join(select)} FROM {plan.source.sql}{order}").to_arrow_reader(BATCH_ROWS)
+        query = f"SELECT {', '.join(select)} FROM {plan.source.sql} AS dp__source{order}"
+        reader = cur.sql(query).to_arrow_reader(BATCH_ROWS)
         chunks: dict[str, list] = {c: [] for c in [*key_cols, plan.value_col]}
         boundaries = [np.zeros(1, dtype=np.int64)]
         checker = _KeyChecker(plan.order_col, plan.partition_by)

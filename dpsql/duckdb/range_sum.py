@@ -43,7 +43,7 @@ import inspect
 import numpy as np
 import pyarrow as pa
 
-from dpsql import api
+from dpsql import api, streams  # noqa: F401  (registers the methods)
 from dpsql.duckdb._machinery import (
     RELEASE_COLUMN,
     Context,
@@ -52,7 +52,6 @@ from dpsql.duckdb._machinery import (
     describe,
     error_models,
     install_stream_release,
-    method_parameters,
     params_struct,
     parse_params,
     planned,
@@ -69,6 +68,8 @@ from dpsql.errors import InvalidParameter
 from dpsql.release import _quantile_multiplier
 
 THRESHOLD_METHOD = "threshold"
+#: The core threshold method's parameter that SQL calls ``method``.
+ESTIMATOR = "estimator"
 
 
 def install(con, context: Context) -> None:
@@ -123,8 +124,8 @@ def _install_error_bars(context: Context) -> None:
 
 
 def _install_threshold(context: Context) -> None:
-    estimator = _estimator_parameter()
-    names = method_parameters(exclude=("method", estimator))
+    names = [n for n in inspect.signature(api.METHODS[THRESHOLD_METHOD]).parameters
+             if n not in ("n", "noise", ESTIMATOR)]
 
     def plan(table, value_col, method, params_json):
         value_col = column_name(value_col, "value_col")
@@ -134,7 +135,7 @@ def _install_threshold(context: Context) -> None:
         require_numeric(columns, value_col)
         params = parse_params(params_json)
         if method is not None:
-            params[estimator] = method
+            params[ESTIMATOR] = method
         token = str(context.next_id())
         context.plans[token] = Plan(source=source, value_col=value_col, order_col=None, partition_by=None,
                                     method=THRESHOLD_METHOD, params=params,
@@ -156,13 +157,3 @@ def _install_threshold(context: Context) -> None:
     defaults = ", ".join(f"{quote_ident(n)} := NULL" for n in names)
     context.macro(f"dp_threshold(tbl, value_col, method := 'nm', {defaults}) "
                   f"AS TABLE FROM query(dp__plan_threshold(tbl, value_col, method, {params_struct(names)}))")
-
-
-def _estimator_parameter() -> str:
-    """The core threshold method's name for its estimator choice (SQL's ``method``)."""
-    factory = api.METHODS.get(THRESHOLD_METHOD)
-    if factory is None:
-        return "estimator"
-    names = [p for p in inspect.signature(factory).parameters if p in ("estimator", "rule", "method", "kind")]
-    return names[0] if names else "estimator"
-

@@ -1,0 +1,339 @@
+"""DuckDB front end: releases from SQL equal the core's, are charged once per release,
+refuse bad input without charging, and give exact error bars for window sums."""
+
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pytest
+
+import dpsql
+import dpsql.duckdb
+from dpsql import api
+from dpsql.duckdb import _machinery
+from dpsql.errors import BudgetExhausted, InvalidData, InvalidParameter, InvalidTimeKey
+
+RANGE_SUM = "SELECT * FROM dp_range_sum('t', 'ts', 'v', method := 'laplace', epsilon := 0.5, upper := 10)"
+
+
+def _data(n: int, seed: int = 0) -> np.ndarray:
+    """Test values in [0, 12) (some above the bound 10, so clipping is exercised)."""
+    with dpsql.testing.seeded(seed) as source:
+        return np.round(source.uniform(n) * 12, 3)
+
+
+@pytest.fixture
+def budget():
+    return dpsql.Budget.in_memory(epsilon=10.0, delta=1e-3)
+
+
+@pytest.fixture
+def con(budget):
+    con = duckdb.connect()
+    dpsql.duckdb.register(con, budget=budget)
+    n = 1000
+    values = _data(n)
+    # Physically shuffled: the release must follow ts, not storage order.
+    order = np.argsort(_data(n, seed=1))
+    con.from_arrow(pa.table({"ts": (np.arange(n) * 3600 * 10**6)[order].astype("datetime64[us]"),
+                             "v": values[order], "g": (np.arange(n) % 3)[order]})).create("t")
+    yield con
+    con.close()
+
+
+def _core(method, values, **params):
+    return api.publish(method, values, **params)
+
+
+def test_release_equals_the_core_release_in_time_order(con, budget):
+    with dpsql.testing.seeded(5):
+        out = con.sql(RANGE_SUM).pl()
+    with dpsql.testing.seeded(5):
+        expected = _core("laplace", _data(1000), epsilon=0.5, upper=10.0)
+    assert out.columns == ["ts", "v", "dp_row", "dp_part", "release_id"]
+    assert out["ts"].is_sorted()
+    np.testing.assert_array_equal(out["v"].to_numpy(), expected.values)
+    np.testing.assert_array_equal(out["dp_row"].to_numpy(), np.arange(1000))
+    assert budget.spent == (0.5, 0.0)
+    history = budget.history()
+    assert history["release_id"].to_list() == [out["release_id"][0]]
+    assert history["rows"].to_list() == [1000]
+
+
+def test_every_registered_stream_method_matches_the_core(con):
+    for method, params in [("tops", dict(m=100, r=256)), ("pak", dict(m=100, delta=1e-6)),
+                           ("binary_tree", {}), ("laplace", {})]:
+        sql_params = "".join(f", {k} := {v}" for k, v in params.items())
+        with dpsql.testing.seeded(9):
+            out = con.sql(f"SELECT v FROM dp_range_sum('t', 'ts', 'v', method := '{method}', epsilon := 1, "
+                          f"upper := 10{sql_params})").fetchnumpy()["v"]
+        with dpsql.testing.seeded(9):
+            expected = _core(method, _data(1000), epsilon=1.0, upper=10.0, **params)
+        np.testing.assert_array_equal(out, expected.values, err_msg=method)
+
+
+def test_partitions_are_released_independently_and_charged_once_at_the_max(con, budget):
+    with dpsql.testing.seeded(2):
+        out = con.sql("SELECT * FROM dp_range_sum('t', 'ts', 'v', method := 'laplace', epsilon := 0.5, "
+                      "upper := 10, partition_by := 'g')").pl()
+    values = _data(1000)
+    groups = np.arange(1000) % 3
+    sorted_values = np.concatenate([values[groups == k] for k in range(3)])
+    sizes = [np.sum(groups == k) for k in range(3)]
+    with dpsql.testing.seeded(2):
+        expected = _core("laplace", sorted_values, partition_offsets=np.concatenate([[0], np.cumsum(sizes)]),
+                         epsilon=0.5, upper=10.0)
+    assert out.columns[:2] == ["g", "ts"]
+    np.testing.assert_array_equal(out["v"].to_numpy(), expected.values)
+    assert out["g"].to_list() == sorted(out["g"].to_list())
+    assert out.group_by("g").agg(pl.col("dp_row").max())["dp_row"].sort().to_list() == sorted(s - 1 for s in sizes)
+    assert out["dp_part"].to_list() == out["g"].to_list()
+    assert budget.spent == (0.5, 0.0)
+    assert budget.history()["partitions"].to_list() == [3]
+
+
+def test_window_error_bars_equal_the_release_error_model(con):
+    query = """
+        SELECT ts, sum(v) OVER w AS total, min(dp_row) OVER w AS i, max(dp_row) OVER w + 1 AS j,
+               dp_range_variance(release_id, dp_part, min(dp_row) OVER w, max(dp_row) OVER w + 1) AS var,
+               dp_range_margin(release_id, dp_part, min(dp_row) OVER w, max(dp_row) OVER w + 1) AS margin,
+               dp_range_margin(release_id, dp_part, min(dp_row) OVER w, max(dp_row) OVER w + 1, 0.5) AS half
+        FROM dp_range_sum('t', 'ts', 'v', method := 'binary_tree', epsilon := 1, upper := 10)
+        WINDOW w AS (ORDER BY ts RANGE BETWEEN INTERVAL 23 HOUR PRECEDING AND CURRENT ROW) ORDER BY ts"""
+    with dpsql.testing.seeded(3):
+        out = con.sql(query).pl()
+    with dpsql.testing.seeded(3):
+        release = _core("binary_tree", _data(1000), epsilon=1.0, upper=10.0)
+    i, j = out["i"].to_numpy(), out["j"].to_numpy()
+    assert (j - i)[30] == 24
+    np.testing.assert_allclose(out["total"].to_numpy(), release.range_sum(i, j), rtol=1e-12, atol=1e-9)
+    np.testing.assert_allclose(out["var"].to_numpy(), release.range_variance(i, j), rtol=1e-12)
+    low, high = release.range_ci(i, j)
+    np.testing.assert_allclose(out["margin"].to_numpy(), (high - low) / 2, rtol=1e-9)
+    low, high = release.range_ci(i, j, level=0.5)
+    np.testing.assert_allclose(out["half"].to_numpy(), (high - low) / 2, rtol=1e-9)
+
+
+def test_daily_intervals_cover_the_true_sums(budget):
+    """Disjoint daily windows of one Laplace release: the 95 % intervals cover the
+    clipped true sums about 95 % of the time (binomial tolerance)."""
+    con = duckdb.connect()
+    dpsql.duckdb.register(con, budget=dpsql.Budget.in_memory(epsilon=100.0))
+    n = 24 * 400
+    values = np.clip(_data(n, seed=4), 0, 10)
+    con.from_arrow(pa.table({"ts": np.arange(n), "v": values})).create("t")
+    with dpsql.testing.seeded(11):
+        out = con.sql("""
+            SELECT ts // 24 AS day, sum(v) AS total, min(dp_row) AS i, max(dp_row) + 1 AS j,
+                   dp_range_margin(any_value(release_id), 0, min(dp_row), max(dp_row) + 1) AS margin
+            FROM dp_range_sum('t', 'ts', 'v', method := 'laplace', epsilon := 0.5, upper := 10)
+            GROUP BY day ORDER BY day""").pl()
+    truth = values.reshape(-1, 24).sum(axis=1)
+    covered = np.abs(out["total"].to_numpy() - truth) <= out["margin"].to_numpy()
+    assert 0.92 <= covered.mean() <= 1.0
+
+
+def test_register_is_idempotent_and_rebinds_the_budget(con, budget):
+    other = dpsql.Budget.in_memory(epsilon=3.0)
+    dpsql.duckdb.register(con, budget=other)
+    dpsql.duckdb.register(con, budget=other)
+    with dpsql.testing.seeded(0):
+        con.sql(RANGE_SUM).fetchall()
+    assert budget.spent == (0.0, 0.0)
+    assert other.spent == (0.5, 0.0)
+
+
+def test_register_refuses_a_missing_budget():
+    with pytest.raises(InvalidParameter, match=r"budget must be a dpsql\.Budget"):
+        dpsql.duckdb.register(duckdb.connect(), budget=None)
+
+
+# -- engine safety --------------------------------------------------------------------------
+
+def test_noise_functions_have_side_effects(con):
+    rows = con.sql("SELECT function_name, has_side_effects FROM duckdb_functions() "
+                   "WHERE function_name LIKE 'dp%' AND function_type = 'scalar'").fetchall()
+    names = {name for name, _ in rows}
+    assert {"dp__run_dp_range_sum", "dp__run_threshold", "dp_range_variance"} <= names
+    assert all(flag for _, flag in rows)
+
+
+def test_rows_do_not_share_noise(con):
+    con.execute("CREATE TABLE flat AS SELECT range AS ts, 5.0 AS v FROM range(500)")
+    with dpsql.testing.seeded(1):
+        values = con.sql("SELECT v FROM dp_range_sum('flat', 'ts', 'v', method := 'laplace', epsilon := 1, "
+                         "upper := 10)").fetchnumpy()["v"]
+    assert len(np.unique(values)) > 400
+
+
+def test_two_calls_in_one_query_are_two_charged_releases(con, budget):
+    with dpsql.testing.seeded(1):
+        out = con.sql(f"SELECT a.v AS a, b.v AS b, a.release_id AS ra, b.release_id AS rb "
+                      f"FROM ({RANGE_SUM}) a JOIN ({RANGE_SUM}) b USING (ts)").pl()
+    assert out.height == 1000
+    assert out["ra"][0] != out["rb"][0]
+    assert not np.array_equal(out["a"].to_numpy(), out["b"].to_numpy())
+    assert budget.spent == (1.0, 0.0)
+
+
+def test_a_cte_read_twice_is_one_release_or_charged_twice(con, budget):
+    with dpsql.testing.seeded(1):
+        out = con.sql(f"WITH r AS ({RANGE_SUM}) SELECT a.release_id AS ra, b.release_id AS rb "
+                      f"FROM r a JOIN r b USING (ts)").pl()
+    released = set(out["ra"]) | set(out["rb"])
+    assert set(budget.history()["release_id"]) == released
+    assert budget.spent == (0.5 * len(released), 0.0)
+
+
+def test_each_execution_is_a_new_charged_release(con, budget):
+    relation = con.sql(RANGE_SUM)
+    with dpsql.testing.seeded(1):
+        first = relation.fetchnumpy()["v"]
+        second = relation.fetchnumpy()["v"]
+    assert not np.array_equal(first, second)
+    assert budget.history().height == 2
+
+
+def test_exhausted_budget_charges_and_releases_nothing(con, budget):
+    with pytest.raises(duckdb.Error, match="BudgetExhausted: budget exhausted"), dpsql.testing.seeded(1):
+        con.sql(RANGE_SUM.replace("0.5", "11")).fetchall()
+    assert budget.spent == (0.0, 0.0)
+    with pytest.raises(BudgetExhausted), dpsql.duckdb.typed_errors(), dpsql.testing.seeded(1):
+        con.sql(RANGE_SUM.replace("0.5", "11")).fetchall()
+    assert budget.history().height == 0
+
+
+def test_an_error_while_the_source_is_read_charges_nothing(con, budget, monkeypatch):
+    monkeypatch.setattr(_machinery, "BATCH_ROWS", 100)
+    con.execute("CREATE VIEW failing AS SELECT ts, CASE WHEN ts > 500 THEN error('source broke') ELSE v END AS v "
+                "FROM (SELECT range AS ts, 1.0 AS v FROM range(1000))")
+    with pytest.raises(duckdb.Error, match="source broke"), dpsql.testing.seeded(1):
+        con.sql(RANGE_SUM.replace("'t'", "'failing'")).fetchall()
+    assert budget.spent == (0.0, 0.0)
+
+
+# -- refusals: typed errors with the core's messages, nothing charged ---------------------------
+
+def _refusal(con, query):
+    with pytest.raises(dpsql.DPError) as info, dpsql.duckdb.typed_errors(), dpsql.testing.seeded(1):
+        con.sql(query).fetchall()
+    return info.value
+
+
+def test_parameter_errors_are_the_cores(con, budget):
+    for sql, core in [("epsilon := -1, upper := 10", dict(epsilon=-1.0, upper=10.0)),
+                      ("epsilon := 1, upper := 0", dict(epsilon=1.0, upper=0.0)),
+                      ("epsilon := 1", dict(epsilon=1.0))]:
+        error = _refusal(con, f"SELECT * FROM dp_range_sum('t', 'ts', 'v', method := 'laplace', {sql})")
+        with pytest.raises(type(error)) as expected:
+            _core("laplace", np.ones(3), **core)
+        assert str(error) == str(expected.value)
+    error = _refusal(con, "SELECT * FROM dp_range_sum('t', 'ts', 'v', method := 'nope', epsilon := 1, upper := 1)")
+    assert isinstance(error, InvalidParameter) and "unknown method 'nope'" in str(error)
+    assert budget.history().height == 0
+
+
+def test_bad_values_are_refused_naming_the_column(con, budget):
+    con.execute("CREATE TABLE bad AS SELECT range AS ts, CASE WHEN range = 7 THEN {} ELSE 1.0 END AS x, "
+                "range::VARCHAR AS s FROM range(20)".format("'nan'::DOUBLE"))
+    con.execute("CREATE TABLE nulls AS SELECT range AS ts, CASE WHEN range = 7 THEN NULL ELSE 1.0 END AS x "
+                "FROM range(20)")
+    con.execute("CREATE TABLE empty AS SELECT range AS ts, 1.0 AS x FROM range(0)")
+    for table, column, kind, text in [("bad", "x", InvalidData, "column 'x' contains NaN values"),
+                                      ("nulls", "x", InvalidData, "column 'x' contains 1 null value(s)"),
+                                      ("empty", "x", InvalidData, "column 'x' is empty"),
+                                      ("bad", "s", InvalidData, "column 's' must be numeric, got VARCHAR"),
+                                      ("bad", "zz", InvalidParameter, "value_col 'zz' is not a column of 'bad'")]:
+        error = _refusal(con, f"SELECT * FROM dp_range_sum('{table}', 'ts', '{column}', method := 'laplace', "
+                              "epsilon := 1, upper := 1)")
+        assert isinstance(error, kind) and text in str(error), (table, column, str(error))
+    assert budget.history().height == 0
+
+
+def test_order_keys_must_be_unique_and_present_within_a_partition(con, budget, monkeypatch):
+    monkeypatch.setattr(_machinery, "BATCH_ROWS", 64)
+    con.execute("CREATE TABLE dup AS SELECT range // 100 AS ts, range % 100 AS g, 1.0 AS v FROM range(1000) "
+                "UNION ALL SELECT 5, 0, 2.0")
+    con.execute("CREATE TABLE nullkey AS SELECT CASE WHEN range = 300 THEN NULL ELSE range END AS ts, 1.0 AS v "
+                "FROM range(1000)")
+    base = "SELECT * FROM dp_range_sum('{}', 'ts', 'v', method := 'laplace', epsilon := 1, upper := 1{})"
+    error = _refusal(con, base.format("dup", ", partition_by := 'g'"))
+    assert isinstance(error, InvalidTimeKey)
+    assert str(error).startswith("order column 'ts' has duplicate value 5 within a partition of 'g'")
+    error = _refusal(con, base.format("nullkey", ""))
+    assert isinstance(error, InvalidTimeKey) and "order column 'ts' contains 1 NULL value(s)" in str(error)
+    assert budget.history().height == 0
+    con.execute("CREATE TABLE shared AS SELECT range % 100 AS ts, range // 100 AS g, 1.0 AS v FROM range(1000)")
+    with dpsql.testing.seeded(0):  # equal keys in different partitions are fine
+        out = con.sql(base.format("shared", ", partition_by := 'g'")).pl()
+    assert out.height == 1000 and out["dp_part"].max() == 9
+
+
+def test_partitions_are_split_correctly_across_batches(con, monkeypatch):
+    monkeypatch.setattr(_machinery, "BATCH_ROWS", 7)
+    con.execute("CREATE TABLE p AS SELECT range AS ts, range // 10 AS g, 1.0 AS v FROM range(70)")
+    with dpsql.testing.seeded(0):
+        out = con.sql("SELECT g, dp_row, dp_part FROM dp_range_sum('p', 'ts', 'v', method := 'laplace', "
+                      "epsilon := 1, upper := 1, partition_by := 'g')").pl()
+    np.testing.assert_array_equal(out["dp_part"].to_numpy(), np.arange(70) // 10)
+    np.testing.assert_array_equal(out["dp_row"].to_numpy(), np.arange(70) % 10)
+
+
+def test_invisible_and_missing_sources_are_refused_clearly(con, budget):
+    con.execute("CREATE TEMP TABLE tmp AS SELECT range AS ts, 1.0 AS v FROM range(10)")
+    error = _refusal(con, RANGE_SUM.replace("'t'", "'tmp'"))
+    assert isinstance(error, InvalidParameter)
+    assert "tbl 'tmp' not found" in str(error) and "TEMP tables" in str(error)
+    error = _refusal(con, RANGE_SUM.replace("'ts'", "'when'"))
+    assert str(error).startswith("order_col 'when' is not a column of 't'; columns are 'ts', 'v', 'g'")
+    assert budget.history().height == 0
+
+
+# -- sources and key types ------------------------------------------------------------------
+
+def test_files_views_and_data_frames_by_name(con, tmp_path: Path):
+    con.execute(f"COPY t TO '{tmp_path / 't.parquet'}' (FORMAT parquet)")
+    con.execute(f"COPY t TO '{tmp_path / 't.csv'}' (FORMAT csv)")
+    con.execute("CREATE VIEW tv AS SELECT * FROM t")
+    frame = con.sql("SELECT * FROM t").pl()  # noqa: F841  (found by name, like DuckDB's replacement scan)
+    arrow_table = con.sql("SELECT * FROM t").to_arrow_table()  # noqa: F841
+    results = []
+    for name in [str(tmp_path / "t.parquet"), str(tmp_path / "t.csv"), "tv", "frame", "arrow_table"]:
+        with dpsql.testing.seeded(4):
+            results.append(con.sql(RANGE_SUM.replace("'t'", f"'{name}'")).fetchnumpy()["v"])
+    with dpsql.testing.seeded(4):
+        expected = con.sql(RANGE_SUM).fetchnumpy()["v"]
+    for got in results:
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_order_and_partition_key_types_survive(con):
+    con.execute("""CREATE TABLE typed AS SELECT DATE '2024-01-01' + range::INTEGER AS d,
+                   TIMESTAMPTZ '2024-01-01 00:00:00+00' + INTERVAL (range) MINUTE AS tz,
+                   (range * 1.5)::DECIMAL(10, 2) AS dec, 'k' || (range % 2)::VARCHAR AS name, 1.0 AS v
+                   FROM range(10)""")
+    for key in ["d", "tz", "dec"]:
+        with dpsql.testing.seeded(0):
+            got = con.sql(f"SELECT * FROM dp_range_sum('typed', '{key}', 'v', method := 'laplace', "
+                          "epsilon := 1, upper := 1, partition_by := 'name')").to_arrow_table()
+        expected = con.sql(f"SELECT name, {key} FROM typed ORDER BY name, {key}").to_arrow_table()
+        assert got.select(["name", key]).equals(expected)
+
+
+def test_threshold_macro_is_one_charged_row(con, budget):
+    with dpsql.testing.seeded(6):
+        rows = con.sql("SELECT * FROM dp_threshold('t', 'v', epsilon := 1, upper := 10)").fetchall()
+    with dpsql.testing.seeded(6):
+        expected = _core("threshold", _data(1000)[np.argsort(_data(1000, seed=1))], epsilon=1.0, upper=10.0,
+                         estimator="nm")
+    assert len(rows) == 1
+    threshold, epsilon, delta, release_id = rows[0]
+    assert threshold == expected.threshold
+    assert (epsilon, delta) == (1.0, 0.0) == budget.spent
+    assert budget.history()["release_id"].to_list() == [release_id]
+    with dpsql.testing.seeded(6):
+        (pak,) = con.sql("SELECT * FROM dp_threshold('t', 'v', method := 'pak', epsilon := 1, upper := 10, "
+                         "delta := 1e-6)").fetchall()
+    assert pak[2] == 1e-6 and budget.spent == (2.0, 1e-6)
