@@ -119,15 +119,19 @@ class HierarchyStream(StreamMachine):
         self._prediction = self._smoother.first_prediction
 
     def feed(self, chunk: np.ndarray) -> np.ndarray:
+        # predictive smoothers emit one output per row: write them straight into one buffer
+        out = np.empty(len(chunk)) if self._smoother.predictive else None
         pieces = []
         start = 0
         while start < len(chunk):
             if self._rows % self.chunk_rows == 0:
                 self._start_chunk()
             take = min(len(chunk) - start, self.chunk_rows - self._rows % self.chunk_rows)
-            pieces.append(self._feed_within_chunk(chunk[start:start + take]))
+            view = None if out is None else out[start:start + take]
+            pieces.append(self._feed_within_chunk(chunk[start:start + take], view))
             start += take
-        out = pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else np.empty(0)
+        if out is None:
+            out = np.concatenate(pieces) if pieces else np.empty(0)
         if self.lower:
             out += self.lower
         return out
@@ -144,9 +148,10 @@ class HierarchyStream(StreamMachine):
         else:
             self._leaf_noise = self._lap.noise_units(self._noise, leaves)
 
-    def _feed_within_chunk(self, values: np.ndarray) -> np.ndarray:
+    def _feed_within_chunk(self, values: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         """Rows ``self._rows ..`` of one chunk: clip, sum per block in lattice units, release the
-        blocks that complete, and emit one output per row (``none``: per completed block row)."""
+        blocks that complete, and write one output per row into ``out`` (``none``: return the
+        rows of the completed blocks)."""
         g = self.block
         if self.lower:
             units = np.subtract(values, self.lower)
@@ -174,7 +179,7 @@ class HierarchyStream(StreamMachine):
             return np.repeat(released / block_lengths, block_lengths)
         predictions = np.concatenate([[self._prediction], self._smoother.predict(released)])
         self._prediction = float(predictions[complete])
-        out = _spread(predictions[:len(starts)], lengths, g)
+        _spread(predictions[:len(starts)], lengths, g, out)
         last_rows = starts[:complete] + lengths[:complete] - 1
         out[last_rows] = released - (block_lengths - 1) * predictions[:complete]
         return out
@@ -232,10 +237,9 @@ class ToPS(ThresholdedStream):
                 "c": self.c, "step": self.step, "levels_for_nm": self.levels_for_nm}
 
 
-def _spread(per_piece: np.ndarray, lengths: np.ndarray, block: int) -> np.ndarray:
-    """``np.repeat(per_piece, lengths)`` for pieces that are whole blocks except the first
-    and the last, written as one broadcast over a (blocks, block) view (faster than repeat)."""
-    out = np.empty(int(lengths.sum()))
+def _spread(per_piece: np.ndarray, lengths: np.ndarray, block: int, out: np.ndarray) -> np.ndarray:
+    """``out[:] = np.repeat(per_piece, lengths)`` for pieces that are whole blocks except the
+    first and the last, written as one broadcast over a (blocks, block) view (faster than repeat)."""
     head = int(lengths[0])
     out[:head] = per_piece[0]
     whole = len(lengths) - 2
