@@ -51,6 +51,8 @@ SMOOTHERS = ("median", "average", "js")
 #: Steps after a group's start for which the first "above" is searched for every possible
 #: start at once; longer groups continue in :func:`_first_above_long`.
 SHORT_GROUP = 20
+#: ... unless a round resolves less than this share of the starts still open.
+MIN_RESOLVED_SHARE = 0.01
 #: Group prefixes up to this size get their medians by batched sorting; longer groups
 #: run a two-heap running median.
 SHORT_MEDIAN = 48
@@ -236,7 +238,8 @@ def partition(true: np.ndarray, thresholds: np.ndarray, query_units: np.ndarray,
     group still open at the end (``len(true)`` when the last group is closed).
     """
     m = len(true)
-    ends = _first_above_short(true, thresholds, query_units, svt).tolist()  # Python ints: a tight loop
+    ends, depth = _first_above_short(true, thresholds, query_units, svt)
+    ends = ends.tolist()  # Python ints: a tight loop
     starts = []
     s = 0
     while s < m:
@@ -246,7 +249,7 @@ def partition(true: np.ndarray, thresholds: np.ndarray, query_units: np.ndarray,
         else:
             e = ends[s]
             if e == _UNRESOLVED:
-                e = _first_above_long(true, thresholds[s], query_units, svt, s, s + SHORT_GROUP + 1)
+                e = _first_above_long(true, thresholds[s], query_units, svt, s, s + depth + 1)
         if e == m:
             return np.asarray(starts, dtype=np.int64), s
         starts.append(e)  # the closed singleton {e}
@@ -257,14 +260,21 @@ def partition(true: np.ndarray, thresholds: np.ndarray, query_units: np.ndarray,
 _UNRESOLVED = -1
 
 
-def _first_above_short(true, thresholds, query_units, svt: AboveThreshold) -> np.ndarray:
-    """For every possible group start ``s``: the first ``t`` in ``s+1 .. s+SHORT_GROUP``
-    whose test says "above", ``len(true)`` when the rows run out first, else
-    ``_UNRESOLVED``. Vectorised over all starts, one round per group length."""
+def _first_above_short(true, thresholds, query_units, svt: AboveThreshold) -> tuple[np.ndarray, int]:
+    """For every possible group start ``s``: the first ``t`` in ``s+1 .. s+depth`` whose
+    test says "above", ``len(true)`` when the rows run out first, else ``_UNRESOLVED``;
+    and ``depth`` (at most ``SHORT_GROUP``). Vectorised over all starts, one round per
+    group length.
+
+    Most starts are not on the chain of groups that actually occurs, so rounds stop
+    early once they resolve almost nothing (a locally stable stream: groups are long,
+    few, and cheaper to follow one by one in :func:`_first_above_long`)."""
     m = len(true)
     ends = np.full(m, _UNRESOLVED, dtype=np.int64)
     candidates = np.arange(m)
+    depth = 0
     for d in range(1, SHORT_GROUP + 1):
+        depth = d
         fits = candidates + d < m
         ends[candidates[~fits]] = m
         candidates = candidates[fits]
@@ -274,35 +284,63 @@ def _first_above_short(true, thresholds, query_units, svt: AboveThreshold) -> np
         dev = np.abs(window - window.sum(axis=1, keepdims=True) / (d + 1)).sum(axis=1)
         hit = svt.above(dev, query_units[candidates + d], thresholds[candidates])
         ends[candidates[hit]] = candidates[hit] + d
+        resolved = np.count_nonzero(hit)
         candidates = candidates[~hit]
-    return ends
+        if resolved < MIN_RESOLVED_SHARE * (resolved + len(candidates)):
+            break
+    return ends, depth
 
 
 def _first_above_long(true, threshold, query_units, svt: AboveThreshold, s: int, t: int) -> int:
     """The first "above" at or after ``t`` of the group opened at ``s`` (``len(true)``
     if none). Tests blocks of steps at once: ``dev`` of ``G u {t}`` is the deviation of
-    the group's earlier rows (sorted, with prefix sums: ``O(log |G|)`` per mean) plus
-    that of the block's rows up to ``t``."""
+    the group's earlier rows (:class:`_SortedRuns`, ``O(log^2 |G|)`` per mean) plus that
+    of the block's own rows up to ``t`` (``block^2``)."""
     m = len(true)
-    old = np.sort(true[s:t])
+    earlier = _SortedRuns(true[s:t])
     block = 32
     while t < m:
         stop = min(m, t + block)
         new = true[t:stop]
-        prefix = np.concatenate([[0.0], np.cumsum(old)])
-        total = prefix[-1]
-        mean = (total + np.cumsum(new)) / np.arange(t - s + 1, stop - s + 1)
-        below = np.searchsorted(old, mean)
-        dev_old = mean * below - prefix[below] + (total - prefix[below]) - mean * (len(old) - below)
+        mean = (earlier.total + np.cumsum(new)) / np.arange(t - s + 1, stop - s + 1)
         dev_new = np.tril(np.abs(new[None, :] - mean[:, None])).sum(axis=1)
-        hit = svt.above(dev_old + dev_new, query_units[t:stop], threshold)
+        hit = svt.above(earlier.deviation(mean) + dev_new, query_units[t:stop], threshold)
         if hit.any():
             return t + int(np.argmax(hit))
-        merged = np.sort(new)
-        old = np.insert(old, np.searchsorted(old, merged), merged)
+        earlier.add(new)
         t = stop
-        block = min(2 * block, 1024)
+        block = min(2 * block, 256)
     return m
+
+
+class _SortedRuns:
+    """A multiset of numbers kept as sorted runs with prefix sums, run sizes decreasing
+    (the logarithmic method): adding ``k`` numbers costs ``O(k log)`` amortised, and
+    ``sum |x - mu|`` over all of them costs one binary search per run, ``O(log)`` runs.
+
+    >>> runs = _SortedRuns(np.array([5.0, 1.0, 3.0])); runs.add(np.array([10.0]))
+    >>> runs.deviation(np.array([3.0, 4.75])).tolist(), runs.total
+    ([11.0, 11.0], 19.0)
+    """
+
+    def __init__(self, values: np.ndarray):
+        self.runs: list[tuple[np.ndarray, np.ndarray]] = []
+        self.total = 0.0
+        self.add(values)
+
+    def add(self, values: np.ndarray) -> None:
+        run = np.sort(values)
+        while self.runs and len(self.runs[-1][0]) <= len(run):
+            run = np.sort(np.concatenate([self.runs.pop()[0], run]))
+        self.runs.append((run, np.concatenate([[0.0], np.cumsum(run)])))
+        self.total = float(sum(prefix[-1] for _, prefix in self.runs))
+
+    def deviation(self, centres: np.ndarray) -> np.ndarray:
+        out = np.zeros(len(centres))
+        for run, prefix in self.runs:
+            below = np.searchsorted(run, centres)
+            out += centres * (2 * below - len(run)) + prefix[-1] - 2 * prefix[below]
+        return out
 
 
 def group_start_per_row(starts: np.ndarray, m: int) -> np.ndarray:
