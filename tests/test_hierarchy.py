@@ -74,6 +74,25 @@ def test_online_consistency_equals_offline(forest):
     np.testing.assert_allclose(online, offline, atol=1e-9)
 
 
+def test_machine_block_sums_equal_offline_consistency_of_the_noisy_forest():
+    """The machine's released block sums (lattice units) are Hay's estimate applied offline to
+    the true forest plus the same node noise, rounded: online consistency end to end."""
+    n, g = 1000, 4
+    values = np.random.default_rng(3).uniform(0, 2, n)
+    machine = HierarchyStream(n, epsilon=1.0, upper=2.0, r=n, fanout=4, depth=1, smoother="none",
+                              noise=SeededNoise(21))
+    out = np.concatenate([machine.feed(values), machine.close()])
+    lap = LaplaceLattice(2.0, 1.0 / machine.levels)
+    released = np.rint(out.reshape(-1, g).sum(axis=1) / lap.granularity)
+    forest = Forest.covering(n // g, 4, machine.levels)
+    assert forest.roots == 4 and forest.n_leaves == 256  # 250 real leaves, 6 padding leaves
+    source = SeededNoise(21)
+    noise = [lap.noise_units(source, size).astype(float) for size in forest.level_sizes()]
+    true = forest.aggregate(lap.to_units(values).reshape(-1, g).sum(axis=1))
+    offline = forest.consistent([t + z for t, z in zip(true, noise)])[0][:250]
+    np.testing.assert_allclose(released, np.rint(offline), atol=0)
+
+
 def test_consistency_reduces_range_error():
     """Hay et al.: consistent leaves answer every range at most as noisily as raw leaves do."""
     forest = Forest(4, 3, 2)
