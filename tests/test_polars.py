@@ -466,3 +466,25 @@ def test_threshold_is_one_scalar_charged_once():
     with pytest.raises(dpsql.InvalidParameter, match="'nope'"):
         frame.select(pl.col("kwh").dpsql.threshold(epsilon=1.0, upper=10.0, estimator="nope", budget=budget))
     assert charges(budget) == 1
+
+
+@pytest.mark.parametrize("layout", ["dense grid", "sparse", "already sorted"])
+def test_each_ordering_path_matches_publish_and_refuses_duplicates(layout):
+    rng = np.random.default_rng(17)
+    n = 400
+    ts = {"dense grid": np.arange(n) * 3600 + 50,
+          "sparse": np.sort(rng.choice(10**12, size=n, replace=False)),
+          "already sorted": np.arange(n) * 5}[layout]
+    frame = pl.DataFrame({"meter": np.arange(n) % 2, "ts": ts, "kwh": rng.uniform(0, 12, n)})
+    if layout != "already sorted":
+        frame = frame.sample(fraction=1.0, shuffle=True, seed=1)
+    with dpsql.testing.seeded(9):
+        out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", **LAPLACE))
+    ordered = out.sort("meter", "ts")
+    with dpsql.testing.seeded(9):
+        oracle = publish("laplace", ordered["kwh"].to_numpy(), partition_offsets=[0, n // 2, n], epsilon=0.5,
+                         upper=10.0)
+    np.testing.assert_array_equal(ordered["dp"].to_numpy(), oracle.values)
+    repeated = frame.with_columns(pl.when(pl.col("ts") == ts[3]).then(ts[1]).otherwise(pl.col("ts")).alias("ts"))
+    with pytest.raises(dpsql.InvalidTimeKey, match=r"has 1 duplicate value\(s\) within a partition"):
+        repeated.select(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", **LAPLACE))
