@@ -135,17 +135,22 @@ def test_ratio_bound_holds_cell_by_cell(randomiser, eps):
     assert worst == pytest.approx(math.exp(eps), rel=1e-6)
 
 
-@pytest.mark.parametrize("randomiser", [SQUARE_WAVE, PIECEWISE, HYBRID], ids=lambda r: r.name)
-def test_reports_lie_on_the_public_lattice(randomiser):
+@pytest.mark.parametrize("randomiser, continuous", [(SQUARE_WAVE, SQUARE_WAVE), (PIECEWISE, PIECEWISE),
+                                                    (HYBRID, PIECEWISE)], ids=["square_wave", "piecewise", "hybrid"])
+def test_reports_lie_on_the_public_lattice(randomiser, continuous):
     eps = 1.0
     lo, hi = randomiser.domain
     support = randomiser.cell_probabilities(lo, eps)[0]
     with seeded(5) as source:
         y = randomiser.perturb(np.linspace(lo, hi, 20_000), eps, source)
     assert np.all(np.isin(y, support))
-    g = lattice_spacing(PIECEWISE.output_range(eps)[1] * 2 if randomiser is not SQUARE_WAVE else 1 + 2 * 0.2561)
-    on_grid = np.isin(y, STOCHASTIC_ROUNDING.cell_probabilities(0.0, eps)[0]) | (np.mod(y / g - 0.5, 1.0) == 0)
-    assert on_grid.all()
+    # Continuous reports are midpoints of power-of-two cells; HM's SR reports are the two public points ±C.
+    out_lo, out_hi = continuous.output_range(eps)
+    g = lattice_spacing(out_hi - out_lo)
+    midpoint = np.mod(y / g - 0.5, 1.0) == 0
+    rounding = np.isin(y, [-STOCHASTIC_ROUNDING.bound(eps), STOCHASTIC_ROUNDING.bound(eps)])
+    assert np.all(midpoint | (rounding & (randomiser is HYBRID)))
+    assert midpoint.mean() > 0.3
 
 
 @pytest.mark.parametrize("randomiser", [PIECEWISE, STOCHASTIC_ROUNDING, HYBRID], ids=lambda r: r.name)
@@ -289,6 +294,14 @@ def test_em_recovers_a_known_distribution():
     smoothed = sw_em(reports, eps, n_in=256, n_out=256, smoothing=True)
     assert smoothed.sum() == pytest.approx(1.0)
     assert np.abs(np.diff(smoothed, 2)).sum() < np.abs(np.diff(density, 2)).sum()
+
+
+def test_binomial_smoothing_keeps_a_uniform_density_and_mass():
+    from dpsql.mechanisms.ldp import _binomial_smooth
+
+    np.testing.assert_allclose(_binomial_smooth(np.full(8, 0.125)), 0.125)
+    spike = np.r_[1.0, np.zeros(4)]
+    np.testing.assert_allclose(_binomial_smooth(spike), [2 / 3, 1 / 4, 0, 0, 0])
 
 
 def test_sw_w_prune_paper_rule():
