@@ -153,6 +153,19 @@ def test_reports_lie_on_the_public_lattice(randomiser, continuous):
     assert midpoint.mean() > 0.3
 
 
+@pytest.mark.parametrize("randomiser, inputs", [(SQUARE_WAVE, (0.0, 0.3, 1.0)), (PIECEWISE, (-1.0, 0.2, 1.0))],
+                         ids=["square_wave", "piecewise"])
+def test_lattice_moves_moments_by_order_g_squared(randomiser, inputs):
+    for eps in (0.05, 1.0, 4.0):
+        lo, hi = randomiser.output_range(eps)
+        g = lattice_spacing(hi - lo)
+        for x in inputs:
+            mean, var, _ = exact_moments(randomiser, x, eps)
+            continuous_mean = float(SQUARE_WAVE.mean(x, eps)) if randomiser is SQUARE_WAVE else x
+            assert abs(mean - continuous_mean) <= 2 * g**2 + 1e-13
+            assert abs(var - float(randomiser.variance(x, eps))) <= 2 * g**2 + 1e-12
+
+
 @pytest.mark.parametrize("randomiser", [PIECEWISE, STOCHASTIC_ROUNDING, HYBRID], ids=lambda r: r.name)
 @pytest.mark.parametrize("eps", [0.5, 1.0, 2.0])
 def test_unbiased_with_the_stated_variance(randomiser, eps):

@@ -24,8 +24,8 @@ p |cell|``, so the ratio bound ``e^eps`` holds cell by cell: the lattice version
 ``eps``-LDP exactly. The inverse-CDF draw that selects the cell is computed in floating
 point; its relative error (about 1e-16) moves cell probabilities, never the support.
 Moments quoted below are those of the continuous randomiser; snapping changes the mean
-by at most ``g**2`` and the variance by about ``-g**2 / 12`` (``g = 2**-20`` for SW),
-far below any statistical resolution. Stochastic Rounding has two public outputs
+and the variance by ``O(g**2)`` (a few times 1e-12 for SW, whose ``g = 2**-20``), far
+below any statistical resolution. Stochastic Rounding has two public outputs
 ``±C`` and needs no lattice.
 
 Examples
