@@ -109,6 +109,18 @@ def test_inputs_are_clipped_to_the_domain():
 # -- exact distributions: lattice, ratio bound, moments -------------------------------------------------
 
 
+@pytest.mark.parametrize("randomiser", [SQUARE_WAVE, PIECEWISE], ids=lambda r: r.name)
+def test_density_ratio_bound_for_all_input_pairs(randomiser):
+    for eps in (0.05, 1.0, 3.0):
+        lo, hi = randomiser.output_range(eps)
+        y = np.linspace(lo, hi, 2001)[:, None]
+        xs = np.linspace(*randomiser.domain, 41)
+        density = randomiser.pdf(y, xs[None, :], eps)  # (y, x)
+        assert density.min() > 0
+        ratio = density.max(axis=1) / density.min(axis=1)
+        assert ratio.max() == pytest.approx(math.exp(eps), rel=1e-12)
+
+
 @pytest.mark.parametrize("randomiser", RANDOMISERS, ids=lambda r: r.name)
 @pytest.mark.parametrize("eps", [0.05, 0.5, 1.0, 2.0])
 def test_ratio_bound_holds_cell_by_cell(randomiser, eps):
