@@ -316,8 +316,9 @@ def unnest_sql(run_call: str, outputs: list[tuple[str, str, str]],
     """The result query: run once (materialised), then unnest each held column.
 
     ``outputs`` are ``(held column, SQL type, output name)``, one value per row;
-    ``constants`` are held as one-element lists and repeated on every row. Types
-    outside :data:`LIST_TYPES` were held as VARCHAR and are cast back.
+    ``constants`` are held as one-element lists and repeated on every row (read once,
+    inside the materialised run: next to an unnest DuckDB would evaluate them per
+    output row). Types outside :data:`LIST_TYPES` were held as VARCHAR and are cast back.
     """
     def held(column: str, sql_type: str) -> str:
         return f"{list_udf_name(sql_type if sql_type in LIST_TYPES else 'VARCHAR')}(h, {quote_literal(column)})"
@@ -325,9 +326,11 @@ def unnest_sql(run_call: str, outputs: list[tuple[str, str, str]],
     def typed(expression: str, sql_type: str) -> str:
         return expression if sql_type in LIST_TYPES else f"CAST({expression} AS {sql_type})"
 
+    once = ["h", *(f"{typed(f'{held(c, t)}[1]', t)} AS {quote_ident(name)}" for c, t, name in constants)]
     items = [f"{typed(f'unnest({held(c, t)})', t)} AS {quote_ident(name)}" for c, t, name in outputs]
-    items += [f"{typed(f'{held(c, t)}[1]', t)} AS {quote_ident(name)}" for c, t, name in constants]
-    return f"WITH dp__run AS MATERIALIZED (SELECT {run_call} AS h) SELECT {', '.join(items)} FROM dp__run"
+    items += [quote_ident(name) for _, _, name in constants]
+    return (f"WITH dp__run AS MATERIALIZED (SELECT {', '.join(once)} FROM (SELECT {run_call} AS h)) "
+            f"SELECT {', '.join(items)} FROM dp__run")
 
 
 # -- execution time ----------------------------------------------------------------------
