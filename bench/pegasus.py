@@ -35,6 +35,7 @@ from dpsql.mechanisms.svt import AboveThreshold
 from dpsql.streams import run
 from dpsql.streams.pegasus import (
     GroupPrefixNoise,
+    _first_above_short,
     group_start_per_row,
     partition,
     perturb_units,
@@ -49,6 +50,7 @@ EPSILONS = (0.1, 0.5, 1.0)
 METHODS = (("count_laplace", {}), ("pegasus", {"smoother": "median"}), ("pegasus", {"smoother": "average"}),
            ("pegasus", {"smoother": "js"}))
 WINDOW_HOURS = 24
+SPEED_REPEATS = 5  # best of, per stage: the machine is shared
 
 
 def label(method, params):
@@ -79,7 +81,7 @@ def accuracy(counts, window, runs):
 def ratio_table(rows):
     baseline = {(eps): (s, w) for name, eps, s, w in rows if name == "per-step Laplace"}
     return markdown_table(
-        ["method", "epsilon", "MSE per step", "vs Laplace", f"MSE {WINDOW_HOURS} h window sum", "vs Laplace"],
+        ["method", "epsilon", "MSE per step", "vs Laplace", "MSE window sum", "vs Laplace"],
         [[name, eps, s, f"{s / baseline[eps][0]:.3f}", w, f"{w / baseline[eps][1]:.3f}"]
          for name, eps, s, w in rows])
 
@@ -113,8 +115,13 @@ def stages(n_events, n_buckets, smoother, seed=1):
     query_units = svt.query_noise_units(source, n_buckets)
     timing["noise (perturber + grouper draws)"] = time.perf_counter() - t0
     t0 = time.perf_counter()
+    _first_above_short(counts, thresholds, query_units, svt)
+    search = time.perf_counter() - t0
+    t0 = time.perf_counter()
     starts, _ = partition(counts, thresholds, query_units, svt)
-    timing["grouper"] = time.perf_counter() - t0
+    grouper = time.perf_counter() - t0
+    timing["grouper: vectorised first-above search"] = search
+    timing["grouper: sequential walk over groups (+ long groups)"] = max(grouper - search, 0.0)
     t0 = time.perf_counter()
     smooth(perturber.from_units(units), group_start_per_row(starts, n_buckets), smoother)
     timing["smoother"] = time.perf_counter() - t0
@@ -159,14 +166,25 @@ def main():
     n_events, n_buckets = (10**6, 10**5) if args.quick else (10**7, 10**6)
     speed_rows = []
     for smoother in ("median", "average"):
-        timing, end_to_end, groups = stages(n_events, n_buckets, smoother)
+        repeats = [stages(n_events, n_buckets, smoother) for _ in range(SPEED_REPEATS)]
+        timing = {stage: min(r[0][stage] for r in repeats) for stage in repeats[0][0]}
+        end_to_end, groups = min(r[1] for r in repeats), repeats[0][2]
         total = sum(timing.values())
         speed_rows += [[smoother, stage, seconds, f"{100 * seconds / total:.0f} %"]
                        for stage, seconds in timing.items()]
         speed_rows.append([smoother, "**end to end** (`release_event_counts`)", end_to_end, ""])
     body += [f"\n### Speed: {n_events:,} events into {n_buckets:,} one-second buckets, epsilon = 1 "
-             f"({groups:,} groups)\n",
+             f"({groups:,} groups), best of {SPEED_REPEATS} per stage\n",
              markdown_table(["smoother", "stage", "seconds", "share of stages"], speed_rows)]
+    body.append(
+        "\nReading: with the [recon] default theta = 5 / eps_g the grouper's query noise (scale 8 / eps_g) exceeds "
+        "theta, so even a constant stream closes its group at roughly a quarter of the steps and groups stay short. "
+        "Averaging over them beats per-step Laplace only where the Laplace noise dominates the step-to-step "
+        "variation (the synthetic low counts at epsilon = 0.1); on hourly traffic volumes (thousands per hour, "
+        "strongly periodic) the grouping bias dominates. Window sums are never improved: a group's total is not "
+        "changed by averaging inside it, the Perturber has only 0.8 epsilon, and smoothing correlates the noise "
+        "of neighbouring steps. The speed stages are timed separately (best of several runs on a shared 2-core "
+        "machine, so shares move by about 10 points between runs); the grouper is the only sequential stage.")
     write_section("pegasus", "PeGaSus count streams vs per-step Laplace", "\n".join(body))
     print("\n".join(body))
 

@@ -280,8 +280,11 @@ def _first_above_short(true, thresholds, query_units, svt: AboveThreshold) -> tu
         candidates = candidates[fits]
         if candidates.size == 0:
             break
-        window = true[candidates[:, None] + np.arange(d + 1)]
-        dev = np.abs(window - window.sum(axis=1, keepdims=True) / (d + 1)).sum(axis=1)
+        if d == 1:  # the L1 deviation of a pair from its mean is their distance
+            dev = np.abs(true[candidates + 1] - true[candidates])
+        else:
+            window = true[candidates[:, None] + np.arange(d + 1)]
+            dev = np.abs(window - window.sum(axis=1, keepdims=True) / (d + 1)).sum(axis=1)
         hit = svt.above(dev, query_units[candidates + d], thresholds[candidates])
         ends[candidates[hit]] = candidates[hit] + d
         resolved = np.count_nonzero(hit)
