@@ -29,8 +29,13 @@ threshold for a group that would open at ``t``, one query noise for the test at 
 each used at most once, which is exactly the sequential algorithm's distribution), the
 first "above" of every possible group start is found with vectorised window
 deviations for the first :data:`SHORT_GROUP` steps, and a loop over the groups that
-actually occur chains them, falling back to blockwise prefix sums over the sorted group
-for the rare long groups.
+actually occur chains them, following the rare longer groups block by block (their
+earlier rows kept as sorted runs with prefix sums, so ``dev`` costs ``O(log^2 |G|)``).
+
+Privacy of the lattice SVT: the query is rounded to the query lattice before integer
+noise is added, and the noisy threshold lives on its own lattice; both are calibrated by
+:class:`~dpsql.mechanisms.LaplaceLattice`, whose sensitivity units include the rounding
+step, and only the comparison is used.
 """
 
 from __future__ import annotations
