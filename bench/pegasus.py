@@ -72,7 +72,7 @@ def accuracy(counts, window, runs):
             for _ in range(runs):
                 rel = run(method, counts, noise=noise.current(), epsilon=epsilon, **params)
                 step.append(np.mean((rel.values - counts) ** 2))
-                sums = window_sums(rel, window)[0][window - 1:]
+                sums = window_sums(rel, window=window)[0][window - 1:]
                 win.append(np.mean((sums - truth_windows) ** 2))
             rows.append((label(method, params), epsilon, float(np.mean(step)), float(np.mean(win))))
     return rows

@@ -365,7 +365,7 @@ class CountRelease:
         out[ROW] = np.tile(rows, len(parts))
         out[PART] = np.repeat(np.arange(len(parts)), n_buckets)
         if self.window is not None:
-            sums = [window_sums(p, self.window) for p in parts]
+            sums = [window_sums(p, window=self.window) for p in parts]
             out[WINDOW_SUM] = np.concatenate([total for total, _ in sums])
             out[WINDOW_STD_ERROR] = np.sqrt(np.concatenate([variance for _, variance in sums]))
             if self.alarm_threshold is not None:

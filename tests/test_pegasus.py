@@ -333,13 +333,13 @@ def test_window_sums_and_alarms_are_post_processing_of_the_release():
     counts = np.r_[np.full(100, 2.0), np.full(100, 30.0)]
     with testing.seeded(20):
         rel = dpsql.pegasus(counts, epsilon=1.0, smoother="js")
-    sums, variances = window_sums(rel, 24)
+    sums, variances = window_sums(rel, window=24)
     t = 150
     assert sums[t] == pytest.approx(rel.values[t - 23:t + 1].sum())
     assert variances[t] == pytest.approx(rel.range_variance(t - 23, t + 1))
     assert sums[0] == rel.values[0] and variances[0] == rel.range_variance(0, 1)
-    alarms = window_alarms(rel, 24, threshold=24 * 16)
+    alarms = window_alarms(rel, window=24, threshold=24 * 16)
     np.testing.assert_array_equal(alarms, sums >= 24 * 16)
     assert not alarms[:100].any() and alarms[140:].all()
     with pytest.raises(dpsql.InvalidParameter, match="window"):
-        window_sums(rel, 0)
+        window_sums(rel, window=0)

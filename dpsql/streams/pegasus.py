@@ -522,7 +522,7 @@ def _median_variance_ratio(longest: int) -> np.ndarray:
 # -- Derived queries (post-processing of any release) ---------------------------------------------
 
 
-def window_sums(release: Release, window: int) -> tuple[np.ndarray, np.ndarray]:
+def window_sums(release: Release, *, window: int) -> tuple[np.ndarray, np.ndarray]:
     """Sliding-window sums ``sum(values[t-window+1 .. t])`` of a release and their noise
     variances, for every row ``t`` (windows shrink at the start of the stream).
 
@@ -533,7 +533,7 @@ def window_sums(release: Release, window: int) -> tuple[np.ndarray, np.ndarray]:
     >>> import numpy as np, dpsql
     >>> with dpsql.testing.seeded(2):
     ...     rel = dpsql.pegasus(np.full(100, 10.0), epsilon=1.0, smoother="average")
-    >>> sums, variances = window_sums(rel, 24)
+    >>> sums, variances = window_sums(rel, window=24)
     >>> sums.shape, bool(abs(sums[-1] - 240.0) < 4 * variances[-1] ** 0.5)
     ((100,), True)
     """
@@ -543,7 +543,7 @@ def window_sums(release: Release, window: int) -> tuple[np.ndarray, np.ndarray]:
     return release.range_sum(start, stop), release.range_variance(start, stop)
 
 
-def window_alarms(release: Release, window: int, threshold: float) -> np.ndarray:
+def window_alarms(release: Release, *, window: int, threshold: float) -> np.ndarray:
     """Event monitoring: ``True`` at row ``t`` when the private window sum ending at ``t``
     is at least ``threshold`` (ALGORITHMS.md §2.5, post-processing, free).
 
@@ -553,9 +553,9 @@ def window_alarms(release: Release, window: int, threshold: float) -> np.ndarray
     >>> counts = np.r_[np.zeros(50), np.full(50, 40.0)]
     >>> with dpsql.testing.seeded(4):
     ...     rel = dpsql.pegasus(counts, epsilon=1.0)
-    >>> alarms = window_alarms(rel, 5, threshold=100.0)
+    >>> alarms = window_alarms(rel, window=5, threshold=100.0)
     >>> bool(alarms[:45].any()), bool(alarms[60:].all())
     (False, True)
     """
     threshold = _validate.real(threshold, "threshold")
-    return window_sums(release, window)[0] >= threshold
+    return window_sums(release, window=window)[0] >= threshold
