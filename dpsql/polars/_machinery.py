@@ -124,7 +124,7 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
 
     ``labels`` are the user's names of the order column then the partition columns,
     used in messages. Null partition keys form one partition of their own; partitions
-    come in no particular order. Integer and temporal time keys become one int64 key
+    come in ascending key order. Integer and temporal time keys become one int64 key
     (partition id times the time span, plus the time in units of the keys' greatest
     common step), several times faster to order than Polars' multi-column sort; keys
     that fill their range densely (a regular time grid) are placed by counting, with no

@@ -224,6 +224,7 @@ def window_ci(frame, column: str, *, order_by: str, period, partition_by=None, c
     release's error model and ``k`` the Cornish-Fisher quantile of
     :meth:`dpsql.Release.range_ci`; it covers the noise only, not clipping or
     smoothing bias. Pure post-processing: reads only released values, costs nothing.
+    A ``period`` covering the whole time span gives running totals (``cum_sum``).
 
     Parameters
     ----------
