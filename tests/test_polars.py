@@ -374,6 +374,7 @@ def test_interval_functions_refuse_bad_levels_and_forgotten_releases():
     (pl.col("meter") * 1_000_003, pl.col("ts")),                           # sparse integer keys
     (pl.col("meter"), pl.col("ts").cast(pl.Float64) / 3),                  # float time: multi-column sort
     (pl.col("meter"), pl.from_epoch("ts", time_unit="s")),                 # datetime time key
+    (pl.col("meter"), pl.when(pl.col("ts") > 1200).then(2**62).otherwise(-(2**62)) + pl.col("ts")),  # huge span
     ([pl.col("meter") % 2, pl.col("meter") // 2], pl.col("ts").cast(pl.Int32)),  # two partition columns
 ])
 def test_every_key_kind_releases_partitions_in_key_order_and_time_order(meter, ts):

@@ -144,7 +144,7 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
     n = len(composite)
     if np.all(composite[1:] > composite[:-1]):
         permutation = np.arange(n)
-    elif composite.max() < 4 * n:
+    elif composite.max() < 2 * n:
         occupied = np.bincount(composite)
         _refuse_duplicates(n - np.count_nonzero(occupied), labels)
         slot = np.full(len(occupied), -1, dtype=np.int64)
@@ -170,6 +170,8 @@ def _single_key(frame: pl.DataFrame, order: pl.Series, partition_names: Sequence
     if not (order.dtype.is_integer() or order.dtype.is_temporal()) or order.dtype == pl.UInt64:
         return None
     time = order.to_physical().cast(pl.Int64).to_numpy()
+    if int(time.max()) - int(time.min()) >= 2**62:
+        return None
     time = time - time.min()
     step = max(int(np.gcd.reduce(time)), 1)
     if step > 1:
