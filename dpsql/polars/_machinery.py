@@ -30,6 +30,7 @@ Polars' rolling functions on the released column: that is free post-processing.
 from __future__ import annotations
 
 import itertools
+import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -51,6 +52,7 @@ _VALUE, _ORDER = "__dpsql_value", "__dpsql_order"
 _KEPT: OrderedDict[int, Release | PartitionedRelease] = OrderedDict()
 KEEP_RELEASES = 16
 _keys = itertools.count(1)
+_kept_lock = threading.Lock()  # Polars may evaluate two releases on two threads
 
 
 class RowsInTimeOrder:
@@ -283,16 +285,19 @@ def private_expression(value: pl.Expr, release: Callable[[np.ndarray, RowsInTime
 
 def keep(result: Release | PartitionedRelease) -> int:
     """Hold ``result`` for later error bars; return its key (an int stored in the output)."""
-    key = next(_keys)
-    _KEPT[key] = result
-    while len(_KEPT) > KEEP_RELEASES:
-        _KEPT.popitem(last=False)
+    with _kept_lock:
+        key = next(_keys)
+        _KEPT[key] = result
+        while len(_KEPT) > KEEP_RELEASES:
+            _KEPT.popitem(last=False)
     return key
 
 
 def release_for_key(key: int) -> Release | PartitionedRelease:
     """The release an ``errors=True`` column came from."""
-    if key not in _KEPT:
+    with _kept_lock:
+        result = _KEPT.get(key)
+    if result is None:
         raise InvalidParameter(f"release {key} is no longer held (only the {KEEP_RELEASES} most recent "
                                "releases made with errors=True are kept); re-run the release")
-    return _KEPT[key]
+    return result
