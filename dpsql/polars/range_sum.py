@@ -221,8 +221,8 @@ def window_ci(frame, column: str, *, order_by: str, period, partition_by=None, c
     in ``(t - period, t]`` (Polars ``rolling_sum_by`` semantics, ``closed`` as there).
     Adds ``{column}_sum``, ``{column}_low`` and ``{column}_high``. The interval is
     ``sum ± k * sd`` with ``sd`` the window's exact noise standard deviation from the
-    release's error model and ``k`` the Cornish-Fisher quantile of
-    :meth:`dpsql.Release.range_ci`; it covers the noise only, not clipping or
+    release's error model and ``k`` the multiplier of :meth:`dpsql.Release.range_ci`
+    (the window's sum and interval are exactly that method's); it covers the noise only, not clipping or
     smoothing bias. Pure post-processing: reads only released values, costs nothing.
     A ``period`` covering the whole time span gives running totals (``cum_sum``).
 
