@@ -185,8 +185,12 @@ class BlockStreamNoise(ErrorModel):
     ``Var(sum_k a_k U(y_k)) = -1/2 sum_{k,k'} a_k a_k' Var(U(y_k) - U(y_k'))``.
     """
 
-    #: (queries x terms^2) pairs evaluated at once, to bound memory.
+    #: Queries are evaluated in batches of at most this many (query, term) or, pairwise,
+    #: (query, term, term) entries, to bound memory.
     _BATCH_PAIRS = 1 << 22
+    #: Above this many prefix terms per query (the exponential smoother) the pairwise
+    #: evaluation, quadratic in the terms, gives way to a per-query step-function sum.
+    _PAIRWISE_TERMS = 24
 
     def __init__(self, *, n_rows: int, block: int, chunk_blocks: int, fanout: int, levels: int,
                  node_variance: float, consistent: bool, prefix_terms):
@@ -230,17 +234,75 @@ class BlockStreamNoise(ErrorModel):
     def range_variance(self, starts, stops):
         starts = np.asarray(starts, dtype=np.int64)
         stops = np.asarray(stops, dtype=np.int64)
+        terms = 2 * self._row_terms(stops[:1])[0].shape[1] + 1  # both ends and the origin
+        batch = max(1, self._BATCH_PAIRS // (terms**2 if terms <= self._PAIRWISE_TERMS else terms))
+        return np.concatenate([self._batch_variance(starts[i:i + batch], stops[i:i + batch])
+                               for i in range(0, len(starts), batch)] or [np.empty(0)])
+
+    def _batch_variance(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
         stop_points, stop_coefs = self._row_terms(stops)
         start_points, start_coefs = self._row_terms(starts)
         points = np.concatenate([stop_points, start_points, np.zeros((len(starts), 1), dtype=np.int64)], axis=1)
         coefs = np.concatenate([stop_coefs, -start_coefs, np.zeros((len(starts), 1))], axis=1)
         coefs[:, -1] = -coefs.sum(axis=1)
-        out = np.empty(len(starts), dtype=np.float64)
-        step = max(1, self._BATCH_PAIRS // points.shape[1] ** 2)
-        for i in range(0, len(starts), step):
-            p, c = points[i:i + step], coefs[i:i + step]
-            lo = np.minimum(p[:, :, None], p[:, None, :])
-            hi = np.maximum(p[:, :, None], p[:, None, :])
-            interval = self._block_interval_variance(lo.ravel(), hi.ravel()).reshape(lo.shape)
-            out[i:i + step] = -0.5 * np.einsum("qk,ql,qkl->q", c, c, interval)
+        if points.shape[1] > self._PAIRWISE_TERMS:
+            out = np.array([self._step_variance(p, c) for p, c in zip(points, coefs)])
+        else:
+            out = self._pairwise_variance(points, coefs)
         return np.maximum(out, 0.0)
+
+    def _pairwise_variance(self, points: np.ndarray, coefs: np.ndarray) -> np.ndarray:
+        """All queries at once, from the variances of the intervals between every two points."""
+        lo = np.minimum(points[:, :, None], points[:, None, :])
+        hi = np.maximum(points[:, :, None], points[:, None, :])
+        interval = self._block_interval_variance(lo.ravel(), hi.ravel()).reshape(lo.shape)
+        return -0.5 * np.einsum("qk,ql,qkl->q", coefs, coefs, interval)
+
+    def _step_variance(self, points: np.ndarray, coefs: np.ndarray) -> float:
+        """One query with many terms, in O(K log K) per level.
+
+        The noise is ``b . u`` with the step function ``b_j = sum_{k: p_k > j} a_k``, constant
+        between consecutive points (chunk starts are added as points, so no step crosses a
+        chunk). Per level, ``Q_l = sum_nodes S_n^2 / f^l``: nodes inside one step of value ``V``
+        contribute ``V^2 f^l`` each (a chunk's truncated last node ``(V len)^2 / f^l``); the few
+        nodes with a point strictly inside are summed explicitly from the cumulative of ``b``.
+        """
+        nb, n_blocks = self._chunk_blocks, self._n_blocks
+        inner_chunk_starts = np.arange((points.min() // nb + 1) * nb, points.max(), nb)
+        p, where = np.unique(np.concatenate([points, inner_chunk_starts]), return_inverse=True)
+        a = np.bincount(where, weights=np.concatenate([coefs, np.zeros(len(inner_chunk_starts))]))
+        value = np.cumsum(a[::-1])[::-1][1:]  # b on [p_k, p_{k+1})
+        length = np.diff(p)
+        node_variance = self._interval["node_variance"]
+        if not self._interval["consistent"]:
+            return node_variance * float(np.sum(value**2 * length))
+        cumulative = np.concatenate([[0.0], np.cumsum(value * length)])
+
+        def b_sum_before(x):
+            k = np.clip(np.searchsorted(p, x, side="right") - 1, 0, len(p) - 1)
+            slope = np.where(k < len(value), np.append(value, 0.0)[k], 0.0)
+            return np.where(x <= p[0], 0.0, cumulative[k] + slope * (np.minimum(x, p[-1]) - p[k]))
+
+        seg_start, seg_end = p[:-1], p[1:]
+        chunk_start = (seg_start // nb) * nb
+        chunk_end = np.minimum(chunk_start + nb, n_blocks)
+        point_chunk = (p // nb) * nb
+        point_chunk_end = np.minimum(point_chunk + nb, n_blocks)
+        fanout, levels = self._interval["fanout"], self._interval["levels"]
+        kappa = Forest(fanout, levels, 1).least_squares_weights()
+        total = 0.0
+        for level in range(levels):
+            size = fanout**level
+            first = -(-(seg_start - chunk_start) // size)
+            last = (seg_end - chunk_start) // size
+            clean = value**2 * size * np.maximum(last - first, 0)
+            truncated_start = chunk_start + ((chunk_end - chunk_start) // size) * size
+            truncated = (seg_end == chunk_end) & (truncated_start < chunk_end) & (truncated_start >= seg_start)
+            clean += np.where(truncated, (value * (chunk_end - truncated_start)) ** 2 / size, 0.0)
+            node_start = point_chunk + ((p - point_chunk) // size) * size
+            node_end = np.minimum(node_start + size, point_chunk_end)
+            dirty = np.unique(node_start[(p > node_start) & (p < node_end)])
+            dirty_end = np.minimum(dirty + size, np.minimum((dirty // nb) * nb + nb, n_blocks))
+            sums = b_sum_before(dirty_end) - b_sum_before(dirty)
+            total += kappa[level] * (clean.sum() + np.sum(sums**2) / size)
+        return node_variance * total

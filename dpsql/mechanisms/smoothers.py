@@ -39,9 +39,9 @@ SMOOTHERS = ("recent", "mean", "median", "moving", "exponential", "none")
 
 #: Exponential weights below this fraction of the total are left out of the error model.
 _EXPONENTIAL_TAIL = 1e-9
-#: Smallest exponential ``alpha``: its memory, and the exact error model's cost (quadratic in
-#: it), stay near 400 blocks; ``mean`` and ``moving`` serve longer memories.
-MIN_ALPHA = 0.05
+#: Smallest exponential ``alpha``: its memory in the error model stays below about 21,000
+#: blocks; ``mean`` and ``moving`` serve longer memories.
+MIN_ALPHA = 0.001
 
 
 class BlockSmoother(ABC):

@@ -66,7 +66,7 @@ class HierarchyStream(StreamMachine):
     spent but unused: the ablation of consistency for a per-row release); ``smoother`` (one
     of :data:`dpsql.mechanisms.smoothers.SMOOTHERS`, default ``"recent"``) with ``window``
     (moving, default 8) and ``alpha`` (exponential, default 0.6, the reference code's; at least
-    0.05); ``depth`` overrides Eq. 7's ``s`` (``0 <= depth < h``).
+    0.001); ``depth`` overrides Eq. 7's ``s`` (``0 <= depth < h``).
 
     Error model (:class:`dpsql.mechanisms.hierarchy.BlockStreamNoise`): every smoother except
     ``median`` is linear in the block sums, so range-sum variances are exact (the rounding of
