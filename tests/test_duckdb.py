@@ -52,13 +52,14 @@ def test_release_equals_the_core_release_in_time_order(con, budget):
         out = con.sql(RANGE_SUM).pl()
     with dpsql.testing.seeded(5):
         expected = _core("laplace", _data(1000), epsilon=0.5, upper=10.0)
-    assert out.columns == ["ts", "v", "dp_row", "dp_part", "release_id"]
+    assert out.columns == ["ts", "v", "dp_row", "dp_part", "dp_release"]
     assert out["ts"].is_sorted()
     np.testing.assert_array_equal(out["v"].to_numpy(), expected.values)
     np.testing.assert_array_equal(out["dp_row"].to_numpy(), np.arange(1000))
     assert budget.spent == (0.5, 0.0)
     history = budget.history()
-    assert history["release_id"].to_list() == [out["release_id"][0]]
+    release_id = con.execute(f"SELECT dp_release_id({out['dp_release'][0]})").fetchone()[0]
+    assert history["release_id"].to_list() == [release_id]
     assert history["rows"].to_list() == [1000]
 
 
@@ -97,9 +98,9 @@ def test_partitions_are_released_independently_and_charged_once_at_the_max(con, 
 def test_window_error_bars_equal_the_release_error_model(con):
     query = """
         SELECT ts, sum(v) OVER w AS total, min(dp_row) OVER w AS i, max(dp_row) OVER w + 1 AS j,
-               dp_range_variance(release_id, dp_part, min(dp_row) OVER w, max(dp_row) OVER w + 1) AS var,
-               dp_range_margin(release_id, dp_part, min(dp_row) OVER w, max(dp_row) OVER w + 1) AS margin,
-               dp_range_margin(release_id, dp_part, min(dp_row) OVER w, max(dp_row) OVER w + 1, 0.5) AS half
+               dp_range_variance(dp_release, dp_part, min(dp_row) OVER w, max(dp_row) OVER w + 1) AS var,
+               dp_range_margin(dp_release, dp_part, min(dp_row) OVER w, max(dp_row) OVER w + 1) AS margin,
+               dp_range_margin(dp_release, dp_part, min(dp_row) OVER w, max(dp_row) OVER w + 1, 0.5) AS half
         FROM dp_range_sum('t', 'ts', 'v', method := 'binary_tree', epsilon := 1, upper := 10)
         WINDOW w AS (ORDER BY ts RANGE BETWEEN INTERVAL 23 HOUR PRECEDING AND CURRENT ROW) ORDER BY ts"""
     with dpsql.testing.seeded(3):
@@ -127,7 +128,7 @@ def test_daily_intervals_cover_the_true_sums(budget):
     with dpsql.testing.seeded(11):
         out = con.sql("""
             SELECT ts // 24 AS day, sum(v) AS total, min(dp_row) AS i, max(dp_row) + 1 AS j,
-                   dp_range_margin(any_value(release_id), 0, min(dp_row), max(dp_row) + 1) AS margin
+                   dp_range_margin(any_value(dp_release), 0, min(dp_row), max(dp_row) + 1) AS margin
             FROM dp_range_sum('t', 'ts', 'v', method := 'laplace', epsilon := 0.5, upper := 10)
             GROUP BY day ORDER BY day""").pl()
     truth = values.reshape(-1, 24).sum(axis=1)
@@ -156,7 +157,7 @@ def test_noise_functions_have_side_effects(con):
     rows = con.sql("SELECT function_name, has_side_effects FROM duckdb_functions() "
                    "WHERE function_name LIKE 'dp%' AND function_type = 'scalar'").fetchall()
     names = {name for name, _ in rows}
-    assert {"dp__run_dp_range_sum", "dp__run_threshold", "dp_range_variance"} <= names
+    assert {"dp__run_dp_range_sum", "dp__run_threshold", "dp__range_variance", "dp_release_id"} <= names
     assert all(flag for _, flag in rows)
 
 
@@ -170,7 +171,8 @@ def test_rows_do_not_share_noise(con):
 
 def test_two_calls_in_one_query_are_two_charged_releases(con, budget):
     with dpsql.testing.seeded(1):
-        out = con.sql(f"SELECT a.v AS a, b.v AS b, a.release_id AS ra, b.release_id AS rb "
+        out = con.sql(f"SELECT a.v AS a, b.v AS b, dp_release_id(a.dp_release) AS ra, "
+                      f"dp_release_id(b.dp_release) AS rb "
                       f"FROM ({RANGE_SUM}) a JOIN ({RANGE_SUM}) b USING (ts)").pl()
     assert out.height == 1000
     assert out["ra"][0] != out["rb"][0]
@@ -180,7 +182,8 @@ def test_two_calls_in_one_query_are_two_charged_releases(con, budget):
 
 def test_a_cte_read_twice_is_one_release_or_charged_twice(con, budget):
     with dpsql.testing.seeded(1):
-        out = con.sql(f"WITH r AS ({RANGE_SUM}) SELECT a.release_id AS ra, b.release_id AS rb "
+        out = con.sql(f"WITH r AS ({RANGE_SUM}) SELECT dp_release_id(a.dp_release) AS ra, "
+                      f"dp_release_id(b.dp_release) AS rb "
                       f"FROM r a JOIN r b USING (ts)").pl()
     released = set(out["ra"]) | set(out["rb"])
     assert set(budget.history()["release_id"]) == released

@@ -83,7 +83,7 @@ def register(con: duckdb.DuckDBPyConnection, *, budget: Budget) -> None:
     >>> import duckdb, dpsql
     >>> con = duckdb.connect()
     >>> dpsql.duckdb.register(con, budget=dpsql.Budget.in_memory(epsilon=1.0))
-    >>> con.sql("SELECT count(*) FROM duckdb_functions() WHERE function_name = 'dp_range_sum'").fetchone()
+    >>> con.execute("SELECT count(*) FROM duckdb_functions() WHERE function_name = 'dp_range_sum'").fetchone()
     (1,)
     """
     if not isinstance(budget, Budget):
@@ -109,7 +109,7 @@ def typed_errors():
     >>> import duckdb, dpsql
     >>> con = duckdb.connect()
     >>> dpsql.duckdb.register(con, budget=dpsql.Budget.in_memory(epsilon=1.0))
-    >>> with dpsql.duckdb.typed_errors():
+    >>> with dpsql.duckdb.typed_errors():  # doctest: +ELLIPSIS
     ...     con.sql("SELECT * FROM dp_range_sum('missing', 'ts', 'v', epsilon := 1, upper := 1)")
     Traceback (most recent call last):
     ...
@@ -121,7 +121,7 @@ def typed_errors():
         original = _machinery.typed_error(error)
         if original is error:
             raise
-        raise original from error
+        raise original from None
 
 
 __all__ = ["register", "typed_errors"]

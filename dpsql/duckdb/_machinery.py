@@ -154,6 +154,7 @@ class Context:
         self.results: dict[int, dict[str, pa.Array]] = {}
         self.constants: _Bounded = _Bounded(KEEP_PLANS)
         self.error_models: _Bounded = _Bounded(KEEP_ERROR_MODELS)
+        self.release_numbers: _Bounded = _Bounded(KEEP_PLANS)
         self.recent_errors: _Bounded = _Bounded(32)
         self._lock = threading.Lock()
         self._counter = itertools.count(1)
@@ -434,16 +435,32 @@ def publish_ordered(context: Context, plan: Plan, ordered: Ordered):
                        partition_offsets=ordered.offsets, note=plan.note, **plan.params)
 
 
-def remember_error_models(context: Context, release) -> None:
-    """Keep each partition's :class:`ErrorModel` and length under the release id, for error bars."""
+def remember_error_models(context: Context, release) -> int:
+    """Keep each partition's :class:`ErrorModel` and length for error bars, under the
+    ledger's release id and under a new connection-local release number (returned)."""
     parts = release.parts if isinstance(release, api.PartitionedRelease) else (release,)
+    number = context.next_id()
     context.error_models[release.release_id] = tuple((p.error, len(p)) for p in parts)
+    context.release_numbers[number] = release.release_id
+    return number
 
 
-def error_models(context: Context, release_id: str) -> tuple[tuple[ErrorModel, int], ...]:
-    models = context.error_models.get(release_id)
+def ledger_id(context: Context, release: str) -> str:
+    """The ledger's release id of ``release``: a ledger id or a release number (as text)."""
+    if release in context.error_models:
+        return release
+    number = int(release) if release.isdigit() else None
+    if number not in context.release_numbers:
+        raise InvalidParameter(f"release {release!r} is not held by this connection: error bars are "
+                               f"available for its last {KEEP_ERROR_MODELS} releases")
+    return context.release_numbers[number]
+
+
+def error_models(context: Context, release: str) -> tuple[tuple[ErrorModel, int], ...]:
+    """Per-partition (error model, length) of ``release`` (ledger id or release number)."""
+    models = context.error_models.get(ledger_id(context, release))
     if models is None:
-        raise InvalidParameter(f"release {release_id!r} is not held by this connection: error bars are "
+        raise InvalidParameter(f"release {release!r} is not held by this connection: error bars are "
                                f"available for its last {KEEP_ERROR_MODELS} releases")
     return models
 
@@ -479,6 +496,9 @@ def context_for(con: duckdb.DuckDBPyConnection, budget: Budget) -> tuple[Context
 CORE_PARAMETERS = ("epsilon", "delta", "upper", "lower", "m", "r", "fanout", "smoother", "holdout_share")
 #: Output columns a stream macro adds to the keys and the private value.
 ROW_COLUMN, PART_COLUMN, RELEASE_COLUMN = "dp_row", "dp_part", "release_id"
+#: A stream release's per-row release column: the connection-local release number
+#: (an integer: a 32-character ledger id on every row would cost more than the sort).
+RELEASE_NUMBER_COLUMN = "dp_release"
 
 
 def method_parameters(exclude: Iterable[str] = ()) -> list[str]:
@@ -509,7 +529,8 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
     (NULL parameters are left to the core's defaults) and returns the partition key (if
     any), the order key, the private value under the value column's name, ``dp_row``
     (0-based position within the partition's stream), ``dp_part`` (0-based partition
-    index) and ``release_id``: rows sorted by partition then order key.
+    index) and ``dp_release`` (the connection's release number, for error bars and
+    ``dp_release_id``): rows sorted by partition then order key.
     ``extra_outputs = (columns, compute)`` adds per-row columns ``[(name, SQL type)]``
     computed by ``compute(release) -> {name: pa.Array}`` (post-processing of the release).
     """
@@ -523,10 +544,10 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
         if not isinstance(method, str):
             raise InvalidParameter(f"method must be a method name, got {method!r}")
         outputs = [c for c in (partition_by, order_col, value_col) if c is not None]
-        clash = {ROW_COLUMN, PART_COLUMN, RELEASE_COLUMN}.intersection(outputs)
+        clash = {ROW_COLUMN, PART_COLUMN, RELEASE_NUMBER_COLUMN}.intersection(outputs)
         if len(set(outputs)) < len(outputs) or clash:
             raise InvalidParameter(f"order_col, value_col and partition_by must be distinct columns not named "
-                                   f"{ROW_COLUMN!r}, {PART_COLUMN!r} or {RELEASE_COLUMN!r}; got {outputs}")
+                                   f"{ROW_COLUMN!r}, {PART_COLUMN!r} or {RELEASE_NUMBER_COLUMN!r}; got {outputs}")
         source = resolve_source(context, table)
         columns = describe(context, source)
         require_columns(columns, source, order_col=order_col, value_col=value_col, partition_by=partition_by)
@@ -542,13 +563,13 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
                     (PART_COLUMN, "BIGINT", PART_COLUMN)]
         outputs += [(name, sql_type, name) for name, sql_type in (extra_outputs[0] if extra_outputs else [])]
         return unnest_sql(f"{run_udf}({quote_literal(token)})", outputs,
-                          [(RELEASE_COLUMN, "VARCHAR", RELEASE_COLUMN)])
+                          [(RELEASE_NUMBER_COLUMN, "BIGINT", RELEASE_NUMBER_COLUMN)])
 
     def run(token):
         plan = planned(context, token)
         ordered = read_ordered(context, plan)
         release = publish_ordered(context, plan, ordered)
-        remember_error_models(context, release)
+        number = remember_error_models(context, release)
         n = len(ordered)
         offsets = ordered.offsets if ordered.offsets is not None else np.array([0, n])
         sizes = np.diff(offsets)
@@ -558,7 +579,7 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
         columns[PART_COLUMN] = pa.array(np.repeat(np.arange(len(sizes), dtype=np.int64), sizes))
         if extra_outputs:
             columns.update(extra_outputs[1](release))
-        return context.hold(columns, {RELEASE_COLUMN: pa.array([release.release_id], pa.string())})
+        return context.hold(columns, {RELEASE_NUMBER_COLUMN: pa.array([number], pa.int64())})
 
     context.udf(plan_udf, plan, ["VARCHAR"] * 6, "VARCHAR")
     context.udf(run_udf, run, ["VARCHAR"], "BIGINT")

@@ -19,7 +19,8 @@ SQL surface (installed by :func:`dpsql.duckdb.register`):
     Returns, sorted by user then time: the keys, the published value (named like
     ``value_col``), ``dp_row``, ``dp_part`` (0-based user index), ``report`` (the raw
     report covering the slot, data units), ``dp_report`` (that report's index in the
-    user's stream) and ``release_id``. Error bars: ``dp_range_variance`` /
+    user's stream) and ``dp_release`` (release number; ``dp_release_id`` gives the ledger id).
+    Error bars: ``dp_range_variance`` /
     ``dp_range_margin`` as for ``dp_range_sum``.
 
 The collector's side is post-processing of a saved ``dp_ldp`` result ``reports`` (a table

@@ -14,16 +14,22 @@ SQL surface (installed by :func:`dpsql.duckdb.register`):
     partition, charged once at the maximum (parallel composition). Returns, sorted by
     partition then order key: the partition key, the order key, the private value
     (named like ``value_col``), ``dp_row`` (0-based position in the partition's stream),
-    ``dp_part`` (0-based partition index) and ``release_id``.
+    ``dp_part`` (0-based partition index) and ``dp_release`` (the connection's release
+    number: an integer, because a 32-character ledger id on every row would cost more
+    than the sort).
 
-``dp_range_variance(release_id, dp_part, start_row, stop_row)``
+``dp_release_id(dp_release)``
+    The ledger's ``release_id`` of a release number (``budget.history()`` lists it).
+
+``dp_range_variance(release, dp_part, start_row, stop_row)``
     Exact noise variance of the sum of rows ``start_row .. stop_row - 1`` of one
-    partition's stream: the release's :class:`~dpsql.release.ErrorModel`, so it is
-    right for correlated (tree) noise too, where per-row variances do not add up.
-    For a window ``w``: ``dp_range_variance(release_id, dp_part, min(dp_row) OVER w,
-    max(dp_row) OVER w + 1)``.
+    partition's stream (``release``: a ``dp_release`` number or a ledger ``release_id``):
+    the release's :class:`~dpsql.release.ErrorModel`, so it is right for correlated
+    (tree) noise too, where per-row variances do not add up. For a window ``w``:
+    ``dp_range_variance(dp_release, dp_part, min(dp_row) OVER w, max(dp_row) OVER w + 1)``;
+    a window must stay within one partition (``PARTITION BY`` the partition key).
 
-``dp_range_margin(release_id, dp_part, start_row, stop_row, level := 0.95)``
+``dp_range_margin(release, dp_part, start_row, stop_row, level := 0.95)``
     Half-width of the interval :meth:`dpsql.Release.range_ci` gives for that sum: the
     window's ``sum(value) ± margin``. Noise only: clipping and smoothing bias excluded.
 
@@ -33,7 +39,7 @@ SQL surface (installed by :func:`dpsql.duckdb.register`):
     with its ``epsilon``, ``delta`` and ``release_id``.
 
 Error bars come from the connection's last few releases (see
-:data:`dpsql.duckdb._machinery.KEEP_ERROR_MODELS`); older release ids are refused.
+:data:`dpsql.duckdb._machinery.KEEP_ERROR_MODELS`); older releases are refused.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from dpsql.duckdb._machinery import (
     describe,
     error_models,
     install_stream_release,
+    ledger_id,
     params_struct,
     parse_params,
     planned,
@@ -116,11 +123,18 @@ def _install_error_bars(context: Context) -> None:
                       for r, lv in dict.fromkeys(zip(release_ids.to_pylist(), levels.tolist()))}
         return pa.array(sigma * [multiplier[key] for key in zip(release_ids.to_pylist(), levels.tolist())])
 
-    context.udf("dp_range_variance", variance, ["VARCHAR", "BIGINT", "BIGINT", "BIGINT"], "DOUBLE", arrow=True)
+    def release_id(numbers):
+        return pa.array([ledger_id(context, str(n)) for n in numbers.to_pylist()], pa.string())
+
+    context.udf("dp__range_variance", variance, ["VARCHAR", "BIGINT", "BIGINT", "BIGINT"], "DOUBLE", arrow=True)
     context.udf("dp__range_margin", margin, ["VARCHAR", "BIGINT", "BIGINT", "BIGINT", "DOUBLE"], "DOUBLE",
                 arrow=True)
-    context.macro("dp_range_margin(release_id, dp_part, start_row, stop_row, level := 0.95) AS "
-                  "dp__range_margin(release_id, dp_part, start_row, stop_row, level)")
+    context.udf("dp_release_id", release_id, ["BIGINT"], "VARCHAR", arrow=True)
+    # The release may be a ledger id (VARCHAR) or a release number (BIGINT).
+    context.macro("dp_range_variance(release, dp_part, start_row, stop_row) AS "
+                  "dp__range_variance(CAST(release AS VARCHAR), dp_part, start_row, stop_row)")
+    context.macro("dp_range_margin(release, dp_part, start_row, stop_row, level := 0.95) AS "
+                  "dp__range_margin(CAST(release AS VARCHAR), dp_part, start_row, stop_row, level)")
 
 
 def _install_threshold(context: Context) -> None:
