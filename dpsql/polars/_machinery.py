@@ -154,9 +154,9 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
         permutation = slot[slot >= 0]
         composite, values = np.flatnonzero(occupied), values[permutation]
     else:
-        # one Polars sort of (key, value, row) is faster than an argsort plus two gathers
-        ordered = pl.DataFrame({"key": composite, "value": values}).with_row_index("row").sort("key")
-        permutation = ordered.get_column("row").to_numpy()
+        permutation = pl.Series(composite).arg_sort().to_numpy()
+        # Polars gathers both columns in parallel; numpy would take them one after the other
+        ordered = pl.DataFrame({"key": composite, "value": values}).select(pl.all().gather(permutation))
         composite, values = ordered.get_column("key").to_numpy(), ordered.get_column("value").to_numpy()
     _refuse_duplicates(int(np.count_nonzero(composite[1:] == composite[:-1])), labels)
     if not partition_names:
