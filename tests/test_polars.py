@@ -110,27 +110,23 @@ def test_partitioned_release_is_charged_once_at_the_max():
     assert budget.spent == (0.5, 0.0) and charges(budget) == 1
 
 
-def test_cse_never_shares_a_draw_between_two_expressions():
+@pytest.mark.parametrize("engine", ["in-memory", "streaming", "auto"])
+@pytest.mark.parametrize("reuse", [False, True])
+def test_cse_never_shares_a_draw_between_two_expressions(engine, reuse):
     frame = shuffled_frame(n=300)
     budget = dpsql.Budget.in_memory(epsilon=10.0)
+    shared = pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, **LAPLACE)
 
     def release():
-        return pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, **LAPLACE)
+        return shared if reuse else pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, **LAPLACE)
 
-    query = frame.lazy().select(a=release(), b=release(), c=release() * 2)
-    out = query.collect(optimizations=pl.QueryOptFlags(comm_subexpr_elim=True))
-    assert not np.array_equal(out["a"].to_numpy(), out["b"].to_numpy())
-    assert not np.array_equal(2 * out["a"].to_numpy(), out["c"].to_numpy())
-    assert charges(budget) == 3
-
-
-def test_one_expression_object_reused_is_charged_once_per_draw():
-    frame = shuffled_frame(n=300)
-    budget = dpsql.Budget.in_memory(epsilon=10.0)
-    expr = pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, **LAPLACE)
-    out = frame.lazy().select(a=expr, b=expr + 0.0).collect()
-    draws = 1 if np.array_equal(out["a"].to_numpy(), out["b"].to_numpy()) else 2
-    assert charges(budget) == draws
+    for query in (frame.lazy().select(a=release(), b=release(), c=release() * 2),
+                  frame.lazy().with_columns(a=release(), b=release() + 0.0, c=release() * 2)):
+        assert "__POLARS_CSER" not in query.explain(optimizations=pl.QueryOptFlags(comm_subexpr_elim=True))
+        out = query.collect(engine=engine, optimizations=pl.QueryOptFlags(comm_subexpr_elim=True))
+        assert not np.array_equal(out["a"].to_numpy(), out["b"].to_numpy())
+        assert not np.array_equal(2 * out["a"].to_numpy(), out["c"].to_numpy())
+    assert charges(budget) == 6
 
 
 # -- group-wise evaluation is refused before any charge ------------------------------------

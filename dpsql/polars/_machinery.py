@@ -9,16 +9,16 @@ back to the rows' physical order. What that guarantees, and why:
   infer a type (that call would be a release).
 * ``is_elementwise`` is False, so no engine (streaming included) splits the input into
   chunks: the UDF sees the whole column once per evaluation.
-* The struct is aliased to a name carrying a fresh nonce. Two separately built
-  expressions therefore never look alike to common-subexpression elimination, and
-  the UDF can recognise group-wise evaluation: inside ``.over()``,
+* The struct holds a shuffled constant, which makes Polars treat the expression as
+  non-deterministic: common-subexpression elimination never merges two occurrences,
+  even of one expression object, so every occurrence is its own draw and charge.
+* The struct is aliased to a name carrying a fresh nonce, so the UDF can recognise
+  group-wise evaluation: inside ``.over()``,
   ``group_by().agg()`` and ``group_by_dynamic().agg()`` Polars hands a UDF nameless
   per-group slices, which would be one charge per group. Those calls are refused
   before anything is charged, with a message pointing to ``partition_by``.
-* Evaluating the expression twice (collecting a lazy query twice) is two releases:
-  fresh noise, two charges. Polars may evaluate one expression *object* used twice
-  in a query only once (CSE); then both columns hold the same draw and it is charged
-  once. Either way, charges equal independent draws.
+* Evaluating the expression twice (collecting a lazy query twice, or using one
+  expression object twice in a query) is two releases: fresh noise, two charges.
 
 Known gap: ``DataFrame.rolling(...).agg(...)`` and ``Expr.rolling(...)`` hand the UDF
 one window at a time *with* the struct name, so they are not detected. Each window
@@ -260,6 +260,9 @@ def private_expression(value: pl.Expr, release: Callable[[np.ndarray, RowsInTime
     fields = [value.alias(_VALUE), *(e.alias(f) for e, f in zip(partition_exprs, partition_names))]
     if order_exprs:
         fields.append(order_exprs[0].alias(_ORDER))
+    # Polars never merges non-deterministic expressions (CSE); shuffling one constant
+    # marks ours as such and changes nothing else
+    fields.append(pl.lit(0, dtype=pl.Int8).shuffle().alias("__dpsql_fresh_draw"))
     struct_name = _NAME_PREFIX + uuid.uuid4().hex
 
     def evaluate(batch: pl.Series) -> pl.Series:
