@@ -558,28 +558,35 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
                                     partition_by=partition_by, method=method, params=parse_params(params_json),
                                     note=f"duckdb {macro}({table!r}, {order_col!r}, {value_col!r})",
                                     key_types={c: columns[c] for c in keys})
+        # One stream: dp_part is the constant 0, not a list to unnest.
+        part = [(PART_COLUMN, "BIGINT", PART_COLUMN)]
         outputs = [(c, columns[c], c) for c in keys]
-        outputs += [(value_col, "DOUBLE", value_col), (ROW_COLUMN, "BIGINT", ROW_COLUMN),
-                    (PART_COLUMN, "BIGINT", PART_COLUMN)]
+        outputs += [(value_col, "DOUBLE", value_col), (ROW_COLUMN, "BIGINT", ROW_COLUMN)]
+        outputs += part if partition_by is not None else []
         outputs += [(name, sql_type, name) for name, sql_type in (extra_outputs[0] if extra_outputs else [])]
-        return unnest_sql(f"{run_udf}({quote_literal(token)})", outputs,
-                          [(RELEASE_NUMBER_COLUMN, "BIGINT", RELEASE_NUMBER_COLUMN)])
+        constants = ([] if partition_by is not None else part) + [(RELEASE_NUMBER_COLUMN, "BIGINT",
+                                                                   RELEASE_NUMBER_COLUMN)]
+        return unnest_sql(f"{run_udf}({quote_literal(token)})", outputs, constants)
 
     def run(token):
         plan = planned(context, token)
         ordered = read_ordered(context, plan)
         release = publish_ordered(context, plan, ordered)
         number = remember_error_models(context, release)
-        n = len(ordered)
-        offsets = ordered.offsets if ordered.offsets is not None else np.array([0, n])
-        sizes = np.diff(offsets)
+        rows = np.arange(len(ordered), dtype=np.int64)
         columns = dict(ordered.keys)
         columns[plan.value_col] = pa.array(release.values)
-        columns[ROW_COLUMN] = pa.array(np.arange(n, dtype=np.int64) - np.repeat(offsets[:-1], sizes))
-        columns[PART_COLUMN] = pa.array(np.repeat(np.arange(len(sizes), dtype=np.int64), sizes))
+        constants = {RELEASE_NUMBER_COLUMN: pa.array([number], pa.int64())}
+        if ordered.offsets is None:
+            columns[ROW_COLUMN] = pa.array(rows)
+            constants[PART_COLUMN] = pa.array([0], pa.int64())
+        else:
+            sizes = np.diff(ordered.offsets)
+            columns[ROW_COLUMN] = pa.array(rows - np.repeat(ordered.offsets[:-1], sizes))
+            columns[PART_COLUMN] = pa.array(np.repeat(np.arange(len(sizes), dtype=np.int64), sizes))
         if extra_outputs:
             columns.update(extra_outputs[1](release))
-        return context.hold(columns, {RELEASE_NUMBER_COLUMN: pa.array([number], pa.int64())})
+        return context.hold(columns, constants)
 
     context.udf(plan_udf, plan, ["VARCHAR"] * 6, "VARCHAR")
     context.udf(run_udf, run, ["VARCHAR"], "BIGINT")
