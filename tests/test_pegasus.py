@@ -343,3 +343,19 @@ def test_window_sums_and_alarms_are_post_processing_of_the_release():
     assert not alarms[:100].any() and alarms[140:].all()
     with pytest.raises(dpsql.InvalidParameter, match="window"):
         window_sums(rel, window=0)
+
+
+def test_grouper_session_likelihood_ratio_within_e_epsilon():
+    """Empirical privacy smoke test (ALGORITHMS.md §8.3). A neighbour moves every later
+    query of its group's session by up to the sensitivity 2; the probability that a
+    session answers "below" 20 times in a row must change by at most e^epsilon. (With
+    noise calibrated for sensitivity 1 the ratio reaches 2.76 > e at base 0.)"""
+    svt = AboveThreshold(2.0, 1.0)
+    n, k = 200000, 20
+    with testing.seeded(22) as source:
+        thresholds = svt.thresholds(0.0, source, n)[:, None]
+        query_units = svt.query_noise_units(source, n * k).reshape(n, k)
+    for base in (-10.0, 0.0):
+        below = np.all(~svt.above(np.full((n, k), base), query_units, thresholds), axis=1).mean()
+        shifted = np.all(~svt.above(np.full((n, k), base + 2.0), query_units, thresholds), axis=1).mean()
+        assert shifted < below < math.exp(1.0) * shifted
