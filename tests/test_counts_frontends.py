@@ -187,6 +187,14 @@ def test_sql_refusals_charge_nothing(con, budget, arguments, error, match):
     assert budget.spent == (0.0, 0.0)
 
 
+def test_sql_every_as_short_duration_text(con, events):
+    with testing.seeded(5):
+        out = con.sql("SELECT * FROM dp_count_stream('ev', 'ts', every := '15m', start := TIMESTAMP '2024-05-01', "
+                      "stop := '2024-05-01 04:00', epsilon := 1.0, partition_by := 'building')").pl()
+    want = core(events, every="15m", epsilon=1.0, keys=["building"])
+    np.testing.assert_array_equal(out["dp_count"].to_numpy(), want["dp_count"])
+
+
 def test_sql_numeric_time_domain():
     con = duckdb.connect()
     dpsql.duckdb.register(con, budget=dpsql.Budget.in_memory(epsilon=1e10))

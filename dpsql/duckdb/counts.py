@@ -205,13 +205,16 @@ def _instant(value):
 
 
 def _duration(value):
-    """A JSON-rendered SQL INTERVAL (``'1 day 00:05:00'``) as a timedelta; numbers pass through."""
+    """A JSON-rendered SQL INTERVAL (``'1 day 00:05:00'``) as a timedelta. Numbers and
+    short duration strings (``'5m'``, ``'1h30m'``) pass through to the core's parser."""
     if not isinstance(value, str):
         return value
-    match = _INTERVAL.match(value.strip())
-    if not value.strip() or match is None:
-        raise InvalidParameter(f"every must be an INTERVAL of fixed length (days, hours, minutes, seconds; "
-                               f"no months or years), got {value!r}")
+    match = _INTERVAL.match(value.strip()) if value.strip() else None
+    if match is None:
+        if re.search(r"mon|year", value):
+            raise InvalidParameter(f"every must be an INTERVAL of fixed length (days, hours, minutes, seconds; "
+                                   f"no months or years), got {value!r}")
+        return value
     seconds = float(match["h"] or 0) * 3600 + float(match["m"] or 0) * 60 + float(match["s"] or 0)
     return dt.timedelta(days=int(match["days"] or 0), seconds=-seconds if match["sign"] else seconds)
 
