@@ -14,9 +14,10 @@ shorter) and releases every count stream with PeGaSus (``method := 'pegasus'``) 
 per-bucket Laplace (``'laplace'``) through :func:`dpsql.counts.release_event_counts`:
 one call of :func:`dpsql.api.publish`, one charge. Empty buckets are released; events
 outside the domain are dropped and counted nowhere. ``every`` must have a fixed length
-(an INTERVAL without months or years, or text such as ``'5m'``, ``'1h30m'``); ``time_col`` may be TIMESTAMP (any precision, with or without
-time zone: buckets are computed in UTC), DATE, or a number (then ``start``, ``stop``
-and ``every`` are numbers).
+(an INTERVAL without months or years, or text such as ``'5m'``, ``'1h30m'``);
+``time_col`` may be TIMESTAMP (any precision, with or without time zone: buckets are
+computed in UTC), DATE, or a number (then ``start``, ``stop`` and ``every`` are
+numbers).
 
 Privacy cost: ``epsilon``-DP, add/remove-one-event neighbours (each event adds 1 to
 one count). With ``privacy_unit`` and ``contribution_cap := k``, at most ``k`` events of
