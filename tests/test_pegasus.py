@@ -359,3 +359,17 @@ def test_grouper_session_likelihood_ratio_within_e_epsilon():
         below = np.all(~svt.above(np.full((n, k), base), query_units, thresholds), axis=1).mean()
         shifted = np.all(~svt.above(np.full((n, k), base + 2.0), query_units, thresholds), axis=1).mean()
         assert shifted < below < math.exp(1.0) * shifted
+
+
+@pytest.mark.parametrize("smoother", ["median", "average", "js"])
+def test_release_is_online_future_counts_never_change_past_estimates(smoother):
+    rng = np.random.default_rng(23)
+    counts = rng.poisson(8, 400).astype(float)
+    future = counts.copy()
+    future[250:] = rng.poisson(30, 150)
+    with testing.seeded(24) as source:
+        base = run("pegasus", counts, noise=source, epsilon=0.5, smoother=smoother)
+    with testing.seeded(24) as source:  # same draws: the noise does not depend on the data
+        changed = run("pegasus", future, noise=source, epsilon=0.5, smoother=smoother)
+    np.testing.assert_array_equal(base.values[:250], changed.values[:250])
+    assert not np.array_equal(base.values[250:], changed.values[250:])
