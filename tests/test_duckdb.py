@@ -217,6 +217,13 @@ def test_an_error_while_the_source_is_read_charges_nothing(con, budget, monkeypa
     assert budget.spent == (0.0, 0.0)
 
 
+def test_a_query_failing_after_the_release_is_not_refunded(con, budget):
+    """Documented: the failure could depend on the private values, so the charge stands."""
+    with pytest.raises(duckdb.Error, match="after release"), dpsql.testing.seeded(1):
+        con.sql(f"SELECT CASE WHEN v > 1e9 THEN 0 ELSE error('after release') END FROM ({RANGE_SUM})").fetchall()
+    assert budget.spent == (0.5, 0.0)
+
+
 # -- refusals: typed errors with the core's messages, nothing charged ---------------------------
 
 def _refusal(con, query):

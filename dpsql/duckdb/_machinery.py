@@ -271,8 +271,7 @@ def _caller_variable(name: str):
     """Variable ``name`` of the first calling Python frame outside dpsql and duckdb (the
     frame DuckDB's own replacement scan would search), if it is a scannable data frame."""
     frame = inspect.currentframe()
-    while frame is not None and frame.f_globals.get("__name__", "").startswith(("dpsql.duckdb", "duckdb",
-                                                                                  "_duckdb")):
+    while frame is not None and _inside_engine(frame):
         frame = frame.f_back
     if frame is None:
         return None
@@ -281,6 +280,11 @@ def _caller_variable(name: str):
         if candidate is not None and _scannable(candidate):
             return candidate
     return None
+
+
+def _inside_engine(frame) -> bool:
+    module = frame.f_globals.get("__name__", "")
+    return module.split(".")[0] in ("duckdb", "_duckdb") or module.startswith("dpsql.duckdb")
 
 
 def _scannable(obj) -> bool:
