@@ -143,27 +143,40 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
         rows = _sorted_by_columns(frame, order_name, partition_names, labels)
         return rows, rows.gather(values)
     composite, span = key
-    n = len(composite)
     if np.all(composite[1:] > composite[:-1]):
-        permutation = np.arange(n)
-    elif composite.max() < 2 * n:
-        occupied = np.bincount(composite)
-        _refuse_duplicates(n - np.count_nonzero(occupied), labels)
-        slot = np.full(len(occupied), -1, dtype=np.int64)
-        slot[composite] = np.arange(n)
-        permutation = slot[slot >= 0]
-        composite, values = np.flatnonzero(occupied), values[permutation]
+        permutation = np.arange(len(composite))
+    elif composite.max() < 2 * len(composite):
+        permutation, composite, values = _place_by_key(composite, values, labels)
     else:
-        permutation = pl.Series(composite).arg_sort().to_numpy()
-        # Polars gathers both columns in parallel; numpy would take them one after the other
-        ordered = pl.DataFrame({"key": composite, "value": values}).select(pl.all().gather(permutation))
-        composite, values = ordered.get_column("key").to_numpy(), ordered.get_column("value").to_numpy()
-    _refuse_duplicates(int(np.count_nonzero(composite[1:] == composite[:-1])), labels)
+        permutation, composite, values = _sort_by_key(composite, values, labels)
     if not partition_names:
         return RowsInTimeOrder(permutation, np.array([0, len(permutation)]), partitioned=False), values
     partition = composite // span
     offsets = np.concatenate([[0], np.flatnonzero(partition[1:] != partition[:-1]) + 1, [len(permutation)]])
     return RowsInTimeOrder(permutation, offsets, partitioned=True), values
+
+
+def _place_by_key(keys: np.ndarray, values: np.ndarray, labels: Sequence[str]):
+    """Order rows by small non-negative int keys without a comparison sort: each row is
+    written into its key's slot (random writes are much cheaper than random reads).
+    Returns the permutation, the keys and the values in key order."""
+    slot = np.full(int(keys.max()) + 1, -1, dtype=np.int64)
+    slot[keys] = np.arange(len(keys))
+    filled = slot >= 0
+    _refuse_duplicates(len(keys) - int(np.count_nonzero(filled)), labels)
+    placed = np.empty(len(slot), dtype=np.float64)
+    placed[keys] = values
+    return slot[filled], np.flatnonzero(filled), placed[filled]
+
+
+def _sort_by_key(keys: np.ndarray, values: np.ndarray, labels: Sequence[str]):
+    """Same as :func:`_place_by_key` for arbitrary int64 keys, with one Polars argsort."""
+    permutation = pl.Series(keys).arg_sort().to_numpy()
+    # Polars gathers both columns in parallel; numpy would take them one after the other
+    ordered = pl.DataFrame({"key": keys, "value": values}).select(pl.all().gather(permutation))
+    keys, values = ordered.get_column("key").to_numpy(), ordered.get_column("value").to_numpy()
+    _refuse_duplicates(int(np.count_nonzero(keys[1:] == keys[:-1])), labels)
+    return permutation, keys, values
 
 
 def _single_key(frame: pl.DataFrame, order: pl.Series, partition_names: Sequence[str]):
