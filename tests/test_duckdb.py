@@ -64,9 +64,9 @@ def test_release_equals_the_core_release_in_time_order(con, budget):
 
 
 def test_every_registered_stream_method_matches_the_core(con):
-    for method, params in [("tops", dict(m=100, r=256)), ("pak", dict(m=100, delta=1e-6)),
-                           ("binary_tree", {}), ("laplace", {})]:
-        sql_params = "".join(f", {k} := {v}" for k, v in params.items())
+    for method, params in [("tops", dict(m=100, r=256)), ("tops", dict(m=200, smoother="median", fanout=4)),
+                           ("pak", dict(m=100, delta=1e-6)), ("binary_tree", {}), ("laplace", {})]:
+        sql_params = "".join(f", {k} := {v!r}" for k, v in params.items())
         with dpsql.testing.seeded(9):
             out = con.sql(f"SELECT v FROM dp_range_sum('t', 'ts', 'v', method := '{method}', epsilon := 1, "
                           f"upper := 10{sql_params})").fetchnumpy()["v"]
