@@ -73,6 +73,7 @@ BATCH_ROWS = 1 << 20
 #: How many plans and error models a connection keeps (bounded memory).
 KEEP_PLANS = 256
 KEEP_ERROR_MODELS = 8
+KEEP_RESULTS = 16
 
 
 def quote_ident(name: str) -> str:
@@ -151,7 +152,8 @@ class Context:
         self.con = con
         self.budget = budget
         self.plans: _Bounded = _Bounded(KEEP_PLANS)
-        self.results: dict[int, dict[str, pa.Array]] = {}
+        # Bounded: a query that fails between the run and the unnest leaves its result behind.
+        self.results: _Bounded = _Bounded(KEEP_RESULTS)
         self.constants: _Bounded = _Bounded(KEEP_PLANS)
         self.error_models: _Bounded = _Bounded(KEEP_ERROR_MODELS)
         self.release_numbers: _Bounded = _Bounded(KEEP_PLANS)
