@@ -281,6 +281,19 @@ def test_order_keys_must_be_unique_and_present_within_a_partition(con, budget, m
     assert out.height == 1000 and out["dp_part"].max() == 9
 
 
+def test_keys_are_checked_across_batch_boundaries(con, budget, monkeypatch):
+    monkeypatch.setattr(_machinery, "BATCH_ROWS", 1)  # every adjacent pair straddles two batches
+    con.execute("CREATE TABLE straddle AS SELECT range AS ts, 1.0 AS v FROM range(20) UNION ALL SELECT 9, 2.0")
+    con.execute("CREATE TABLE nullpart AS SELECT range AS ts, CASE WHEN range = 3 THEN NULL ELSE 1 END AS g, "
+                "1.0 AS v FROM range(20)")
+    base = "SELECT * FROM dp_range_sum('{}', 'ts', 'v', method := 'laplace', epsilon := 1, upper := 1{})"
+    error = _refusal(con, base.format("straddle", ""))
+    assert isinstance(error, InvalidTimeKey) and str(error).startswith("order column 'ts' has duplicate value 9;")
+    error = _refusal(con, base.format("nullpart", ", partition_by := 'g'"))
+    assert isinstance(error, InvalidTimeKey) and "partition column 'g' contains NULL" in str(error)
+    assert budget.history().height == 0
+
+
 def test_partitions_are_split_correctly_across_batches(con, monkeypatch):
     monkeypatch.setattr(_machinery, "BATCH_ROWS", 7)
     con.execute("CREATE TABLE p AS SELECT range AS ts, range // 10 AS g, 1.0 AS v FROM range(70)")
