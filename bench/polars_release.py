@@ -25,13 +25,16 @@ import dpsql
 import dpsql.polars
 
 
-def best_of(repeat: int, work) -> float:
-    times = []
+def best_of(repeat: int, *works) -> list[float]:
+    """Fastest time of each work; the works take turns in every round, so a change in
+    the machine's load hits them alike."""
+    times = [[] for _ in works]
     for _ in range(repeat):
-        start = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for work, spent in zip(works, times):
+            start = time.perf_counter()
+            work()
+            spent.append(time.perf_counter() - start)
+    return [min(spent) for spent in times]
 
 
 def frame(rows: int, partitions: int, seed: int, regular: bool = True) -> pl.DataFrame:
@@ -56,17 +59,17 @@ def measure(data: pl.DataFrame, partition_by: str | None, repeat: int, budget, p
     ``publish`` alone (on values already in time order) to the sort."""
     keys = ["ts"] if partition_by is None else [partition_by, "ts"]
     expr = pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by=partition_by, budget=budget, **params)
-    sort = best_of(repeat, lambda: data.sort(keys))
-    release = best_of(repeat, lambda: data.with_columns(dp=expr))
-    streaming = best_of(repeat, lambda: data.lazy().with_columns(dp=expr).collect(engine="streaming"))
     ordered = data.sort(keys)
     offsets = None
     if partition_by is not None:
         sizes = ordered.group_by(partition_by, maintain_order=True).len()["len"].to_numpy()
         offsets = np.concatenate([[0], np.cumsum(sizes)])
     values = ordered["kwh"].to_numpy()
-    core = best_of(repeat, lambda: dpsql.publish(params["method"], values, budget=budget, partition_offsets=offsets,
-                                                 **{k: v for k, v in params.items() if k != "method"}))
+    sort, release, streaming, core = best_of(
+        repeat, lambda: data.sort(keys), lambda: data.with_columns(dp=expr),
+        lambda: data.lazy().with_columns(dp=expr).collect(engine="streaming"),
+        lambda: dpsql.publish(params["method"], values, budget=budget, partition_offsets=offsets,
+                              **{k: v for k, v in params.items() if k != "method"}))
     return [sort, release, release / sort, streaming / sort, core / sort]
 
 
@@ -89,7 +92,8 @@ def main() -> None:
     ]
     rows = [[label, *measure(data, partition_by, args.repeat, budget, params)] for label, data, partition_by in cases]
     load = os.getloadavg()[0]
-    body = (f"Method `{args.method}`, rows in random physical order, best of {args.repeat}; the reference is "
+    body = (f"Method `{args.method}`, rows in random physical order, best of {args.repeat} rounds (the four "
+            "timings take turns in each round); the reference is "
             "sorting the same frame by its time key (`df.sort(\"ts\")`, or by `meter, ts` for the partitioned "
             "frame). Target: release / sort <= 1.5. On a regular time grid the front end places rows by "
             "counting (no comparison sort); irregular times take a single-key Polars sort. The last column is "

@@ -146,7 +146,7 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
     if np.all(composite[1:] > composite[:-1]):
         permutation = np.arange(len(composite))
     elif composite.max() < 2 * len(composite):
-        permutation, composite, values = _place_by_key(composite, values, labels)
+        permutation, composite, values = _place_by_key(composite, values, labels, bool(partition_names))
     else:
         permutation, composite, values = _sort_by_key(composite, values, labels)
     if not partition_names:
@@ -156,17 +156,18 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
     return RowsInTimeOrder(permutation, offsets, partitioned=True), values
 
 
-def _place_by_key(keys: np.ndarray, values: np.ndarray, labels: Sequence[str]):
+def _place_by_key(keys: np.ndarray, values: np.ndarray, labels: Sequence[str], keys_needed: bool):
     """Order rows by small non-negative int keys without a comparison sort: each row is
     written into its key's slot (random writes are much cheaper than random reads).
-    Returns the permutation, the keys and the values in key order."""
+    Returns the permutation, the keys in order (if ``keys_needed``, else None) and the
+    values in key order."""
     slot = np.full(int(keys.max()) + 1, -1, dtype=np.int64)
     slot[keys] = np.arange(len(keys))
     filled = slot >= 0
     _refuse_duplicates(len(keys) - int(np.count_nonzero(filled)), labels)
     placed = np.empty(len(slot), dtype=np.float64)
     placed[keys] = values
-    return slot[filled], np.flatnonzero(filled), placed[filled]
+    return slot[filled], np.flatnonzero(filled) if keys_needed else None, placed[filled]
 
 
 def _sort_by_key(keys: np.ndarray, values: np.ndarray, labels: Sequence[str]):
