@@ -71,8 +71,8 @@ NUMERIC_TYPES = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYIN
 #: is negligible, small enough to keep the validation in cache-friendly pieces.
 BATCH_ROWS = 1 << 20
 #: How many plans and error models a connection keeps (bounded memory).
-KEEP_PLANS = 256
-KEEP_ERROR_MODELS = 8
+KEEP_PLANS = 64
+KEEP_ERROR_MODELS = 32
 KEEP_RESULTS = 16
 
 
