@@ -286,7 +286,7 @@ def private_expression(value: pl.Expr, release: Callable[[np.ndarray, RowsInTime
                 "group_by().agg() or group_by_dynamic().agg()): each group would be a separate release, "
                 "charged separately. Pass partition_by=... to the dpsql expression instead: one release, "
                 "charged once at the maximum over partitions.")
-        frame = batch.struct.unnest().rechunk()
+        frame = batch.struct.unnest().rechunk()  # the streaming engine hands ~100 chunks; sorts hate that
         values = numeric_values(frame.get_column(_VALUE), name)
         if order_exprs:
             rows, in_order = time_order(frame, values, _ORDER, partition_names, labels)
