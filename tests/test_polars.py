@@ -465,12 +465,13 @@ def test_threshold_is_one_scalar_charged_once():
     assert charges(budget) == 1
 
 
-@pytest.mark.parametrize("layout", ["dense grid", "sparse", "already sorted"])
+@pytest.mark.parametrize("layout", ["dense grid", "sparse", "too sparse to pack", "already sorted"])
 def test_each_ordering_path_matches_publish_and_refuses_duplicates(layout):
     rng = np.random.default_rng(17)
     n = 400
     ts = {"dense grid": np.arange(n) * 3600 + 50,
           "sparse": np.sort(rng.choice(10**12, size=n, replace=False)),
+          "too sparse to pack": np.unique(rng.integers(0, 2**60, n + 10))[:n],
           "already sorted": np.arange(n) * 5}[layout]
     frame = pl.DataFrame({"meter": np.arange(n) % 2, "ts": ts, "kwh": rng.uniform(0, 12, n)})
     if layout != "already sorted":

@@ -171,11 +171,22 @@ def _place_by_key(keys: np.ndarray, values: np.ndarray, labels: Sequence[str], k
 
 
 def _sort_by_key(keys: np.ndarray, values: np.ndarray, labels: Sequence[str]):
-    """Same as :func:`_place_by_key` for arbitrary int64 keys, with one Polars argsort."""
-    permutation = pl.Series(keys).arg_sort().to_numpy()
-    # Polars gathers both columns in parallel; numpy would take them one after the other
-    ordered = pl.DataFrame({"key": keys, "value": values}).select(pl.all().gather(permutation))
-    keys, values = ordered.get_column("key").to_numpy(), ordered.get_column("value").to_numpy()
+    """Same as :func:`_place_by_key` for arbitrary non-negative int64 keys, by sorting.
+
+    When the keys leave room, each row's index is packed into the low bits of its key:
+    a plain sort of one int64 column (about twice as fast as an argsort) then yields
+    both the order and the permutation.
+    """
+    bits = max(int(len(keys) - 1).bit_length(), 1)
+    if int(keys.max()) < 1 << (63 - bits):
+        packed = pl.Series((keys << bits) | np.arange(len(keys))).sort().to_numpy()
+        permutation, keys = packed & ((1 << bits) - 1), packed >> bits
+        values = pl.Series(values).gather(permutation).to_numpy()
+    else:
+        permutation = pl.Series(keys).arg_sort().to_numpy()
+        # Polars gathers both columns in parallel; numpy would take them one after the other
+        ordered = pl.DataFrame({"key": keys, "value": values}).select(pl.all().gather(permutation))
+        keys, values = ordered.get_column("key").to_numpy(), ordered.get_column("value").to_numpy()
     _refuse_duplicates(int(np.count_nonzero(keys[1:] == keys[:-1])), labels)
     return permutation, keys, values
 
