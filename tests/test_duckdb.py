@@ -295,13 +295,14 @@ def test_keys_are_checked_across_batch_boundaries(con, budget, monkeypatch):
 
 
 def test_partitions_are_split_correctly_across_batches(con, monkeypatch):
-    monkeypatch.setattr(_machinery, "BATCH_ROWS", 7)
     con.execute("CREATE TABLE p AS SELECT range AS ts, range // 10 AS g, 1.0 AS v FROM range(70)")
-    with dpsql.testing.seeded(0):
-        out = con.sql("SELECT g, dp_row, dp_part FROM dp_range_sum('p', 'ts', 'v', method := 'laplace', "
-                      "epsilon := 1, upper := 1, partition_by := 'g')").pl()
-    np.testing.assert_array_equal(out["dp_part"].to_numpy(), np.arange(70) // 10)
-    np.testing.assert_array_equal(out["dp_row"].to_numpy(), np.arange(70) % 10)
+    for batch_rows in (5, 7):  # partition starts on and off batch boundaries
+        monkeypatch.setattr(_machinery, "BATCH_ROWS", batch_rows)
+        with dpsql.testing.seeded(0):
+            out = con.sql("SELECT g, dp_row, dp_part FROM dp_range_sum('p', 'ts', 'v', method := 'laplace', "
+                          "epsilon := 1, upper := 1, partition_by := 'g')").pl()
+        np.testing.assert_array_equal(out["dp_part"].to_numpy(), np.arange(70) // 10)
+        np.testing.assert_array_equal(out["dp_row"].to_numpy(), np.arange(70) % 10)
 
 
 def test_invisible_and_missing_sources_are_refused_clearly(con, budget):

@@ -391,45 +391,42 @@ class _KeyChecker:
     def __init__(self, order_col: str | None, partition_by: str | None):
         self.order_col = order_col
         self.partition_by = partition_by
-        self.last: dict[str, pa.Array] = {}
+        self.last: dict[str, pa.Scalar] = {}
 
-    def _with_previous(self, batch: pa.RecordBatch, column: str) -> pa.Array:
+    def _changes(self, batch: pa.RecordBatch, column: str) -> np.ndarray:
+        """Per row: does ``column`` differ from the row before? The first row of the
+        stream has no row before and counts as unchanged."""
         current = batch.column(column)
         previous = self.last.get(column)
-        self.last[column] = current.slice(len(current) - 1) if len(current) else previous
-        if previous is None:
-            return current
-        return pa.concat_arrays([previous, current])
+        self.last[column] = current[len(current) - 1]
+        inner = pc.not_equal(current.slice(1), current.slice(0, len(current) - 1)).to_numpy(zero_copy_only=False)
+        first = previous is not None and previous != current[0]
+        return np.concatenate([[first], inner])
 
     def check(self, batch: pa.RecordBatch) -> np.ndarray:
         """Validate one batch; return the in-batch row indices where a new partition starts."""
         if batch.num_rows == 0:
             return np.zeros(0, dtype=np.int64)
-        carried = self.partition_by in self.last or self.order_col in self.last
-        new_partition = np.zeros(batch.num_rows + carried, dtype=bool)
+        new_partition = np.zeros(batch.num_rows, dtype=bool)
         if self.partition_by is not None:
             if batch.column(self.partition_by).null_count:
                 raise InvalidTimeKey(f"partition column {self.partition_by!r} contains NULL values; "
                                      "every row needs a partition key")
-            parts = self._with_previous(batch, self.partition_by)
-            new_partition[1:] = pc.not_equal(parts.slice(1), parts.slice(0, len(parts) - 1)).to_numpy(
-                zero_copy_only=False)
+            new_partition = self._changes(batch, self.partition_by)
         if self.order_col is not None:
             nulls = batch.column(self.order_col).null_count
             if nulls:
                 raise InvalidTimeKey(f"order column {self.order_col!r} contains {nulls} NULL value(s)"
                                      f"{self._where()}; every row needs a time key")
-            keys = self._with_previous(batch, self.order_col)
-            same = pc.equal(keys.slice(1), keys.slice(0, len(keys) - 1)).to_numpy(zero_copy_only=False)
-            duplicated = same & ~new_partition[1:]
+            first_of_stream = self.order_col not in self.last
+            duplicated = ~self._changes(batch, self.order_col) & ~new_partition
+            duplicated[0] &= not first_of_stream
             if duplicated.any():
-                row = int(np.flatnonzero(duplicated)[0]) + 1
+                row = int(np.flatnonzero(duplicated)[0])
                 raise InvalidTimeKey(f"order column {self.order_col!r} has duplicate value "
-                                     f"{keys[row].as_py()!r}{self._where()}; time keys must be unique "
-                                     "within a partition")
-        starts = np.flatnonzero(new_partition)
-        return starts - carried
-
+                                     f"{batch.column(self.order_col)[row].as_py()!r}{self._where()}; time keys "
+                                     "must be unique within a partition")
+        return np.flatnonzero(new_partition)
 
     def _where(self) -> str:
         return f" within a partition of {self.partition_by!r}" if self.partition_by else ""
