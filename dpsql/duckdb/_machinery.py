@@ -221,7 +221,9 @@ def install_list_udfs(context: Context) -> None:
     """``dp__list_<type>(handle, column)``: column of a held result as one ``<type>[]``."""
     def taker(handles: pa.Array, columns: pa.Array) -> pa.Array:
         pieces = [context.take(h, c) for h, c in zip(handles.to_pylist(), columns.to_pylist())]
-        return pa.concat_arrays([pa.ListArray.from_arrays(pa.array([0, len(p)], pa.int32()), p) for p in pieces])
+        offsets = pa.array(np.cumsum([0, *map(len, pieces)]), pa.int32())
+        # One piece (the usual single-row call) is handed over without a copy.
+        return pa.ListArray.from_arrays(offsets, pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces))
 
     for sql_type in LIST_TYPES:
         context.udf(list_udf_name(sql_type), taker, ["BIGINT", "VARCHAR"], f"{sql_type}[]", arrow=True)
