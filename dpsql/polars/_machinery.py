@@ -227,6 +227,8 @@ def _partition_ids(frame: pl.DataFrame, partition_names: Sequence[str]) -> np.nd
 
 def _sorted_by_columns(frame: pl.DataFrame, order_name: str, partition_names: Sequence[str],
                        labels: Sequence[str]) -> RowsInTimeOrder:
+    """The general path of :func:`time_order`: Polars' multi-column sort, for time keys
+    that are not integer-like (floats, strings) or span more than an int64 can pack."""
     keys = [*partition_names, order_name]
     permutation = frame.select(pl.arg_sort_by(keys, multithreaded=True)).to_series().to_numpy()
     in_order = frame.select(keys)[permutation]
