@@ -13,6 +13,7 @@ from dpsql.api import (
     tops,
 )
 from dpsql.counts import count_stream, pegasus
+from dpsql.duckdb import register
 from dpsql.errors import (
     BudgetExhausted,
     DPError,
@@ -27,5 +28,5 @@ from dpsql.release import Release
 __all__ = [
     "Budget", "BudgetExhausted", "DPError", "InvalidData", "InvalidParameter", "InvalidTimeKey",
     "NonPrivateRelease", "NotionMismatch", "PartitionedRelease", "Release", "binary_tree", "count_stream", "hierarchy",
-    "laplace_stream", "ldp", "pak", "pegasus", "publish", "testing", "threshold", "tops",
+    "laplace_stream", "ldp", "pak", "pegasus", "publish", "register", "testing", "threshold", "tops",
 ]
