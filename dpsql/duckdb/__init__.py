@@ -90,7 +90,7 @@ def register(con: duckdb.DuckDBPyConnection, *, budget: Budget) -> None:
         raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
     if not isinstance(con, duckdb.DuckDBPyConnection):
         raise InvalidParameter(f"con must be a duckdb connection, got {type(con).__name__}")
-    context, _ = _machinery.context_for(con, budget)
+    context = _machinery.context_for(con, budget)
     _machinery.install_list_udfs(context)
     for install in _INSTALLERS:
         install(con, context)

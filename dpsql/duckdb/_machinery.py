@@ -196,7 +196,7 @@ class Context:
 
     def hold(self, columns: dict[str, pa.Array], constants: dict[str, pa.Array] | None = None) -> int:
         """Hold a result for the result query; ``constants`` are one-element columns that
-        the query may read any number of times (DuckDB re-evaluates them per chunk)."""
+        the query may read any number of times."""
         handle = self.next_id()
         self.results[handle] = columns
         self.constants[handle] = constants or {}
@@ -231,10 +231,10 @@ def install_list_udfs(context: Context) -> None:
 
 # -- bind time ---------------------------------------------------------------------------
 
-def parse_params(params_json: str | None, *, drop: Iterable[str] = ()) -> dict:
+def parse_params(params_json: str | None) -> dict:
     """Macro parameters (``to_json`` of a struct) -> publish keyword arguments, NULLs dropped."""
     params = json.loads(params_json) if params_json else {}
-    return {k: v for k, v in params.items() if v is not None and k not in set(drop)}
+    return {k: v for k, v in params.items() if v is not None}
 
 
 def column_name(value, parameter: str, *, required: bool = True) -> str | None:
@@ -484,15 +484,15 @@ def typed_error(error: BaseException) -> BaseException:
 _CONTEXTS: dict[int, Context] = {}
 
 
-def context_for(con: duckdb.DuckDBPyConnection, budget: Budget) -> tuple[Context, bool]:
-    """The connection's context, created or rebound to ``budget``; True if created."""
+def context_for(con: duckdb.DuckDBPyConnection, budget: Budget) -> Context:
+    """The connection's context, created or rebound to ``budget``."""
     existing = _CONTEXTS.get(id(con))
     if existing is not None and existing.con is con:
         existing.budget = budget
-        return existing, False
+        return existing
     context = Context(con, budget)
     _CONTEXTS[id(con)] = context
-    return context, True
+    return context
 
 
 # -- the generic one-value-per-row stream macro --------------------------------------------
