@@ -39,7 +39,10 @@ _MIN_THRESHOLD = 2.0**-30
 
 
 def default_holdout(n: int) -> int:
-    """``min(65536, n // 4)``, at least 1: the paper's m for long streams, a quarter of short ones."""
+    """``min(65536, n // 4)``, at least 1: the paper's m for long streams, a quarter of
+    short ones. Smaller hold-outs make noisier thresholds (PAK's smooth sensitivity
+    barely decays below tens of thousands of rows); pass ``m`` to trade threshold
+    quality for fewer flat hold-out rows."""
     return max(1, min(PAPER_HOLDOUT, n // 4))
 
 
@@ -99,11 +102,18 @@ class ThresholdedStream(StreamMachine):
             if self._held_rows == self.m:
                 outputs.append(self._release_holdout())
         if len(chunk):
-            outputs.append(self._stream.feed(chunk - self.lower) + self.lower)
+            outputs.append(self._shift_back(self._stream.feed(self._shift(chunk))))
         return np.concatenate(outputs) if outputs else np.empty(0)
 
     def close(self) -> np.ndarray:
-        return self._stream.close() + self.lower
+        return self._shift_back(self._stream.close())
+
+    # A zero lower bound is the common case; skipping the no-op shifts saves two passes per chunk.
+    def _shift(self, values: np.ndarray) -> np.ndarray:
+        return values - self.lower if self.lower else values
+
+    def _shift_back(self, values: np.ndarray) -> np.ndarray:
+        return values + self.lower if self.lower else values
 
     def _release_holdout(self) -> np.ndarray:
         holdout = np.clip(np.concatenate(self._held) - self.lower, 0.0, self.bound)
