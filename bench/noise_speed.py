@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _report import markdown_table, write_section  # noqa: E402
+from _report import markdown_table, write_section
 
-from dpsql.mechanisms import LaplaceLattice  # noqa: E402
-from dpsql.noise import SystemNoise  # noqa: E402
+from dpsql.mechanisms import LaplaceLattice
+from dpsql.noise import SystemNoise
 
 N = 10_000_000
 

@@ -44,17 +44,18 @@ def sql_release(budget: dpsql.Budget) -> None:
     con.execute(f"""CREATE TABLE released AS SELECT * FROM dp_range_sum('traffic', 'ts', 'volume', method := 'tops',
                     epsilon := {RELEASE['epsilon']}, upper := {RELEASE['upper']},
                     m := {RELEASE['m']})""")
-    monthly = con.sql("""
-        SELECT date_trunc('month', ts) AS month, sum(volume) AS private_total,
-               dp_range_margin(any_value(dp_release), any_value(dp_part), min(dp_row), max(dp_row) + 1)
-                   AS margin_95
-        FROM released GROUP BY month""")
-    truth = con.sql("SELECT date_trunc('month', ts) AS month, sum(volume)::BIGINT AS true_total FROM traffic "
-                    "GROUP BY month")
+    monthly = """
+        WITH private AS (
+            SELECT date_trunc('month', ts) AS month, sum(volume) AS private_total,
+                   dp_range_margin(any_value(dp_release), any_value(dp_part), min(dp_row), max(dp_row) + 1)
+                       AS margin_95
+            FROM released GROUP BY month),
+        truth AS (SELECT date_trunc('month', ts) AS month, sum(volume)::BIGINT AS true_total
+                  FROM traffic GROUP BY month)
+        SELECT * FROM private JOIN truth USING (month) ORDER BY month LIMIT 6 OFFSET 4"""
     print("SQL: monthly totals of the private stream with the 95 % noise margin")
     print("(true totals read from the raw table for this demo only)")
-    print(con.sql("SELECT m.*, t.true_total FROM monthly m JOIN truth t USING (month) ORDER BY month")
-          .limit(6, offset=4).pl())
+    print(con.sql(monthly).pl())
     con.close()
 
 
