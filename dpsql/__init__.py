@@ -1,6 +1,11 @@
-"""dpsql: differentially private stream release as ordinary SQL and dataframe work."""
+"""dpsql: differentially private stream release as ordinary SQL and dataframe work.
 
-from dpsql import ldp, testing
+Importing dpsql registers the ``dpsql`` namespace on Polars expressions
+(``pl.col("kwh").dpsql.range_sum(...)``); :func:`register` installs the SQL functions
+into a DuckDB connection.
+"""
+
+from dpsql import duckdb, ldp, polars, testing
 from dpsql.accountant import Budget
 from dpsql.api import (
     PartitionedRelease,
@@ -26,7 +31,28 @@ from dpsql.errors import (
 from dpsql.release import Release
 
 __all__ = [
-    "Budget", "BudgetExhausted", "DPError", "InvalidData", "InvalidParameter", "InvalidTimeKey",
-    "NonPrivateRelease", "NotionMismatch", "PartitionedRelease", "Release", "binary_tree", "count_stream", "hierarchy",
-    "laplace_stream", "ldp", "pak", "pegasus", "publish", "register", "testing", "threshold", "tops",
+    "Budget",
+    "BudgetExhausted",
+    "DPError",
+    "InvalidData",
+    "InvalidParameter",
+    "InvalidTimeKey",
+    "NonPrivateRelease",
+    "NotionMismatch",
+    "PartitionedRelease",
+    "Release",
+    "binary_tree",
+    "count_stream",
+    "duckdb",
+    "hierarchy",
+    "laplace_stream",
+    "ldp",
+    "pak",
+    "pegasus",
+    "polars",
+    "publish",
+    "register",
+    "testing",
+    "threshold",
+    "tops",
 ]
