@@ -21,7 +21,9 @@ float sum of a private value and continuous noise.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import numpy as np
 
@@ -55,8 +57,9 @@ class AboveThreshold:
     query_noise: LaplaceLattice = field(init=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "threshold_noise", LaplaceLattice(2.0 * self.sensitivity, self.epsilon))
-        object.__setattr__(self, "query_noise", LaplaceLattice(4.0 * self.sensitivity, self.epsilon))
+        epsilon = _rounding_safe_epsilon(self.sensitivity, self.epsilon)
+        object.__setattr__(self, "threshold_noise", LaplaceLattice(2.0 * self.sensitivity, epsilon))
+        object.__setattr__(self, "query_noise", LaplaceLattice(4.0 * self.sensitivity, epsilon))
 
     def thresholds(self, theta: float, noise: NoiseSource, size: int) -> np.ndarray:
         """``size`` independent noisy thresholds ``theta + Lap(2 sensitivity / epsilon)``,
@@ -77,6 +80,30 @@ class AboveThreshold:
     def session(self, theta: float, noise: NoiseSource) -> AboveThresholdSession:
         """A new session with its own fresh noisy threshold."""
         return AboveThresholdSession(self, self.thresholds(theta, noise, 1)[0], noise)
+
+
+def _rounding_safe_epsilon(sensitivity: float, epsilon: float) -> float:
+    """The ``epsilon`` to build both lattices with, so that each noise scale is at least
+    ``4 u / epsilon`` lattice units for the rounded query's sensitivity ``u`` (units of the
+    query lattice, ``gamma_q = 2 gamma_t``).
+
+    :class:`LaplaceLattice` adds one unit of rounding slack to the sensitivity it is
+    given, ``(ceil(4 s / gamma_q) + 1) / epsilon``; AboveThreshold needs the slack scaled
+    like the sensitivity: the threshold shifts by the rounded change ``u gamma_q = 2 u``
+    threshold units at ``epsilon / 2`` and the "above" query by ``2 u`` query units at
+    ``epsilon / 2``, so both scales must be ``4 u / epsilon`` with ``u = ceil(s / gamma_q)
+    + 1``, up to three units more than the lattice's own slack gives. Lowering
+    ``epsilon`` by that ratio (rounded down until the float scale is large enough) keeps
+    the lattices' spacing and makes the session ``epsilon``-DP as stated.
+    """
+    gamma = LaplaceLattice(4.0 * sensitivity, epsilon).granularity
+    slack_units = math.ceil(4.0 * sensitivity / gamma) + 1  # what LaplaceLattice scales by 1 / epsilon
+    needed_units = 4 * (math.ceil(sensitivity / gamma) + 1)
+    needed_scale = Fraction(needed_units) / Fraction(epsilon)
+    calibrated = min(epsilon, epsilon * slack_units / needed_units)
+    while Fraction(slack_units / calibrated) < needed_scale:
+        calibrated = float(np.nextafter(calibrated, 0.0))
+    return calibrated
 
 
 class AboveThresholdSession:

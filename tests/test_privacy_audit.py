@@ -1,0 +1,50 @@
+"""Regression tests from the privacy audit: calibration invariants that the proofs need."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from dpsql.mechanisms.svt import AboveThreshold
+
+# 0.599853515625 / 2**-11 = 1228.5: a sensitivity that is not a whole number of query units.
+SENSITIVITIES = [2.0, 4.0, 0.599853515625, 0.3, 1.5, 7.0]
+
+
+@pytest.mark.parametrize("sensitivity", SENSITIVITIES)
+@pytest.mark.parametrize("epsilon", [0.2, 1.0, 3.7])
+def test_above_threshold_noise_covers_the_rounded_query_change(sensitivity, epsilon):
+    """AboveThreshold with lattice noise is epsilon-DP if, for the largest change ``u`` of a
+    rounded query (query-lattice units) between neighbours, the threshold shift ``u gamma_q``
+    costs at most epsilon/2 and the "above" query's shift ``2 u`` at most epsilon/2: both
+    scales, in their own units, at least ``4 u / epsilon`` (threshold units are half as wide).
+    The rounding of a query moving by at most ``sensitivity`` can change it by
+    ``ceil(sensitivity / gamma_q) + 1`` units (float error in computing the query can push an
+    exact change past an integer); one unit of slack on the 4x sensitivity is not enough."""
+    svt = AboveThreshold(sensitivity, epsilon)
+    query, threshold = svt.query_noise, svt.threshold_noise
+    assert query.granularity == 2 * threshold.granularity
+    u = math.ceil(sensitivity / query.granularity) + 1
+    assert Fraction(4 * u) / Fraction(query.scale_units) <= Fraction(epsilon)
+    assert Fraction(2 * 2 * u) / Fraction(threshold.scale_units) <= Fraction(epsilon)
+    # and the calibration costs no more than the needed slack (at most ~0.1% more noise)
+    assert query.scale_units * epsilon < 4 * u * (1 + 1e-12)
+
+
+def test_above_threshold_rounded_change_exceeds_lattice_slack_example():
+    """A concrete neighbour pair: two queries ``sensitivity`` apart whose rounded values differ by
+    ``ceil(sensitivity / gamma_q)`` units, so four of those exceed the scale
+    ``(ceil(4 s / gamma_q) + 1) / epsilon`` that LaplaceLattice alone would give."""
+    sensitivity = 0.599853515625
+    svt = AboveThreshold(sensitivity, 1.0)
+    gamma = svt.query_noise.granularity
+    q = np.array([0.4999 * gamma])
+    q_neighbour = q + sensitivity
+    assert q_neighbour[0] - q[0] <= sensitivity
+    change = int(svt.query_noise.to_units(q_neighbour)[0] - svt.query_noise.to_units(q)[0])
+    assert change == math.ceil(sensitivity / gamma)
+    assert 4 * change > math.ceil(4 * sensitivity / gamma) + 1
+    assert svt.query_noise.scale_units >= 4 * change
