@@ -48,3 +48,31 @@ def test_above_threshold_rounded_change_exceeds_lattice_slack_example():
     assert change == math.ceil(sensitivity / gamma)
     assert 4 * change > math.ceil(4 * sensitivity / gamma) + 1
     assert svt.query_noise.scale_units >= 4 * change
+
+
+@pytest.mark.parametrize("monotonic", [True, False])
+@pytest.mark.parametrize("sensitivity", [1.0, 0.3, 5.0])
+def test_report_noisy_max_scale_covers_rounded_score_change(monotonic, sensitivity, monkeypatch):
+    """Report-Noisy-Max rounds every score to the lattice, so a score moving by ``s`` moves by
+    up to ``u = ceil(s / gamma) + 1`` units; the noise scale must be ``u / epsilon``
+    (monotone) or ``2 u / epsilon`` (not monotone, Dwork & Roth Claim 3.9)."""
+    import dpsql.mechanisms.noisy_max as noisy_max
+    from dpsql import testing
+
+    built = []
+    real = noisy_max.LaplaceLattice
+
+    def spy(**kwargs):
+        built.append(real(**kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(noisy_max, "LaplaceLattice", spy)
+    epsilon = 0.7
+    with testing.seeded(0) as source:
+        noisy_max.report_noisy_max(np.array([0.0, 1.0]), epsilon=epsilon, noise=source, sensitivity=sensitivity,
+                                   monotonic=monotonic)
+    (lap,) = built
+    u = math.ceil(sensitivity / lap.granularity) + 1
+    factor = 1 if monotonic else 2
+    # LaplaceLattice's float division units / epsilon may round down by half an ulp
+    assert Fraction(factor * u) / Fraction(lap.scale_units) <= Fraction(epsilon) * (1 + Fraction(1, 2**52))

@@ -27,8 +27,9 @@ def report_noisy_max(scores: np.ndarray, *, epsilon: float, noise: NoiseSource,
     ...     report_noisy_max(np.array([0.0, 100.0, 3.0]), epsilon=10.0, noise=source)
     1
     """
-    factor = 1.0 if monotonic else 2.0
-    lap = LaplaceLattice(sensitivity=factor * sensitivity, epsilon=epsilon)
+    # Non-monotone scores need twice the scale of the *rounded* score change (lattice slack
+    # included): halving epsilon doubles both, where doubling the sensitivity would not.
+    lap = LaplaceLattice(sensitivity=sensitivity, epsilon=epsilon if monotonic else epsilon / 2)
     return int(np.argmax(lap.release(np.asarray(scores, dtype=np.float64), noise)))
 
 
