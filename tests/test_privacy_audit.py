@@ -76,3 +76,18 @@ def test_report_noisy_max_scale_covers_rounded_score_change(monotonic, sensitivi
     factor = 1 if monotonic else 2
     # LaplaceLattice's float division units / epsilon may round down by half an ulp
     assert Fraction(factor * u) / Fraction(lap.scale_units) <= Fraction(epsilon) * (1 + Fraction(1, 2**52))
+
+
+@pytest.mark.parametrize("method", ["tops", "pak"])
+@pytest.mark.parametrize(("epsilon", "share"), [(0.3, 0.15), (0.7, 0.1), (1.1, 0.2), (1.0, 0.15)])
+def test_holdout_budget_pieces_never_exceed_epsilon_exactly(method, epsilon, share):
+    """The hold-out spends ``epsilon_threshold`` then ``epsilon_total`` on the same rows;
+    charged ``epsilon``, their exact sum must not exceed it (``(1 - s) e + s e`` in floats
+    can exceed ``e`` by one ulp)."""
+    from dpsql import testing
+    from dpsql.api import machine_for
+
+    with testing.seeded(0) as source:
+        machine = machine_for(method, 10_000, source, {"epsilon": epsilon, "upper": 10.0, "holdout_share": share})
+    assert Fraction(machine.epsilon_threshold) + Fraction(machine.epsilon_total) <= Fraction(epsilon)
+    assert machine.cost[0] == epsilon

@@ -32,6 +32,7 @@ from dpsql import _validate
 from dpsql.mechanisms import LaplaceLattice
 from dpsql.noise import NoiseSource
 from dpsql.release import SegmentedNoise, SharedTotalNoise, StreamMachine
+from dpsql.streams.pegasus import largest_share
 
 #: The ToPS paper's hold-out length; by default capped at a quarter of the stream.
 PAPER_HOLDOUT = 65_536
@@ -67,7 +68,9 @@ class ThresholdedStream(StreamMachine):
         self.m = _validate.holdout(m, n, default=default_holdout(n))
         self.holdout_share = _validate.probability(holdout_share, "holdout_share")
         self.epsilon_threshold = (1.0 - self.holdout_share) * self.epsilon
-        self.epsilon_total = self.holdout_share * self.epsilon
+        # rounded so that the two hold-out charges never add up to more than epsilon
+        self.epsilon_total = largest_share(self.epsilon, self.holdout_share * self.epsilon,
+                                           rest=self.epsilon_threshold)
         self.noise = noise
         self.threshold: float | None = None
         self._held: list[np.ndarray] = []
