@@ -28,12 +28,14 @@ different notions do not compose by addition.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sqlite3
 import threading
 import time
 import uuid
 from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 
 from dpsql import _validate
@@ -298,6 +300,21 @@ class Budget:
                 f"budget exhausted: remaining epsilon={float(left_eps):g}, delta={float(left_delta):g}; "
                 f"requested epsilon={epsilon:g}, delta={delta:g}. Nothing was charged or released.",
                 remaining=(float(left_eps), float(left_delta)), requested=(float(epsilon), float(delta)))
+
+
+def largest_share(total: float, share: float, *, count: int = 1, rest: float = 0.0) -> float:
+    """The largest float ``x <= share`` with ``count * x + rest <= total`` in exact
+    arithmetic, so that budget pieces never add up to more than ``total`` by rounding.
+
+    >>> largest_share(0.3, 0.3 - 0.03, rest=0.03) + 0.03 <= 0.3
+    True
+    """
+    def exact_sum(x):
+        return count * Fraction(x) + Fraction(rest)
+
+    while exact_sum(share) > Fraction(total):
+        share = math.nextafter(share, -math.inf)
+    return share
 
 
 def _now() -> str:

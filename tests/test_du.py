@@ -1,6 +1,7 @@
 """Du et al.'s IPP / APP / CAPP / PP-S family and its baselines (ALGORITHMS.md §6)."""
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -229,7 +230,9 @@ def test_ledger_figures_for_every_method(method, accounting):
     assert (rel.epsilon, rel.delta, rel.notion, rel.private) == (1.0, 0.0, "w-event-ldp", False)
     assert rel.params["accounting"] == accounting
     if method == "ba_sw":
-        assert rel.params["epsilon_unit"] == 1.0 / 20
+        # the largest float whose 2w multiples stay within epsilon exactly
+        assert rel.params["epsilon_unit"] == pytest.approx(1.0 / 20, rel=1e-15)
+        assert Fraction(rel.params["epsilon_unit"]) * 20 <= 1
         assert sum(e for e, _ in rel.components.values()) == 1.0
     else:
         assert rel.params["epsilon_report"] == pytest.approx(EXPECTED_REPORT_EPS[method, accounting], rel=1e-15)

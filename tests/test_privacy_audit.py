@@ -91,3 +91,27 @@ def test_holdout_budget_pieces_never_exceed_epsilon_exactly(method, epsilon, sha
         machine = machine_for(method, 10_000, source, {"epsilon": epsilon, "upper": 10.0, "holdout_share": share})
     assert Fraction(machine.epsilon_threshold) + Fraction(machine.epsilon_total) <= Fraction(epsilon)
     assert machine.cost[0] == epsilon
+
+
+@pytest.mark.parametrize(("epsilon", "w", "memory"), [(0.3, 6, 1), (0.3, 7, 2), (1.1, 10, 10), (0.9, 5, 5)])
+def test_du_reports_in_a_window_never_exceed_epsilon_exactly(epsilon, w, memory):
+    """Strict accounting: ``w + memory`` reports at ``epsilon_report`` each must compose to at
+    most ``epsilon`` in exact arithmetic (``epsilon / k`` times ``k`` can exceed it by an ulp)."""
+    from dpsql.ldp.du import per_report_epsilon
+
+    k = w + memory
+    assert Fraction(per_report_epsilon(epsilon, w=w, memory=memory, accounting="strict")) * k <= Fraction(epsilon)
+
+
+@pytest.mark.parametrize(("epsilon", "w"), [(0.3, 7), (0.3, 2), (1.1, 5), (2.3, 10)])
+def test_ba_sw_units_in_a_window_never_exceed_epsilon_exactly(epsilon, w):
+    """BA-SW spends at most ``2 w`` unit budgets per window (``w`` for M1, ``w`` for M2)."""
+    from dpsql import testing
+    from dpsql.api import machine_for
+
+    with testing.seeded(0) as source:
+        machine = machine_for("ba_sw", 50, source, {"epsilon": epsilon, "w": w, "lower": 0.0, "upper": 1.0})
+        machine.feed(np.linspace(0.0, 1.0, 50))
+        machine.close()
+    unit = machine.describe()["params"]["epsilon_unit"]
+    assert Fraction(unit) * 2 * w <= Fraction(epsilon)

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dpsql import _validate
+from dpsql.accountant import largest_share
 from dpsql.errors import InvalidData, InvalidParameter
 from dpsql.ldp._feedback import (
     BOUNDS_MODES,
@@ -123,7 +124,7 @@ def per_report_epsilon(epsilon: float, *, w: int, memory: int | None, accounting
     Examples
     --------
     >>> per_report_epsilon(1.0, w=10, memory=1, accounting="strict")
-    0.09090909090909091
+    0.0909090909090909
     >>> per_report_epsilon(1.0, w=10, memory=1, accounting="paper")
     0.1
     """
@@ -132,7 +133,15 @@ def per_report_epsilon(epsilon: float, *, w: int, memory: int | None, accounting
     if memory is None:
         raise InvalidParameter("memory=None (the paper's unbounded deviation memory) has no finite w-event "
                                "budget; use accounting='paper' for reproduction or a finite memory")
-    return epsilon / (math.ceil((w - 1) / segment) + 1 + memory)
+    reports = math.ceil((w - 1) / segment) + 1 + memory
+    return largest_share(epsilon, epsilon / reports, count=reports)  # never more than epsilon by rounding
+
+
+def budget_absorption_unit(plan) -> float:
+    """BA-SW's unit budget ``epsilon / (2 w)``, rounded down so that the ``2 w`` units a
+    window can spend (``w`` dissimilarity draws, at most ``w`` absorbed for publication)
+    never add up to more than ``epsilon``."""
+    return largest_share(plan.epsilon, plan.epsilon / (2 * plan.w), count=2 * plan.w)
 
 
 # -- the plan: validated parameters shared by the machine and the device ------------------------
@@ -285,7 +294,7 @@ class AbsorptionEncoder:
         self.plan = plan
         self._noise = noise
         self._randomiser = randomiser
-        self._unit = plan.epsilon / (2 * plan.w)
+        self._unit = budget_absorption_unit(plan)
         self._half_width = np.array([np.inf] + [SQUARE_WAVE.constants(self._unit * u).b
                                                 for u in range(1, plan.w + 1)])
         self._last = np.zeros(users)
@@ -501,7 +510,7 @@ class BASWStream(_DUStream):
         values = np.concatenate(self._reports)
         units = np.concatenate(self._marks)
         published = units > 0
-        unit = plan.epsilon / (2 * plan.w)
+        unit = budget_absorption_unit(plan)
         variance = np.array([SQUARE_WAVE.worst_variance(unit * u) for u in units[published]])
         error = ReportNoise(report_index=np.cumsum(published) - 1,
                             report_variance=(plan.upper - plan.lower) ** 2 * variance,

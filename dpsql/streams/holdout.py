@@ -29,10 +29,10 @@ from abc import abstractmethod
 import numpy as np
 
 from dpsql import _validate
+from dpsql.accountant import largest_share
 from dpsql.mechanisms import LaplaceLattice
 from dpsql.noise import NoiseSource
 from dpsql.release import SegmentedNoise, SharedTotalNoise, StreamMachine
-from dpsql.streams.pegasus import largest_share
 
 #: The ToPS paper's hold-out length; by default capped at a quarter of the stream.
 PAPER_HOLDOUT = 65_536

@@ -41,12 +41,12 @@ step, and only the comparison is used.
 from __future__ import annotations
 
 import heapq
-from fractions import Fraction
 from functools import cache
 
 import numpy as np
 
 from dpsql import _validate
+from dpsql.accountant import largest_share
 from dpsql.mechanisms import LaplaceLattice
 from dpsql.mechanisms.svt import AboveThreshold
 from dpsql.noise import NoiseSource
@@ -72,21 +72,6 @@ def count_neighbour(sensitivity: float) -> str:
         return ADD_REMOVE_EVENT
     return (f"add/remove one privacy unit's events within one time step (at most {sensitivity:g} counted per "
             "step; time domain and partition keys public)")
-
-
-def largest_share(total: float, share: float, *, count: int = 1, rest: float = 0.0) -> float:
-    """The largest float ``x <= share`` with ``count * x + rest <= total`` in exact
-    arithmetic, so that budget pieces never add up to more than ``total`` by rounding.
-
-    >>> largest_share(0.3, 0.3 - 0.03, rest=0.03) + 0.03 <= 0.3
-    True
-    """
-    def exact_sum(x):
-        return count * Fraction(x) + Fraction(rest)
-
-    while exact_sum(share) > Fraction(total):
-        share = float(np.nextafter(share, -np.inf))
-    return share
 
 
 def perturb_units(counts: np.ndarray, lattice: LaplaceLattice, noise: NoiseSource) -> np.ndarray:
