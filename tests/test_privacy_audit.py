@@ -115,3 +115,33 @@ def test_ba_sw_units_in_a_window_never_exceed_epsilon_exactly(epsilon, w):
         machine.close()
     unit = machine.describe()["params"]["epsilon_unit"]
     assert Fraction(unit) * 2 * w <= Fraction(epsilon)
+
+
+class _RecordingStub:
+    """A deterministic randomiser that records its inputs and always reports 0.3."""
+
+    def __init__(self):
+        self.inputs = []
+
+    def perturb(self, z, eps, noise):
+        self.inputs.append(z.copy())
+        return np.full_like(z, 0.3)
+
+
+@pytest.mark.parametrize("first", [0.0, 0.1, 0.7, 1.0, 0.333])
+def test_feedback_inputs_beyond_the_memory_do_not_depend_on_an_old_value(first):
+    """Strict accounting charges a window's change to the ``w`` reports inside it and the next
+    ``memory`` ones only, so with the same reports every later SW input must be bit-for-bit
+    independent of the changed value (a running float sum kept its rounding residue forever)."""
+    from dpsql.ldp._feedback import UNIT, FeedbackEncoder
+
+    rest = [0.123456789, 0.987654321, 0.55, 0.11, 0.77, 0.33, 0.2, 0.91, 0.05]
+
+    def inputs(x0):
+        stub = _RecordingStub()
+        encoder = FeedbackEncoder(1, eps=1.0, memory=2, ranges=UNIT, noise=None, randomiser=stub)
+        for x in [x0, *rest]:
+            encoder.step(np.array([x]))
+        return np.array(stub.inputs)[:, 0]
+
+    np.testing.assert_array_equal(inputs(0.9)[3:], inputs(first)[3:])

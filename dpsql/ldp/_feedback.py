@@ -112,7 +112,7 @@ class FeedbackEncoder:
         self._noise = noise
         self._randomiser = randomiser
         self._window_sum = np.zeros(users)
-        # The last `memory` deviations, as a ring: the running sum drops the oldest.
+        # The last `memory` deviations, as a ring.
         self._ring = np.zeros((users, memory or 0))
         self._step = 0
 
@@ -126,9 +126,11 @@ class FeedbackEncoder:
             if self.memory is None:
                 self._window_sum += deviation
             else:
-                slot = self._step % self.memory
-                self._window_sum += deviation - self._ring[:, slot]
-                self._ring[:, slot] = deviation
+                self._ring[:, self._step % self.memory] = deviation
+                # summed afresh, not updated by "+ new - oldest": float residue of a running sum
+                # would carry every past deviation into all later inputs, past the memory the
+                # strict accounting charges for
+                self._window_sum = self._ring.sum(axis=1)
         self._step += 1
         return reports
 
