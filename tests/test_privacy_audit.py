@@ -145,3 +145,28 @@ def test_feedback_inputs_beyond_the_memory_do_not_depend_on_an_old_value(first):
         return np.array(stub.inputs)[:, 0]
 
     np.testing.assert_array_equal(inputs(0.9)[3:], inputs(first)[3:])
+
+
+@pytest.mark.parametrize("holdout", [np.arange(20.0), np.sort(np.arange(50_000) % 20.0), np.full(5000, 3.0)])
+def test_pak_threshold_noise_scale_within_the_samplers_resolution(holdout, monkeypatch):
+    """The sampler's geometric variable comes from a 53-bit uniform: a scale of ``s`` integer
+    units reaches every integer only within ``ln(2**53 / s)`` scales of the centre. The PAK
+    threshold's integer noise scale must stay far below 2**53 (it was ~2**47 with a 54-bit
+    lattice: integers beyond ~4 scales, 2 % of the mass, were unreachable, which ones
+    depending on the private centre), and the lattice must stay fine against the noise."""
+    from dpsql import testing
+    from dpsql.mechanisms.smooth_sensitivity import pak_threshold
+
+    scales = []
+    with testing.seeded(0) as source:
+        real = source.discrete_laplace
+
+        def spy(scale, size):
+            scales.append(scale)
+            return real(scale, size)
+
+        monkeypatch.setattr(source, "discrete_laplace", spy)
+        pak_threshold(holdout, epsilon=0.85, delta=1e-10, upper=100.0, noise=source)
+    (scale,) = scales
+    assert scale <= 2**29
+    assert scale >= 2**8  # a unit is at most 2**-8 of the noise scale

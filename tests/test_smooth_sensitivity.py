@@ -9,6 +9,7 @@ from scipy import stats
 import dpsql
 from dpsql.errors import InvalidData, InvalidParameter
 from dpsql.mechanisms.smooth_sensitivity import (
+    _THRESHOLD_LATTICE_BITS,
     check_pak_threshold,
     pak_kappa,
     pak_threshold,
@@ -156,7 +157,7 @@ def test_threshold_is_centred_with_the_laplace_spread_of_eq_12():
 
 def test_threshold_is_on_a_public_lattice_and_rho_is_post_processing():
     p = check_pak_threshold(beta_lt=0.006, rho=1.0, **SETTING)
-    gamma = 2.0 ** (math.ceil(math.log2(max(p.kappa / 2.0, 1.0) * 100.0)) - 54)
+    gamma = 2.0 ** (math.ceil(math.log2(max(p.kappa / 2.0, 1.0) * 100.0)) - _THRESHOLD_LATTICE_BITS)
     for seed in range(20):
         with dpsql.testing.seeded(seed) as source:
             tau = pak_threshold(GRID, noise=source, **SETTING)

@@ -34,13 +34,20 @@ from dpsql import _validate
 from dpsql.errors import InvalidData, InvalidParameter
 from dpsql.noise import NoiseSource
 
-# The threshold is released as gamma * integer; gamma is chosen from public quantities
-# so that every integer involved stays below 2**60 (int64-safe with Laplace tails).
-_THRESHOLD_LATTICE_BITS = 54
+# The threshold is released as gamma * integer; gamma is chosen from public quantities so
+# that the integer noise scale stays at most 2**28 + 2**8 / a units even when SS = upper.
+# The sampler turns a 53-bit uniform into a geometric variable, so a scale of s units
+# reaches every integer only within ln(2**53 / s) scales of the centre: with s near 2**47
+# (the former 54 bits) integers beyond ~4 scales (2 % of the mass) were unreachable and
+# which ones depended on the centre, i.e. on the data. At 2**28 that region has mass
+# below s / 2**53: 2**-25 at worst (SS = upper), about 2**-31 for SS = upper / 50. The
+# remaining gap is the sampler's (see the report of the privacy audit).
+_THRESHOLD_LATTICE_BITS = 28
 # Added to the smooth bound, in lattice units: it absorbs the rounding to the lattice
-# (one unit) and makes the integer noise scale so large that discrete and continuous
-# Laplace agree closely (see pak_threshold's notes).
-_SENSITIVITY_FLOOR_UNITS = 2.0**16
+# (one unit) and keeps the integer noise scale large enough (>= 2**8 / a units) that
+# discrete and continuous Laplace agree closely (see pak_threshold's notes), while adding
+# at most 2**-19 * kappa * upper / a**2 of scale in data units.
+_SENSITIVITY_FLOOR_UNITS = 2.0**8
 
 
 def smooth_sensitivity_quantile(sorted_values, rank: int, *, b: float, upper: float, lower: float = 0.0) -> float:
@@ -255,15 +262,17 @@ def pak_threshold(holdout_sorted, *, epsilon: float, delta: float, upper: float,
     Float safety: the threshold is released as ``gamma * (c + Z)`` with ``gamma`` a power
     of two fixed by public ``upper``, ``kappa`` and ``a``; ``c`` is the lattice-rounded
     ``x + kappa * SS * off / a`` and ``Z`` a discrete Laplace integer of scale
-    ``S / a`` with ``S = kappa * SS / gamma + 2**16`` units. The released value is an
+    ``S / a`` with ``S = kappa * SS / gamma + 2**8`` units. The released value is an
     integer multiple of a public ``gamma``, so it never carries floating-point rounding of
     private data. Rounding moves the centre by at most one unit, so ``S`` bounds its local
     sensitivity in units, and ``S`` stays ``b``-smooth (adding a constant keeps
     ``S(x) <= e^b S(y)``). Integer shifts slide a discrete Laplace exactly as they slide
     a continuous one. Under dilation the discrete and continuous densities share the
     exponential factor, and their normalising constants (``tanh(1 / 2s)`` against
-    ``1 / 2s``) differ by a relative ``1 / (12 s**2)``, below ``2**-30`` at the scales
-    used (``s >= 2**16 / a`` units); their tails differ by a factor below ``1 + 1 / (2s)``.
+    ``1 / 2s``) differ by a relative ``1 / (12 s**2)``, below ``a**2 2**-19`` at the scales
+    used (``s >= 2**8 / a`` units); their tails differ by a factor below ``1 + a 2**-9``.
+    The scale stays below ``2**28 + 2**8 / a`` units, so the 53-bit geometric sampler of
+    :mod:`dpsql.noise` reaches every integer except in tails of mass below ``s / 2**53``.
     The NRS07 Laplace argument therefore carries over up to these factors; this is an
     approximation argument, not a separate proof. Relative float error in computing ``SS``
     (about ``1e-13``) is likewise not accounted for.
