@@ -170,3 +170,20 @@ def test_pak_threshold_noise_scale_within_the_samplers_resolution(holdout, monke
     (scale,) = scales
     assert scale <= 2**29
     assert scale >= 2**8  # a unit is at most 2**-8 of the noise scale
+
+
+@pytest.mark.parametrize("method", ["binary_tree", "hierarchy"])
+@pytest.mark.parametrize("epsilon", [0.3, 0.7, 1.1, 0.05])
+def test_per_level_budgets_compose_to_at_most_epsilon_exactly(method, epsilon):
+    """Every value lies in one node per level: ``levels`` draws at the per-level epsilon must
+    not add up to more than the charged epsilon (``L * (e / L)`` can exceed ``e`` by an ulp)."""
+    from dpsql import testing
+    from dpsql.api import machine_for
+
+    for n in (7, 100, 1000, 5000):
+        params = {"epsilon": epsilon, "upper": 3.0}
+        if method == "hierarchy":
+            params.update(fanout=2, depth=0)
+        with testing.seeded(0) as source:
+            machine = machine_for(method, n, source, params)
+        assert Fraction(machine._lap.epsilon) * machine.levels <= Fraction(epsilon)

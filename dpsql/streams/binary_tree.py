@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from dpsql import _validate
+from dpsql.accountant import largest_share
 from dpsql.mechanisms import LaplaceLattice
 from dpsql.noise import NoiseSource
 from dpsql.release import ErrorModel, StreamMachine
@@ -77,7 +78,8 @@ class BinaryTreeStream(StreamMachine):
         self.n = _validate.integer(n, "n", minimum=1)
         self.cost = (self.epsilon, 0.0)
         self.levels = tree_levels(self.n)
-        self._lap = LaplaceLattice(sensitivity=self.upper - self.lower, epsilon=self.epsilon / self.levels)
+        level_epsilon = largest_share(self.epsilon, self.epsilon / self.levels, count=self.levels)
+        self._lap = LaplaceLattice(sensitivity=self.upper - self.lower, epsilon=level_epsilon)
         self._noise = noise
         self._rows = 0
         self._previous_prefix_noise = 0

@@ -32,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from dpsql import _validate
+from dpsql.accountant import largest_share
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms import LaplaceLattice
 from dpsql.mechanisms.hierarchy import BlockStreamNoise, Forest, smoothing_depth, tree_height
@@ -107,7 +108,8 @@ class HierarchyStream(StreamMachine):
         self.chunk_rows = self.chunk_blocks * self.block
         self.cost = (self.epsilon, 0.0)
         bound = self.upper - self.lower
-        self._lap = LaplaceLattice(sensitivity=bound, epsilon=self.epsilon / self.levels)
+        level_epsilon = largest_share(self.epsilon, self.epsilon / self.levels, count=self.levels)
+        self._lap = LaplaceLattice(sensitivity=bound, epsilon=level_epsilon)
         self._inverse_gamma = 1.0 / self._lap.granularity
         self._bound_units = bound * self._inverse_gamma
         self._smoother = make_smoother(self.smoother_name, block=self.block, initial_sum=self.block * bound / 2,
