@@ -187,3 +187,47 @@ def test_per_level_budgets_compose_to_at_most_epsilon_exactly(method, epsilon):
         with testing.seeded(0) as source:
             machine = machine_for(method, n, source, params)
         assert Fraction(machine._lap.epsilon) * machine.levels <= Fraction(epsilon)
+
+
+def _minimal_params(method):
+    from dpsql.api import METHODS
+
+    notion = getattr(METHODS[method], "notion", "central")
+    if notion == "w-event-ldp":
+        params = {"epsilon": 1.0, "w": 4}
+        if method != "pm_direct":
+            params.update(lower=0.0, upper=10.0)
+        return params, notion, 4
+    if method in ("pegasus", "count_laplace"):
+        return {"epsilon": 1.0}, notion, None
+    return {"epsilon": 1.0, "upper": 10.0}, notion, None
+
+
+def _registered_methods():
+    import dpsql.streams  # noqa: F401  (registers the methods)
+    from dpsql.api import METHODS
+
+    return sorted(METHODS)
+
+
+@pytest.mark.parametrize("method", _registered_methods())
+def test_every_method_under_seeded_noise_is_non_private_and_refused_by_a_persistent_ledger(method, tmp_path):
+    import dpsql
+    from dpsql import testing
+    from dpsql.api import publish
+    from dpsql.errors import NonPrivateRelease
+
+    params, notion, w = _minimal_params(method)
+    values = np.linspace(0.0, 10.0, 400)
+    with testing.seeded(3):
+        release = publish(method, values, **params)
+    assert release.private is False
+    budget = dpsql.Budget.open(tmp_path / "ledger.sqlite", epsilon=5.0, delta=1e-3 if notion == "central" else 0.0,
+                               notion=notion, w=w)
+    with testing.seeded(3), pytest.raises(NonPrivateRelease):
+        publish(method, values, budget=budget, **params)
+    assert budget.spent == (0.0, 0.0)
+    # the same call with the OS source is private and charged exactly its cost
+    private = publish(method, values, budget=budget, **params)
+    assert private.private is True
+    assert budget.spent == (private.epsilon, private.delta)
