@@ -231,3 +231,13 @@ def test_every_method_under_seeded_noise_is_non_private_and_refused_by_a_persist
     private = publish(method, values, budget=budget, **params)
     assert private.private is True
     assert budget.spent == (private.epsilon, private.delta)
+
+
+@pytest.mark.parametrize(("epsilon", "w"), [(0.3, 7), (1.1, 10), (0.9, 3)])
+def test_pm_direct_reports_in_a_window_never_exceed_epsilon_exactly(epsilon, w):
+    from dpsql import testing
+    from dpsql.api import machine_for
+
+    with testing.seeded(0) as source:
+        machine = machine_for("pm_direct", 50, source, {"epsilon": epsilon, "w": w})
+    assert Fraction(machine.report_epsilon) * w <= Fraction(epsilon)

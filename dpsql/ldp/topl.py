@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from dpsql import _validate
-from dpsql.accountant import Budget
+from dpsql.accountant import Budget, largest_share
 from dpsql.api import publish
 from dpsql.mechanisms.ldp import (
     EVENT_LDP_NEIGHBOUR,
@@ -344,7 +344,7 @@ class PmDirectStream(StreamMachine):
         self.epsilon = _validate.epsilon(epsilon)
         self.w = _validate.integer(w, "w", minimum=1)
         self.lower, self.upper = _validate.bounds(lower, upper)
-        self.report_epsilon = self.epsilon / self.w
+        self.report_epsilon = largest_share(self.epsilon, self.epsilon / self.w, count=self.w)
         self.cost = (self.epsilon, 0.0)
         self._noise = noise
         self._reports: list[np.ndarray] = []
