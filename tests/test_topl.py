@@ -261,7 +261,8 @@ def test_pm_direct_release_and_ledger():
         rel = dpsql.ldp.pm_direct(values, epsilon=2.0, w=20, lower=3.0, upper=7.0, budget=budget)
     assert budget.spent == (2.0, 0.0)
     assert rel.notion == "w-event-ldp" and rel.neighbour == W_EVENT_LDP_NEIGHBOUR
-    assert rel.params["report_epsilon"] == 0.1
+    # the largest float whose w multiples stay within epsilon exactly
+    assert rel.params["report_epsilon"] == pytest.approx(0.1, rel=1e-15)
     np.testing.assert_allclose(rel.values, 3.0 + 4.0 * (rel.reports + 1) / 2)
     worst = 4.0 * PIECEWISE.worst_variance(0.1)
     assert rel.range_variance(0, n) == pytest.approx(n * worst)
