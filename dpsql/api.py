@@ -9,6 +9,7 @@ charges or adds noise by itself.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 from collections.abc import Callable, Sequence
@@ -60,6 +61,12 @@ class PartitionedRelease:
                 f"epsilon={self.epsilon:g}, delta={self.delta:g})")
 
 
+@functools.cache
+def _parameters(factory: Callable[..., StreamMachine]):
+    # Cached: a partitioned release builds one machine per partition (thousands).
+    return inspect.signature(factory).parameters
+
+
 def machine_for(method: str, n: int, source: noise.NoiseSource, params: dict) -> StreamMachine:
     """The validated state machine for ``method`` over ``n`` rows (draws no noise)."""
     from dpsql import streams  # noqa: F401  (registers the methods)
@@ -67,7 +74,7 @@ def machine_for(method: str, n: int, source: noise.NoiseSource, params: dict) ->
     if method not in METHODS:
         raise InvalidParameter(f"unknown method {method!r}; expected one of {', '.join(map(repr, sorted(METHODS)))}")
     factory = METHODS[method]
-    accepted = inspect.signature(factory).parameters
+    accepted = _parameters(factory)
     params = dict(params)
     if "delta" in params and "delta" not in accepted:
         _validate.delta(params.pop("delta"), pure=True, method=method)

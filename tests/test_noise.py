@@ -112,6 +112,22 @@ def test_laplace_lattice_variance_is_exact():
     assert stats.kstest(draws, stats.laplace(scale=lap.scale).cdf).statistic < 0.005
 
 
+@pytest.mark.parametrize("epsilon", [1.0, 1e-12])  # the float path, and the int64 path for huge noise
+def test_lattice_release_is_bit_identical_to_adding_int64_units(epsilon):
+    lap = LaplaceLattice(sensitivity=8.0, epsilon=epsilon)
+    # 2**50 is 2**59 lattice units: its noisy sums exceed 2**53 and must round as the int64 path does.
+    assert (lap.scale_units * 37.0 < 2.0**53) == (epsilon == 1.0)
+    with dpsql.testing.seeded(6) as source:
+        x = np.concatenate([source.uniform(5000) * 16 - 8,
+                            [0.0, -0.0, -1e-300, 2.0**-13, -3 * 2.0**-13, 2.0**50 + 0.5]])
+    with dpsql.testing.seeded(7) as source:
+        released = lap.release(x, source)
+    with dpsql.testing.seeded(7) as source:
+        expected = lap.from_units(lap.to_units(x) + lap.noise_units(source, x.size))
+    np.testing.assert_array_equal(released, expected)
+    np.testing.assert_array_equal(np.signbit(released), np.signbit(expected))
+
+
 def test_zero_sensitivity_draws_no_noise():
     lap = LaplaceLattice(sensitivity=0.0, epsilon=1.0)
     with dpsql.testing.seeded(0) as source:

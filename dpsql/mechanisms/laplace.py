@@ -83,7 +83,21 @@ class LaplaceLattice:
 
     def release(self, values: np.ndarray, noise: NoiseSource) -> np.ndarray:
         """``values`` plus independent noise, each on the lattice: ``eps``-DP per
-        coordinate for sensitivity ``s`` in that coordinate."""
-        units = self.to_units(values)
-        units += self.noise_units(noise, units.size).reshape(units.shape)
-        return self.from_units(units)
+        coordinate for sensitivity ``s`` in that coordinate.
+
+        Bit-identical to ``from_units(to_units(values) + noise_units(noise, size))``, but
+        computed in float64 in place when every possible draw is an exact float: then
+        ``rint(values / gamma)`` is an integral float ``k``, adding the draw ``z`` rounds
+        the exact integer ``k + z`` once to nearest, as the int64 path's conversion back
+        to float does, and multiplying by the power of two ``gamma`` is exact in both.
+        A draw of :meth:`~dpsql.noise.NoiseSource.discrete_laplace` has
+        ``|z| <= scale * 53 ln 2 < 37 scale`` (its uniforms are at least ``2**-53``), so
+        this holds unless ``scale_units`` exceeds ``2**53 / 37`` (epsilon below ~1e-10).
+        """
+        units = np.rint(np.asarray(values, dtype=np.float64) / self.granularity)
+        draws = self.noise_units(noise, units.size).reshape(units.shape)
+        if self.scale_units * 37.0 >= 2.0**53:
+            return self.from_units(units.astype(np.int64) + draws)
+        units += draws
+        units *= self.granularity
+        return units
