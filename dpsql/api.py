@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -153,11 +154,13 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
 
 def _compose(costs: list[float], levels: list[int]) -> float:
     """Maximum within a level (disjoint partitions), sum across levels (sequential), added
-    exactly and rounded once to the nearest float."""
+    exactly and rounded up to a float, so the recorded charge is never below the cost."""
     per_level: dict[int, float] = {}
     for level, cost in zip(levels, costs):
         per_level[level] = max(per_level.get(level, 0.0), cost)
-    return float(sum((Fraction(c) for c in per_level.values()), Fraction(0)))
+    exact = sum((Fraction(c) for c in per_level.values()), Fraction(0))
+    rounded = float(exact)
+    return rounded if Fraction(rounded) >= exact else math.nextafter(rounded, math.inf)
 
 
 def _offsets(partition_offsets, n: int) -> np.ndarray:

@@ -158,3 +158,12 @@ def test_release_exports_and_range_arguments():
     with pytest.raises(InvalidParameter, match="level"):
         rel.range_ci(0, 2, level=1.5)
     assert "private=False" in repr(rel)
+
+
+def test_composed_level_costs_are_never_recorded_below_their_exact_sum():
+    from fractions import Fraction
+
+    cost = api._compose([1.1, 0.45, 0.3], [0, 1, 1])
+    assert Fraction(cost) >= Fraction(1.1) + Fraction(0.45)
+    assert cost == pytest.approx(1.55, abs=1e-15)
+    assert api._compose([0.5, 0.25], [0, 1]) == 0.75  # exact sums stay exact
