@@ -22,9 +22,17 @@ input and the noise is exactly input-independent (see
 The discrete Laplace draw ``P(Z = k) ∝ exp(-|k| / scale)`` uses one 64-bit word per
 candidate: one bit for the sign, 53 bits for a uniform ``U`` in (0, 1], and
 ``|Z| = floor(-scale * ln U)`` (a geometric variable); the pair (negative sign, 0)
-is rejected and redrawn so that zero is not counted twice. The geometric inversion
-is computed in floating point from public quantities only; its relative error is
-that of ``log`` (about 1e-16), far below any privacy-relevant probability.
+is rejected and redrawn so that zero is not counted twice.
+
+Resolution of ``U``: on a grid of spacing ``2^-53`` the magnitudes reachable near a
+small ``U`` are ``scale * 2^-53 / U`` apart, so for large scales some integers in the
+far tail could never be drawn, and which outputs are unreachable would then depend on
+the input. Every ``U < 2^-20`` (one draw in a million) is therefore refined with 53
+more random bits, ``U = (k + V) * 2^-53``: everywhere the relative spacing of ``U``
+is then at most ``2^-33`` (``2^-53`` in the refined range), so every integer
+magnitude is reachable for scales up to ``2^33`` lattice units; the mass where that
+could fail is below ``scale * 2^-106``. What remains is the rounding of ``log``
+(relative error about 1e-16 on each probability), computed from public quantities only.
 """
 
 from __future__ import annotations
@@ -38,6 +46,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 _TWO_POW_M53 = 2.0**-53
+_MASK53 = np.uint64((1 << 53) - 1)
+# Uniforms below 2^-20 (53-bit grid values below 2^33) get 53 more bits; see the module docstring.
+_REFINE_BELOW = np.uint64(1 << 33)
 # Words drawn per os.urandom call: large enough to amortise the syscall, small
 # enough that each piece stays in cache while it is turned into noise.
 _PIECE = 1 << 18
@@ -91,8 +102,13 @@ class NoiseSource:
     def _fill_discrete_laplace(self, scale: float, out: np.ndarray) -> np.ndarray:
         """Fill ``out`` with signed geometric draws; return the indices to redraw."""
         w = self.words(out.size)
-        u = (w & np.uint64((1 << 53) - 1)).astype(np.float64)
+        bits = w & _MASK53
+        u = bits.astype(np.float64)
         u += 1.0
+        coarse = np.flatnonzero(bits < _REFINE_BELOW)
+        if coarse.size:
+            refinement = (self.words(coarse.size) & _MASK53).astype(np.float64)
+            u[coarse] = bits[coarse].astype(np.float64) + (refinement + 1.0) * _TWO_POW_M53
         u *= _TWO_POW_M53
         np.log(u, out=u)
         u *= -scale

@@ -141,3 +141,36 @@ def test_report_noisy_max_tracks_a_clear_leader_and_is_random_on_ties():
         assert picks.count(2) == 200
         ties = [report_noisy_max(np.zeros(2), epsilon=1.0, noise=source) for _ in range(2000)]
     assert 0.45 < np.mean(ties) < 0.55
+
+
+class _Scripted(noise.NoiseSource):
+    """Hands out the given words in order (to probe the sampler's arithmetic)."""
+
+    def __init__(self, words):
+        self._words = list(words)
+
+    def words(self, n):
+        taken, self._words = self._words[:n], self._words[n:]
+        return np.array(taken, dtype=np.uint64)
+
+
+def test_tiny_uniforms_are_refined_so_far_tail_magnitudes_stay_reachable():
+    scale = 2.0**27
+    coarse = 5  # U in (5, 6] * 2^-53: without refinement one word, one magnitude
+    draws = [_Scripted([coarse, refinement]).discrete_laplace(scale, 1)[0] for refinement in (0, 1 << 52)]
+    low = math.floor(-scale * math.log(6 * 2.0**-53))
+    high = math.floor(-scale * math.log(5 * 2.0**-53))
+    assert draws[0] != draws[1]
+    assert all(low <= d <= high for d in draws)
+    # a word above the refinement range consumes no second word
+    ordinary = _Scripted([1 << 40]).discrete_laplace(scale, 1)[0]
+    assert ordinary == math.floor(-scale * math.log(((1 << 40) + 1) * 2.0**-53))
+
+
+def test_lattice_scale_never_rounds_below_its_exact_value():
+    from fractions import Fraction
+
+    for epsilon in (0.1, 0.3, 0.7, 1 / 3, 0.01, 2.9):
+        lap = LaplaceLattice(sensitivity=1.0, epsilon=epsilon)
+        units = math.ceil(1.0 / lap.granularity) + 1
+        assert Fraction(lap.scale_units) >= Fraction(units) / Fraction(epsilon)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import numpy as np
 
@@ -50,7 +51,10 @@ class LaplaceLattice:
     def __post_init__(self):
         if self.sensitivity > 0:
             gamma = 2.0 ** (math.floor(math.log2(self.sensitivity)) - LATTICE_BITS)
-            units = (math.ceil(self.sensitivity / gamma) + 1) / self.epsilon
+            sensitivity_units = math.ceil(self.sensitivity / gamma) + 1
+            units = sensitivity_units / self.epsilon
+            if Fraction(units) * Fraction(self.epsilon) < sensitivity_units:
+                units = math.nextafter(units, math.inf)  # the scale must never round below s_units / eps
         else:
             gamma, units = 1.0, 0.0
         object.__setattr__(self, "granularity", gamma)
