@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +50,9 @@ _TWO_POW_M53 = 2.0**-53
 _MASK53 = np.uint64((1 << 53) - 1)
 # Uniforms below 2^-20 (53-bit grid values below 2^33) get 53 more bits; see the module docstring.
 _REFINE_BELOW = np.uint64(1 << 33)
+#: Every uniform the discrete Laplace draw inverts is at least ``2^-106`` (a refined
+#: one's smallest value), so every draw has ``|Z| <= scale * MAX_NEG_LOG_UNIFORM``.
+MAX_NEG_LOG_UNIFORM = 106 * math.log(2)
 # Words drawn per os.urandom call: large enough to amortise the syscall, small
 # enough that each piece stays in cache while it is turned into noise.
 _PIECE = 1 << 18

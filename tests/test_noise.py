@@ -116,7 +116,7 @@ def test_laplace_lattice_variance_is_exact():
 def test_lattice_release_is_bit_identical_to_adding_int64_units(epsilon):
     lap = LaplaceLattice(sensitivity=8.0, epsilon=epsilon)
     # 2**50 is 2**59 lattice units: its noisy sums exceed 2**53 and must round as the int64 path does.
-    assert (lap.scale_units * 37.0 < 2.0**53) == (epsilon == 1.0)
+    assert (lap.scale_units * noise.MAX_NEG_LOG_UNIFORM < 2.0**52) == (epsilon == 1.0)
     with dpsql.testing.seeded(6) as source:
         x = np.concatenate([source.uniform(5000) * 16 - 8,
                             [0.0, -0.0, -1e-300, 2.0**-13, -3 * 2.0**-13, 2.0**50 + 0.5]])
@@ -126,6 +126,18 @@ def test_lattice_release_is_bit_identical_to_adding_int64_units(epsilon):
         expected = lap.from_units(lap.to_units(x) + lap.noise_units(source, x.size))
     np.testing.assert_array_equal(released, expected)
     np.testing.assert_array_equal(np.signbit(released), np.signbit(expected))
+
+
+def test_max_neg_log_uniform_bounds_the_largest_draw():
+    class ZeroWords(noise.NoiseSource):
+        """All-zero words: the smallest uniform the sampler can invert, with a positive sign."""
+
+        def words(self, n):
+            return np.zeros(n, dtype=np.uint64)
+
+    scale = 1000.0
+    largest = ZeroWords().discrete_laplace(scale, 3)
+    assert np.all(largest == math.floor(scale * noise.MAX_NEG_LOG_UNIFORM))
 
 
 def test_zero_sensitivity_draws_no_noise():

@@ -23,7 +23,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from dpsql.noise import NoiseSource
+from dpsql.noise import MAX_NEG_LOG_UNIFORM, NoiseSource
 
 LATTICE_BITS = 12
 
@@ -95,12 +95,14 @@ class LaplaceLattice:
         the exact integer ``k + z`` once to nearest, as the int64 path's conversion back
         to float does, and multiplying by the power of two ``gamma`` is exact in both.
         A draw of :meth:`~dpsql.noise.NoiseSource.discrete_laplace` has
-        ``|z| <= scale * 53 ln 2 < 37 scale`` (its uniforms are at least ``2**-53``), so
-        this holds unless ``scale_units`` exceeds ``2**53 / 37`` (epsilon below ~1e-10).
+        ``|z| <= scale * MAX_NEG_LOG_UNIFORM`` (``106 ln 2``, see :mod:`dpsql.noise`); the
+        float path is taken while that bound stays below ``2**52`` (a factor 2 of margin
+        over ``2**53`` for the rounding of the bound itself), i.e. unless epsilon is
+        below about 1e-10.
         """
         units = np.rint(np.asarray(values, dtype=np.float64) / self.granularity)
         draws = self.noise_units(noise, units.size).reshape(units.shape)
-        if self.scale_units * 37.0 >= 2.0**53:
+        if self.scale_units * MAX_NEG_LOG_UNIFORM >= 2.0**52:
             return self.from_units(units.astype(np.int64) + draws)
         units += draws
         units *= self.granularity
