@@ -40,6 +40,7 @@ Consequences, documented in the user-facing docstrings:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import inspect
@@ -482,6 +483,15 @@ def typed_error(error: BaseException) -> BaseException:
 
 #: id(connection) -> its Context (checked with ``context.con is con``).
 _CONTEXTS: dict[int, Context] = {}
+
+
+@atexit.register
+def _close_registered_connections() -> None:
+    """A connection that still holds dpsql's Python UDFs when the interpreter shuts down
+    makes DuckDB's bindings print pages of reference-leak warnings; close them first."""
+    for context in list(_CONTEXTS.values()):
+        with contextlib.suppress(duckdb.Error):
+            context.con.close()
 
 
 def context_for(con: duckdb.DuckDBPyConnection, budget: Budget) -> Context:
