@@ -22,7 +22,7 @@ import numpy as np
 from dpsql import _validate, noise
 from dpsql.accountant import Budget
 from dpsql.errors import InvalidParameter
-from dpsql.release import Release, StreamMachine, chunks_of, run_machine
+from dpsql.release import Release, StreamMachine, chunks_of, release_from
 
 #: name -> machine factory ``(n, *, noise, **params) -> StreamMachine``. Algorithm
 #: modules add themselves in :mod:`dpsql.streams`.
@@ -134,11 +134,8 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
     first = machines[0]
     if budget is not None:
         budget.check(epsilon=epsilon, delta=delta, notion=first.notion, w=first.w, private=source.private)
-    parts = []
-    for machine, a, b in zip(machines, offsets[:-1], offsets[1:]):
-        out = run_machine(machine, chunks_of(data[a:b]), int(b - a))
-        parts.append(Release(values=out, epsilon=machine.cost[0], delta=machine.cost[1], private=source.private,
-                             neighbour=machine.neighbour, notion=machine.notion, **machine.describe()))
+    parts = [release_from(machine, chunks_of(data[a:b]), int(b - a), private=source.private)
+             for machine, a, b in zip(machines, offsets[:-1], offsets[1:])]
     release_id = None
     if budget is not None:
         release_id = budget.charge(method=parts[0].method, epsilon=epsilon, delta=delta, rows=len(data),

@@ -273,6 +273,13 @@ def run_machine(machine: StreamMachine, chunks, n: int) -> np.ndarray:
     return out
 
 
+def release_from(machine: StreamMachine, chunks, n: int, *, private: bool) -> Release:
+    """Drive ``machine`` over ``chunks`` of ``n`` rows and wrap its outputs as a :class:`Release`."""
+    values = run_machine(machine, chunks, n)
+    return Release(values=values, epsilon=machine.cost[0], delta=machine.cost[1], private=private,
+                   neighbour=machine.neighbour, notion=machine.notion, **machine.describe())
+
+
 def chunks_of(values: np.ndarray, size: int = 1 << 20):
     """Views of ``values`` in consecutive chunks of ``size`` rows."""
     for start in range(0, len(values), size):
