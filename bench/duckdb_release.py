@@ -110,7 +110,7 @@ def main() -> None:
         ["`SELECT ts, volume FROM t ORDER BY ts` (baseline)", best["baseline"], 1.0],
         ["`dp_range_sum(..., method := 'laplace')`", best["laplace"], best["laplace"] / base],
         ["`dp_range_sum(..., method := 'tops')`", best["tops"], best["tops"] / base],
-        ["`SELECT ts, volume FROM dp_range_sum(..., 'laplace')` (no error-bar columns)", best["laplace_2col"],
+        ["`SELECT ts, volume FROM dp_range_sum(..., 'laplace')` (without `dp_row`)", best["laplace_2col"],
          best["laplace_2col"] / base],
         ["core `publish('laplace')` on the sorted column alone", best["core"], best["core"] / base],
         ["OS CSPRNG alone: one 64-bit word per row (`os.urandom`)", best["csprng"], best["csprng"] / base],
@@ -129,8 +129,8 @@ def main() -> None:
             + "\n\nThe front end reads the ordered relation through a second connection as Arrow batches "
             "(`to_arrow_reader`, the same sort as the baseline), releases it with one `publish` call (the `core` "
             "rows: the mechanism itself) and hands the columns back as typed lists that SQL unnests. Fetching only "
-            "the two baseline columns isolates the cost of exporting the error-bar columns (`dp_row`, `dp_part`, "
-            "`dp_release`); the remaining gap is the mechanism (most of it the CSPRNG row: one `os.urandom` word per "
+            "the two baseline columns isolates the cost of exporting the error-bar column (`dp_row`, one BIGINT row "
+            "handle); the remaining gap is the mechanism (most of it the CSPRNG row: one `os.urandom` word per "
             "noise draw) plus copies of keys and values. With 1,000 partitions each partition's noise is drawn "
             "separately, below the size at which the CSPRNG is read by two threads.")
     write_section("duckdb_release", "DuckDB front end: dp_range_sum end to end", body)

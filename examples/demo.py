@@ -47,8 +47,7 @@ def sql_release(budget: dpsql.Budget) -> None:
     monthly = """
         WITH private AS (
             SELECT date_trunc('month', ts) AS month, sum(volume) AS private_total,
-                   dp_range_margin(any_value(dp_release), any_value(dp_part), min(dp_row), max(dp_row) + 1)
-                       AS margin_95
+                   dp_range_margin(min(dp_row), max(dp_row) + 1) AS margin_95
             FROM released GROUP BY month),
         truth AS (SELECT date_trunc('month', ts) AS month, sum(volume)::BIGINT AS true_total
                   FROM traffic GROUP BY month)

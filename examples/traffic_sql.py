@@ -27,11 +27,11 @@ DATA = SHARED if SHARED.exists() else HERE / "data" / "traffic_volume_hourly.csv
 
 WINDOWS = """
     SELECT ts,
-           volume AS hourly, dp_range_margin(dp_release, dp_part, dp_row, dp_row + 1) AS hourly_margin,
+           volume AS hourly, dp_range_margin(dp_row, dp_row + 1) AS hourly_margin,
            sum(volume) OVER day AS daily,
-           dp_range_margin(dp_release, dp_part, min(dp_row) OVER day, max(dp_row) OVER day + 1) AS daily_margin,
+           dp_range_margin(min(dp_row) OVER day, max(dp_row) OVER day + 1) AS daily_margin,
            sum(volume) OVER week AS weekly,
-           dp_range_margin(dp_release, dp_part, min(dp_row) OVER week, max(dp_row) OVER week + 1) AS weekly_margin
+           dp_range_margin(min(dp_row) OVER week, max(dp_row) OVER week + 1) AS weekly_margin
     FROM released
     WINDOW day AS (ORDER BY ts RANGE BETWEEN INTERVAL 23 HOURS PRECEDING AND CURRENT ROW),
            week AS (ORDER BY ts RANGE BETWEEN INTERVAL 167 HOURS PRECEDING AND CURRENT ROW)

@@ -133,22 +133,27 @@ def test_sql_equals_core_release(con, budget, events):
                       "start := TIMESTAMP '2024-05-01', stop := '2024-05-01 04:00', epsilon := 1.0, "
                       "partition_by := 'building', smoother := 'js', window_size := 4, alarm_threshold := 100)").pl()
     want = core(events, every="15m", epsilon=1.0, keys=["building"], smoother="js", window=4, alarm_threshold=100)
-    assert out.columns == [*want, "release_id"]
+    assert out.columns == [c for c in want if c != "dp_part"]
     np.testing.assert_array_equal(out["dp_count"].to_numpy(), want["dp_count"])
+    # Row handles: one block for the release, buckets of a stream consecutive.
+    np.testing.assert_array_equal(out["dp_row"].to_numpy(), np.arange(out.height))
+    release_ids = con.execute(f"SELECT dp_release_id(0), dp_release_id({out.height - 1})").fetchall()
+    assert release_ids == [tuple(budget.history()["release_id"]) * 2]
     np.testing.assert_allclose(out["dp_window_std_error"].to_numpy(), want["dp_window_std_error"], rtol=1e-12)
     assert out["ts"][:2].to_list() == [START, START + dt.timedelta(minutes=15)]
     assert budget.spent == (1.0, 0.0)
 
 
-def test_sql_window_functions_with_exact_error_bars(con):
+@pytest.mark.parametrize("partition_by", ["NULL", "'building'"])
+def test_sql_window_functions_with_exact_error_bars(con, partition_by):
     with testing.seeded(7):
         con.execute("CREATE TABLE rel AS SELECT * FROM dp_count_stream('ev', 'ts', every := INTERVAL '10 minutes', "
                     "start := '2024-05-01', stop := '2024-05-01 04:00', epsilon := 0.5, window_size := 6, "
-                    "alarm_threshold := 60)")
+                    f"alarm_threshold := 60, partition_by := {partition_by})")
+    within = "PARTITION BY building" if partition_by != "NULL" else ""
     got = con.sql("SELECT dp_window_sum, dp_window_std_error, dp_alarm, "
-                  "sum(dp_count) OVER w AS s, sqrt(dp_range_variance(release_id, dp_part, min(dp_row) OVER w, "
-                  "max(dp_row) OVER w + 1)) AS se FROM rel WINDOW w AS (ORDER BY dp_row ROWS 5 PRECEDING) "
-                  "ORDER BY dp_row").pl()
+                  "sum(dp_count) OVER w AS s, sqrt(dp_range_variance(min(dp_row) OVER w, max(dp_row) OVER w + 1)) "
+                  f"AS se FROM rel WINDOW w AS ({within} ORDER BY dp_row ROWS 5 PRECEDING) ORDER BY dp_row").pl()
     np.testing.assert_allclose(got["s"].to_numpy(), got["dp_window_sum"].to_numpy(), rtol=1e-9)
     np.testing.assert_allclose(got["se"].to_numpy(), got["dp_window_std_error"].to_numpy(), rtol=1e-9)
     assert (got["dp_alarm"] == (got["dp_window_sum"] >= 60)).all()

@@ -52,13 +52,13 @@ def test_release_equals_the_core_release_in_time_order(con, budget):
         out = con.sql(RANGE_SUM).pl()
     with dpsql.testing.seeded(5):
         expected = _core("laplace", _data(1000), epsilon=0.5, upper=10.0)
-    assert out.columns == ["ts", "v", "dp_row", "dp_part", "dp_release"]
+    assert out.columns == ["ts", "v", "dp_row"]
     assert out["ts"].is_sorted()
     np.testing.assert_array_equal(out["v"].to_numpy(), expected.values)
-    np.testing.assert_array_equal(out["dp_row"].to_numpy(), np.arange(1000))
+    np.testing.assert_array_equal(out["dp_row"].to_numpy(), np.arange(1000))  # the connection's first block
     assert budget.spent == (0.5, 0.0)
     history = budget.history()
-    release_id = con.execute(f"SELECT dp_release_id({out['dp_release'][0]})").fetchone()[0]
+    release_id = con.execute(f"SELECT dp_release_id({out['dp_row'][0]})").fetchall()[0][0]
     assert history["release_id"].to_list() == [release_id]
     assert history["rows"].to_list() == [1000]
 
@@ -89,32 +89,51 @@ def test_partitions_are_released_independently_and_charged_once_at_the_max(con, 
     assert out.columns[:2] == ["g", "ts"]
     np.testing.assert_array_equal(out["v"].to_numpy(), expected.values)
     assert out["g"].to_list() == sorted(out["g"].to_list())
-    assert out.group_by("g").agg(pl.col("dp_row").max())["dp_row"].sort().to_list() == sorted(s - 1 for s in sizes)
-    assert out["dp_part"].to_list() == out["g"].to_list()
+    # One block in output order: each partition owns a contiguous range of handles.
+    np.testing.assert_array_equal(out["dp_row"].to_numpy(), np.arange(1000))
     assert budget.spent == (0.5, 0.0)
     assert budget.history()["partitions"].to_list() == [3]
 
 
-def test_window_error_bars_equal_the_release_error_model(con):
-    query = """
-        SELECT ts, sum(v) OVER w AS total, min(dp_row) OVER w AS i, max(dp_row) OVER w + 1 AS j,
-               dp_range_variance(dp_release, dp_part, min(dp_row) OVER w, max(dp_row) OVER w + 1) AS var,
-               dp_range_margin(dp_release, dp_part, min(dp_row) OVER w, max(dp_row) OVER w + 1) AS margin,
-               dp_range_margin(dp_release, dp_part, min(dp_row) OVER w, max(dp_row) OVER w + 1, 0.5) AS half
-        FROM dp_range_sum('t', 'ts', 'v', method := 'binary_tree', epsilon := 1, upper := 10)
-        WINDOW w AS (ORDER BY ts RANGE BETWEEN INTERVAL 23 HOUR PRECEDING AND CURRENT ROW) ORDER BY ts"""
+@pytest.mark.parametrize("method", ["binary_tree", "tops"])
+@pytest.mark.parametrize("partitioned", [False, True])
+def test_window_error_bars_equal_the_release_error_model(con, method, partitioned):
+    """SQL windows over dp_row give the core release's exact range variances and
+    intervals (correlated noise for both methods), per partition when partitioned."""
+    by = "g" if partitioned else "NULL"
+    query = f"""
+        WITH r AS (SELECT * FROM dp_range_sum('t', 'ts', 'v', method := '{method}', epsilon := 1, upper := 10,
+                                              partition_by := {by}))
+        SELECT {'g' if partitioned else '0'} AS g, ts, sum(v) OVER w AS total,
+               min(dp_row) OVER w - min(dp_row) OVER whole AS i, max(dp_row) OVER w + 1 - min(dp_row) OVER whole AS j,
+               dp_range_variance(min(dp_row) OVER w, max(dp_row) OVER w + 1) AS var,
+               dp_range_margin(min(dp_row) OVER w, max(dp_row) OVER w + 1) AS margin,
+               dp_range_margin(min(dp_row) OVER w, max(dp_row) OVER w + 1, 0.5) AS half
+        FROM r
+        WINDOW w AS ({'PARTITION BY g' if partitioned else ''} ORDER BY ts
+                     RANGE BETWEEN INTERVAL 23 HOUR PRECEDING AND CURRENT ROW),
+               whole AS ({'PARTITION BY g' if partitioned else ''})
+        ORDER BY g, ts"""
+    values, groups = _data(1000), np.arange(1000) % 3
+    offsets = None
+    if partitioned:
+        values = np.concatenate([values[groups == k] for k in range(3)])
+        offsets = np.searchsorted(np.sort(groups), np.arange(4))
     with dpsql.testing.seeded(3):
         out = con.sql(query).pl()
     with dpsql.testing.seeded(3):
-        release = _core("binary_tree", _data(1000), epsilon=1.0, upper=10.0)
-    i, j = out["i"].to_numpy(), out["j"].to_numpy()
-    assert (j - i)[30] == 24
-    np.testing.assert_allclose(out["total"].to_numpy(), release.range_sum(i, j), rtol=1e-12, atol=1e-9)
-    np.testing.assert_allclose(out["var"].to_numpy(), release.range_variance(i, j), rtol=1e-12)
-    low, high = release.range_ci(i, j)
-    np.testing.assert_allclose(out["margin"].to_numpy(), (high - low) / 2, rtol=1e-9)
-    low, high = release.range_ci(i, j, level=0.5)
-    np.testing.assert_allclose(out["half"].to_numpy(), (high - low) / 2, rtol=1e-9)
+        release = _core(method, values, epsilon=1.0, upper=10.0, partition_offsets=offsets)
+    parts = release.parts if partitioned else (release,)
+    for k, part in enumerate(parts):
+        rows = out.filter(pl.col("g") == k)
+        i, j = rows["i"].to_numpy(), rows["j"].to_numpy()
+        assert (j - i).max() == 24 if not partitioned else (j - i).max() == 8
+        np.testing.assert_allclose(rows["total"].to_numpy(), part.range_sum(i, j), rtol=1e-12, atol=1e-9)
+        np.testing.assert_allclose(rows["var"].to_numpy(), part.range_variance(i, j), rtol=1e-12)
+        low, high = part.range_ci(i, j)
+        np.testing.assert_allclose(rows["margin"].to_numpy(), (high - low) / 2, rtol=1e-9)
+        low, high = part.range_ci(i, j, level=0.5)
+        np.testing.assert_allclose(rows["half"].to_numpy(), (high - low) / 2, rtol=1e-9)
 
 
 def test_daily_intervals_cover_the_true_sums(budget):
@@ -128,7 +147,7 @@ def test_daily_intervals_cover_the_true_sums(budget):
     with dpsql.testing.seeded(11):
         out = con.sql("""
             SELECT ts // 24 AS day, sum(v) AS total, min(dp_row) AS i, max(dp_row) + 1 AS j,
-                   dp_range_margin(any_value(dp_release), 0, min(dp_row), max(dp_row) + 1) AS margin
+                   dp_range_margin(min(dp_row), max(dp_row) + 1) AS margin
             FROM dp_range_sum('t', 'ts', 'v', method := 'laplace', epsilon := 0.5, upper := 10)
             GROUP BY day ORDER BY day""").pl()
     truth = values.reshape(-1, 24).sum(axis=1)
@@ -157,7 +176,7 @@ def test_noise_functions_have_side_effects(con):
     rows = con.sql("SELECT function_name, has_side_effects FROM duckdb_functions() "
                    "WHERE function_name LIKE 'dp%' AND function_type = 'scalar'").fetchall()
     names = {name for name, _ in rows}
-    assert {"dp__run_dp_range_sum", "dp__run_threshold", "dp__range_variance", "dp_release_id"} <= names
+    assert {"dp__run_dp_range_sum", "dp__run_threshold", "dp_range_variance", "dp_release_id"} <= names
     assert all(flag for _, flag in rows)
 
 
@@ -171,19 +190,24 @@ def test_rows_do_not_share_noise(con):
 
 def test_two_calls_in_one_query_are_two_charged_releases(con, budget):
     with dpsql.testing.seeded(1):
-        out = con.sql(f"SELECT a.v AS a, b.v AS b, dp_release_id(a.dp_release) AS ra, "
-                      f"dp_release_id(b.dp_release) AS rb "
-                      f"FROM ({RANGE_SUM}) a JOIN ({RANGE_SUM}) b USING (ts)").pl()
+        out = con.sql(f"SELECT a.v AS a, b.v AS b, a.dp_row AS row_a, b.dp_row AS row_b, "
+                      f"dp_release_id(a.dp_row) AS ra, dp_release_id(b.dp_row) AS rb "
+                      f"FROM ({RANGE_SUM}) a JOIN ({RANGE_SUM}) b USING (ts) ORDER BY ts").pl()
     assert out.height == 1000
-    assert out["ra"][0] != out["rb"][0]
+    assert out["ra"].n_unique() == out["rb"].n_unique() == 1
+    assert {out["ra"][0], out["rb"][0]} == set(budget.history()["release_id"])
     assert not np.array_equal(out["a"].to_numpy(), out["b"].to_numpy())
+    # Two disjoint contiguous blocks, one per release, consecutive in time order.
+    for rows in (out["row_a"].to_numpy(), out["row_b"].to_numpy()):
+        np.testing.assert_array_equal(rows, rows[0] + np.arange(1000))
+    assert sorted([out["row_a"][0], out["row_b"][0]]) == [0, 1000]
     assert budget.spent == (1.0, 0.0)
 
 
 def test_a_cte_read_twice_is_one_release_or_charged_twice(con, budget):
     with dpsql.testing.seeded(1):
-        out = con.sql(f"WITH r AS ({RANGE_SUM}) SELECT dp_release_id(a.dp_release) AS ra, "
-                      f"dp_release_id(b.dp_release) AS rb "
+        out = con.sql(f"WITH r AS ({RANGE_SUM}) SELECT dp_release_id(a.dp_row) AS ra, "
+                      f"dp_release_id(b.dp_row) AS rb "
                       f"FROM r a JOIN r b USING (ts)").pl()
     released = set(out["ra"]) | set(out["rb"])
     assert set(budget.history()["release_id"]) == released
@@ -193,9 +217,14 @@ def test_a_cte_read_twice_is_one_release_or_charged_twice(con, budget):
 def test_each_execution_is_a_new_charged_release(con, budget):
     relation = con.sql(RANGE_SUM)
     with dpsql.testing.seeded(1):
-        first = relation.fetchnumpy()["v"]
-        second = relation.fetchnumpy()["v"]
-    assert not np.array_equal(first, second)
+        first = relation.fetchnumpy()
+        second = relation.fetchnumpy()
+    assert not np.array_equal(first["v"], second["v"])
+    # Each execution takes the next block of handles.
+    np.testing.assert_array_equal(first["dp_row"], np.arange(1000))
+    np.testing.assert_array_equal(second["dp_row"], np.arange(1000, 2000))
+    ids = con.execute(f"SELECT dp_release_id(0), dp_release_id({second['dp_row'][-1]})").fetchall()[0]
+    assert list(ids) == budget.history()["release_id"].to_list()
     assert budget.history().height == 2
 
 
@@ -222,6 +251,48 @@ def test_a_query_failing_after_the_release_is_not_refunded(con, budget):
     with pytest.raises(duckdb.Error, match="after release"), dpsql.testing.seeded(1):
         con.sql(f"SELECT CASE WHEN v > 1e9 THEN 0 ELSE error('after release') END FROM ({RANGE_SUM})").fetchall()
     assert budget.spent == (0.5, 0.0)
+
+
+def test_error_bar_ranges_must_lie_in_one_partition_of_one_held_release(con):
+    partitioned = ("SELECT * FROM dp_range_sum('t', 'ts', 'v', method := 'laplace', epsilon := 0.5, upper := 10, "
+                   "partition_by := 'g')")
+    with dpsql.testing.seeded(0):
+        con.execute(f"CREATE TABLE a AS {partitioned}")  # handles 0..999, partitions of 334, 333, 333 rows
+        con.execute(f"CREATE TABLE b AS {RANGE_SUM}")    # handles 1000..1999
+    (variance,) = con.execute("SELECT dp_range_variance(334, 667)").fetchall()[0]
+    assert variance == pytest.approx(333 * 2 * (10 / 0.5) ** 2, rel=0.01)  # lattice rounding of the scale
+    for start, stop, message in [
+            (300, 400, "rows start_row=300 .. stop_row=400 span two partitions of release"),
+            (990, 1010, "span two releases"),
+            (1990, 2010, "past the last dp_row issued"),
+            (2000, 2001, "dp_row 2000 was never issued by this connection"),
+            (-1, 3, "dp_row -1 was never issued"),
+            (5, 5, "needs start_row < stop_row"),
+            (6, 5, "needs start_row < stop_row")]:
+        for function in ("dp_range_variance", "dp_range_margin"):
+            with pytest.raises(InvalidParameter, match=message), dpsql.duckdb.typed_errors():
+                con.sql(f"SELECT {function}({start}, {stop})").fetchall()
+    with pytest.raises(InvalidParameter, match="dp_row 2000 was never issued"), dpsql.duckdb.typed_errors():
+        con.sql("SELECT dp_release_id(2000)").fetchall()
+    nulls = con.execute("SELECT dp_range_variance(NULL, 5), dp_range_margin(1, NULL), dp_release_id(NULL)")
+    assert nulls.fetchall() == [(None, None, None)]
+
+
+def test_error_bars_of_forgotten_releases_are_refused(budget):
+    con = duckdb.connect()
+    dpsql.duckdb.register(con, budget=dpsql.Budget.in_memory(epsilon=1e6))
+    con.execute("CREATE TABLE small AS SELECT range AS ts, 1.0 AS v FROM range(5)")
+    query = "SELECT * FROM dp_range_sum('small', 'ts', 'v', method := 'laplace', epsilon := 1, upper := 1)"
+    with dpsql.testing.seeded(0):
+        for _ in range(_machinery.KEEP_ERROR_MODELS + 1):
+            con.sql(query).fetchall()
+    assert con.execute("SELECT dp_range_variance(5, 10)").fetchall()[0][0] > 0  # the oldest one still held
+    with pytest.raises(InvalidParameter, match=rf"dp_row 0 belongs to a release that is not held by this "
+                                               rf"connection: error bars are available for its last "
+                                               rf"{_machinery.KEEP_ERROR_MODELS} releases"), \
+            dpsql.duckdb.typed_errors():
+        con.sql("SELECT dp_range_variance(0, 5)").fetchall()
+    con.close()
 
 
 # -- refusals: typed errors with the core's messages, nothing charged ---------------------------
@@ -278,7 +349,7 @@ def test_order_keys_must_be_unique_and_present_within_a_partition(con, budget, m
     con.execute("CREATE TABLE shared AS SELECT range % 100 AS ts, range // 100 AS g, 1.0 AS v FROM range(1000)")
     with dpsql.testing.seeded(0):  # equal keys in different partitions are fine
         out = con.sql(base.format("shared", ", partition_by := 'g'")).pl()
-    assert out.height == 1000 and out["dp_part"].max() == 9
+    assert out.height == 1000 and out["g"].n_unique() == 10
 
 
 def test_keys_are_checked_across_batch_boundaries(con, budget, monkeypatch):
@@ -299,10 +370,16 @@ def test_partitions_are_split_correctly_across_batches(con, monkeypatch):
     for batch_rows in (5, 7):  # partition starts on and off batch boundaries
         monkeypatch.setattr(_machinery, "BATCH_ROWS", batch_rows)
         with dpsql.testing.seeded(0):
-            out = con.sql("SELECT g, dp_row, dp_part FROM dp_range_sum('p', 'ts', 'v', method := 'laplace', "
-                          "epsilon := 1, upper := 1, partition_by := 'g')").pl()
-        np.testing.assert_array_equal(out["dp_part"].to_numpy(), np.arange(70) // 10)
-        np.testing.assert_array_equal(out["dp_row"].to_numpy(), np.arange(70) % 10)
+            con.execute("CREATE OR REPLACE TABLE released AS SELECT g, dp_row FROM dp_range_sum('p', 'ts', 'v', "
+                        "method := 'laplace', epsilon := 1, upper := 1, partition_by := 'g')")
+        out = con.sql("SELECT g, dp_row - min(dp_row) OVER () AS row, "
+                      "dp_range_variance(min(dp_row) OVER part, max(dp_row) OVER part + 1) AS var "
+                      "FROM released WINDOW part AS (PARTITION BY g) ORDER BY dp_row").pl()
+        np.testing.assert_array_equal(out["g"].to_numpy(), np.arange(70) // 10)
+        np.testing.assert_array_equal(out["row"].to_numpy(), np.arange(70))
+        assert out["var"].n_unique() == 1  # every partition is a whole 10-row stream
+        with pytest.raises(InvalidParameter, match="span two partitions"), dpsql.duckdb.typed_errors():
+            con.sql("SELECT dp_range_variance(min(dp_row) + 9, min(dp_row) + 11) FROM released").fetchall()
 
 
 def test_invisible_and_missing_sources_are_refused_clearly(con, budget):

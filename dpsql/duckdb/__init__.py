@@ -35,8 +35,9 @@ The reusable pieces live in :mod:`dpsql.duckdb._machinery`:
   ``describe``, ``require_columns``, ``require_numeric``, store a ``Plan`` in
   ``context.plans`` and return ``unnest_sql(run_call, outputs, constants)``) and a
   *run* UDF (execution time; ``read_ordered`` for the ordered, validated Arrow read,
-  ``publish_ordered`` for the one charge, ``remember_error_models`` for error bars,
-  then ``context.hold(columns)`` returns the handle the result query unnests).
+  ``publish_ordered`` for the one charge, ``row_handles`` for the ``dp_row`` column
+  that error bars take, then ``context.hold(columns)`` returns the handle the result
+  query unnests).
   ``method_parameters()`` and ``params_struct()`` pass named parameters through to
   publish generically.
 """

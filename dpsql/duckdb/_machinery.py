@@ -24,6 +24,17 @@ all driven by one table macro::
    Python-made list costs a few milliseconds for 10^7 rows; everything else is the
    one sort DuckDB does for the ordered scan.
 
+Row handles. Every output column costs its full length in DuckDB and in the Arrow
+export, so a stream release adds a single column for error bars: ``dp_row``, a
+*connection-wide row handle*. Each release takes the next contiguous block of
+handles from its :class:`Context`, numbered in output order (partition, then order
+key), so a partition owns a contiguous range and consecutive rows of a stream have
+consecutive handles. The handle alone finds the release, the partition and the row
+within it (:class:`RowIndex`); the context keeps the error models of its last
+:data:`KEEP_ERROR_MODELS` releases. (Handing the block over as a numpy
+``arange`` list was measured cheaper than generating it in SQL from ``range`` or
+``generate_subscripts``.)
+
 Consequences, documented in the user-facing docstrings:
 
 * Each execution of a query is one release, charged once; two macro calls in one
@@ -48,7 +59,7 @@ import itertools
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import duckdb
@@ -132,6 +143,89 @@ class Plan:
     key_types: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class HeldRelease:
+    """What error bars need of one release: its ledger id, its block of row handles
+    (partition ``k`` is ``first_row + offsets[k] .. first_row + offsets[k + 1] - 1``)
+    and each partition's :class:`ErrorModel`."""
+
+    release_id: str
+    first_row: int
+    offsets: np.ndarray
+    models: tuple[ErrorModel, ...]
+
+
+@dataclass(frozen=True)
+class RowIndex:
+    """The partitions of the held releases in handle order, for mapping row handles to
+    (release, partition, local row) with :func:`numpy.searchsorted`. Rebuilt whenever
+    a release is remembered or forgotten, and replaced as a whole, so a UDF call reads
+    one consistent snapshot."""
+
+    starts: np.ndarray
+    stops: np.ndarray
+    releases: tuple[HeldRelease, ...]
+    release_of: np.ndarray
+    models: tuple[ErrorModel, ...]
+    issued: int
+
+    @classmethod
+    def of(cls, held: Iterable[HeldRelease], issued: int) -> RowIndex:
+        held = tuple(held)
+        empty = np.zeros(0, dtype=np.int64)
+        return cls(starts=np.concatenate([empty, *(r.first_row + r.offsets[:-1] for r in held)]),
+                   stops=np.concatenate([empty, *(r.first_row + r.offsets[1:] for r in held)]),
+                   releases=held,
+                   release_of=np.repeat(np.arange(len(held)), [len(r.models) for r in held]),
+                   models=tuple(model for r in held for model in r.models), issued=issued)
+
+    def partitions(self, rows: np.ndarray) -> np.ndarray:
+        """Index (into :attr:`starts`) of the held partition owning each handle; refuses
+        handles never issued and handles of releases no longer held."""
+        never = (rows < 0) | (rows >= self.issued)
+        if never.any():
+            raise InvalidParameter(f"dp_row {rows[never][0]} was never issued by this connection: pass the "
+                                   "dp_row column of a release made on this connection")
+        part = np.searchsorted(self.starts, rows, side="right") - 1
+        forgotten = part < 0
+        if forgotten.any():
+            raise InvalidParameter(f"dp_row {rows[forgotten][0]} belongs to a release that is not held by this "
+                                   f"connection: error bars are available for its last {KEEP_ERROR_MODELS} "
+                                   "releases")
+        return part
+
+    def ranges(self, starts: np.ndarray, stops: np.ndarray) -> Iterator[tuple[np.ndarray, ErrorModel,
+                                                                               np.ndarray, np.ndarray]]:
+        """Group the handle ranges ``[start, stop)`` by partition: yields ``(positions,
+        model, i, j)`` with ``i, j`` the rows within the partition. Every range must be
+        non-empty and lie within one partition of one release."""
+        if not len(starts):
+            return
+        backwards = starts >= stops
+        if backwards.any():
+            k = int(np.flatnonzero(backwards)[0])
+            raise InvalidParameter(f"a row range needs start_row < stop_row (dp_row handles, stop_row "
+                                   f"excluded), got start_row={starts[k]}, stop_row={stops[k]}")
+        part = self.partitions(starts)
+        beyond = stops > self.stops[part]
+        if beyond.any():
+            k = int(np.flatnonzero(beyond)[0])
+            release = self.releases[self.release_of[part[k]]]
+            if stops[k] > self.issued:
+                what = f"rows past the last dp_row issued by this connection ({self.issued - 1})"
+            elif stops[k] > release.first_row + release.offsets[-1]:
+                what = "two releases"
+            else:
+                what = f"two partitions of release {release.release_id}"
+            raise InvalidParameter(f"rows start_row={starts[k]} .. stop_row={stops[k]} span {what}: a range must "
+                                   "stay within one partition's stream (PARTITION BY the partition key)")
+        order = np.argsort(part, kind="stable")
+        bounds = np.flatnonzero(np.diff(part[order])) + 1
+        for positions in np.split(order, bounds):
+            p = part[positions[0]]
+            yield positions, self.models[p], starts[positions] - self.starts[p], stops[positions] - self.starts[p]
+
+
 @dataclass
 class Ordered:
     """An ordered, validated read of a source: Arrow key columns, the value column
@@ -147,7 +241,8 @@ class Ordered:
 
 class Context:
     """What one connection's dpsql functions share: the bound budget, plans, results
-    waiting to be unnested, error models for error bars and recent typed errors."""
+    waiting to be unnested, the row-handle counter and the held releases' error models
+    (:attr:`row_index`), and recent typed errors."""
 
     def __init__(self, con: duckdb.DuckDBPyConnection, budget: Budget):
         self.con = con
@@ -156,15 +251,30 @@ class Context:
         # Bounded: a query that fails between the run and the unnest leaves its result behind.
         self.results: _Bounded = _Bounded(KEEP_RESULTS)
         self.constants: _Bounded = _Bounded(KEEP_PLANS)
-        self.error_models: _Bounded = _Bounded(KEEP_ERROR_MODELS)
-        self.release_numbers: _Bounded = _Bounded(KEEP_PLANS)
         self.recent_errors: _Bounded = _Bounded(32)
+        self._held: _Bounded = _Bounded(KEEP_ERROR_MODELS)
+        self._rows_issued = 0
+        self.row_index = RowIndex.of((), 0)
         self._lock = threading.Lock()
         self._counter = itertools.count(1)
 
     def next_id(self) -> int:
         with self._lock:
             return next(self._counter)
+
+    def remember_release(self, release) -> int:
+        """Give ``release`` the next block of row handles and keep its error models
+        (forgetting the oldest release beyond :data:`KEEP_ERROR_MODELS`); returns the
+        block's first handle."""
+        offsets = release_offsets(release)
+        parts = release.parts if isinstance(release, api.PartitionedRelease) else (release,)
+        with self._lock:
+            first_row = self._rows_issued
+            self._rows_issued += int(offsets[-1])
+            self._held[first_row] = HeldRelease(release.release_id, first_row, offsets,
+                                                tuple(p.error for p in parts))
+            self.row_index = RowIndex.of(self._held.values(), self._rows_issued)
+        return first_row
 
     # -- registering functions ---------------------------------------------------------
 
@@ -441,34 +551,18 @@ def publish_ordered(context: Context, plan: Plan, ordered: Ordered):
                        partition_offsets=ordered.offsets, note=plan.note, **plan.params)
 
 
-def remember_error_models(context: Context, release) -> int:
-    """Keep each partition's :class:`ErrorModel` and length for error bars, under the
-    ledger's release id and under a new connection-local release number (returned)."""
-    parts = release.parts if isinstance(release, api.PartitionedRelease) else (release,)
-    number = context.next_id()
-    context.error_models[release.release_id] = tuple((p.error, len(p)) for p in parts)
-    context.release_numbers[number] = release.release_id
-    return number
+def release_offsets(release) -> np.ndarray:
+    """Row offsets of a release's partitions (``[0, n]`` for one stream)."""
+    if isinstance(release, api.PartitionedRelease):
+        return np.asarray(release.offsets, dtype=np.int64)
+    return np.array([0, len(release)], dtype=np.int64)
 
 
-def ledger_id(context: Context, release: str) -> str:
-    """The ledger's release id of ``release``: a ledger id or a release number (as text)."""
-    if release in context.error_models:
-        return release
-    number = int(release) if release.isdigit() else None
-    if number not in context.release_numbers:
-        raise InvalidParameter(f"release {release!r} is not held by this connection: error bars are "
-                               f"available for its last {KEEP_ERROR_MODELS} releases")
-    return context.release_numbers[number]
-
-
-def error_models(context: Context, release: str) -> tuple[tuple[ErrorModel, int], ...]:
-    """Per-partition (error model, length) of ``release`` (ledger id or release number)."""
-    models = context.error_models.get(ledger_id(context, release))
-    if models is None:
-        raise InvalidParameter(f"release {release!r} is not held by this connection: error bars are "
-                               f"available for its last {KEEP_ERROR_MODELS} releases")
-    return models
+def row_handles(context: Context, release) -> pa.Array:
+    """The ``dp_row`` column of ``release``: its block of row handles, one per row in
+    output order (partition, then order key); its error models are kept for error bars."""
+    first_row = context.remember_release(release)
+    return pa.array(np.arange(first_row, first_row + len(release), dtype=np.int64))
 
 
 def typed_error(error: BaseException) -> BaseException:
@@ -509,11 +603,10 @@ def context_for(con: duckdb.DuckDBPyConnection, budget: Budget) -> Context:
 
 #: Core parameter names every stream macro accepts, whatever is registered yet.
 CORE_PARAMETERS = ("epsilon", "delta", "upper", "lower", "m", "r", "fanout", "smoother", "holdout_share")
-#: Output columns a stream macro adds to the keys and the private value.
-ROW_COLUMN, PART_COLUMN, RELEASE_COLUMN = "dp_row", "dp_part", "release_id"
-#: A stream release's per-row release column: the connection-local release number
-#: (an integer: a 32-character ledger id on every row would cost more than the sort).
-RELEASE_NUMBER_COLUMN = "dp_release"
+#: The one column a stream macro adds to the keys and the private value: the row handle.
+ROW_COLUMN = "dp_row"
+#: The ledger id column of one-row results (``dp_threshold``).
+RELEASE_COLUMN = "release_id"
 
 
 def method_parameters(exclude: Iterable[str] = ()) -> list[str]:
@@ -542,15 +635,16 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
 
     It releases one private value per row with ``dpsql.api.publish(method, ...)``
     (NULL parameters are left to the core's defaults) and returns the partition key (if
-    any), the order key, the private value under the value column's name, ``dp_row``
-    (0-based position within the partition's stream), ``dp_part`` (0-based partition
-    index) and ``dp_release`` (the connection's release number, for error bars and
-    ``dp_release_id``): rows sorted by partition then order key.
+    any), the order key, the private value under the value column's name and ``dp_row``
+    (the connection-wide row handle that error bars and ``dp_release_id`` take): rows
+    sorted by partition then order key.
     ``extra_outputs = (columns, compute)`` adds per-row columns ``[(name, SQL type)]``
     computed by ``compute(release) -> {name: pa.Array}`` (post-processing of the release).
     """
     names = method_parameters(exclude=("method",))
     plan_udf, run_udf = f"dp__plan_{macro}", f"dp__run_{macro}"
+    extra_columns = extra_outputs[0] if extra_outputs else []
+    extra_names = [name for name, _ in extra_columns]
 
     def plan(table, order_col, value_col, partition_by, method, params_json):
         order_col = column_name(order_col, "order_col")
@@ -559,10 +653,10 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
         if not isinstance(method, str):
             raise InvalidParameter(f"method must be a method name, got {method!r}")
         outputs = [c for c in (partition_by, order_col, value_col) if c is not None]
-        clash = {ROW_COLUMN, PART_COLUMN, RELEASE_NUMBER_COLUMN}.intersection(outputs)
-        if len(set(outputs)) < len(outputs) or clash:
+        added = [ROW_COLUMN, *extra_names]
+        if len(set(outputs)) < len(outputs) or set(added).intersection(outputs):
             raise InvalidParameter(f"order_col, value_col and partition_by must be distinct columns not named "
-                                   f"{ROW_COLUMN!r}, {PART_COLUMN!r} or {RELEASE_NUMBER_COLUMN!r}; got {outputs}")
+                                   f"{', '.join(map(repr, added))}; got {outputs}")
         source = resolve_source(context, table)
         columns = describe(context, source)
         require_columns(columns, source, order_col=order_col, value_col=value_col, partition_by=partition_by)
@@ -573,35 +667,21 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
                                     partition_by=partition_by, method=method, params=parse_params(params_json),
                                     note=f"duckdb {macro}({table!r}, {order_col!r}, {value_col!r})",
                                     key_types={c: columns[c] for c in keys})
-        # One stream: dp_part is the constant 0, not a list to unnest.
-        part = [(PART_COLUMN, "BIGINT", PART_COLUMN)]
         outputs = [(c, columns[c], c) for c in keys]
         outputs += [(value_col, "DOUBLE", value_col), (ROW_COLUMN, "BIGINT", ROW_COLUMN)]
-        outputs += part if partition_by is not None else []
-        outputs += [(name, sql_type, name) for name, sql_type in (extra_outputs[0] if extra_outputs else [])]
-        constants = ([] if partition_by is not None else part) + [(RELEASE_NUMBER_COLUMN, "BIGINT",
-                                                                   RELEASE_NUMBER_COLUMN)]
-        return unnest_sql(f"{run_udf}({quote_literal(token)})", outputs, constants)
+        outputs += [(name, sql_type, name) for name, sql_type in extra_columns]
+        return unnest_sql(f"{run_udf}({quote_literal(token)})", outputs)
 
     def run(token):
         plan = planned(context, token)
         ordered = read_ordered(context, plan)
         release = publish_ordered(context, plan, ordered)
-        number = remember_error_models(context, release)
-        rows = np.arange(len(ordered), dtype=np.int64)
         columns = dict(ordered.keys)
         columns[plan.value_col] = pa.array(release.values)
-        constants = {RELEASE_NUMBER_COLUMN: pa.array([number], pa.int64())}
-        if ordered.offsets is None:
-            columns[ROW_COLUMN] = pa.array(rows)
-            constants[PART_COLUMN] = pa.array([0], pa.int64())
-        else:
-            sizes = np.diff(ordered.offsets)
-            columns[ROW_COLUMN] = pa.array(rows - np.repeat(ordered.offsets[:-1], sizes))
-            columns[PART_COLUMN] = pa.array(np.repeat(np.arange(len(sizes), dtype=np.int64), sizes))
+        columns[ROW_COLUMN] = row_handles(context, release)
         if extra_outputs:
             columns.update(extra_outputs[1](release))
-        return context.hold(columns, constants)
+        return context.hold(columns)
 
     context.udf(plan_udf, plan, ["VARCHAR"] * 6, "VARCHAR")
     context.udf(run_udf, run, ["VARCHAR"], "BIGINT")

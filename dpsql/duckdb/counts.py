@@ -28,15 +28,17 @@ scaled to ``k``: neighbours add/remove one unit's events in one bucket.
 ``hierarchy := true`` the list is a hierarchy, coarsest first: every level's streams
 are released at ``epsilon / L`` each, one charge of ``epsilon``.
 
-Returns one row per (level, partition, bucket): the bucket start (named like
-``time_col``), the partition columns (NULL above a row's level), ``dp_level``
-(hierarchies only), ``dp_count`` (the estimate), ``dp_std_error`` (noise only),
-``dp_row`` (bucket index), ``dp_part`` (stream index) and ``release_id``; with
-``window_size := w``, ``dp_window_sum`` (sum of the last ``w`` estimates, fewer at the
-start) and ``dp_window_std_error``; with ``alarm_threshold``, ``dp_alarm``
-(``dp_window_sum >= alarm_threshold``: event monitoring). Windows and alarms are
-post-processing; so are SQL window functions over ``dp_count``, whose error bars
-``dp_range_variance(release_id, dp_part, start_row, stop_row)`` gives exactly.
+Returns one row per (level, partition, bucket), sorted so: the bucket start (named
+like ``time_col``), the partition columns (NULL above a row's level), ``dp_level``
+(hierarchies only), ``dp_count`` (the estimate), ``dp_std_error`` (noise only) and
+``dp_row``, the connection-wide row handle of :mod:`dpsql.duckdb.range_sum`
+(consecutive buckets of a stream have consecutive handles; ``dp_release_id(dp_row)``
+gives the ledger's ``release_id``); with ``window_size := w``, ``dp_window_sum`` (sum of
+the last ``w`` estimates, fewer at the start) and ``dp_window_std_error``; with
+``alarm_threshold``, ``dp_alarm`` (``dp_window_sum >= alarm_threshold``: event
+monitoring). Windows and alarms are post-processing; so are SQL window functions over
+``dp_count``, whose error bars ``dp_range_variance(min(dp_row) OVER w, max(dp_row) OVER w
++ 1)`` gives exactly (with ``w`` partitioned by the partition columns and ``dp_level``).
 """
 
 from __future__ import annotations
@@ -53,7 +55,6 @@ from dpsql.counts import ALARM, COUNT, LEVEL, PART, ROW, STD_ERROR, WINDOW_STD_E
 from dpsql.duckdb._machinery import (
     LIST_TYPES,
     NUMERIC_TYPES,
-    RELEASE_COLUMN,
     Context,
     Source,
     column_name,
@@ -62,9 +63,9 @@ from dpsql.duckdb._machinery import (
     planned,
     quote_ident,
     quote_literal,
-    remember_error_models,
     require_columns,
     resolve_source,
+    row_handles,
     unnest_sql,
 )
 from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
@@ -104,8 +105,8 @@ def install(con, context: Context) -> None:
                 raise InvalidParameter(f"{parameter} must be a column name, got {name!r}")
         require_columns(columns, source, **named)
         taken = {time_col, *keys}
-        if len(taken) < 1 + len(keys) or taken & {LEVEL, COUNT, STD_ERROR, ROW, PART, WINDOW_SUM,
-                                                  WINDOW_STD_ERROR, ALARM, RELEASE_COLUMN}:
+        if len(taken) < 1 + len(keys) or taken & {LEVEL, COUNT, STD_ERROR, ROW, WINDOW_SUM,
+                                                  WINDOW_STD_ERROR, ALARM}:
             raise InvalidParameter(f"time_col and partition_by must be distinct columns without dpsql's output "
                                    f"names; got {[time_col, *keys]}")
         time_type = _time_output_type(columns[time_col], time_col)
@@ -117,14 +118,12 @@ def install(con, context: Context) -> None:
         outputs += [(k, columns[k], k) for k in keys]
         if options.get("hierarchy"):
             outputs.append((LEVEL, "BIGINT", LEVEL))
-        outputs += [(COUNT, "DOUBLE", COUNT), (STD_ERROR, "DOUBLE", STD_ERROR), (ROW, "BIGINT", ROW),
-                    (PART, "BIGINT", PART)]
+        outputs += [(COUNT, "DOUBLE", COUNT), (STD_ERROR, "DOUBLE", STD_ERROR), (ROW, "BIGINT", ROW)]
         if options.get("window_size") is not None:
             outputs += [(WINDOW_SUM, "DOUBLE", WINDOW_SUM), (WINDOW_STD_ERROR, "DOUBLE", WINDOW_STD_ERROR)]
             if options.get("alarm_threshold") is not None:
                 outputs.append((ALARM, "BOOLEAN", ALARM))
-        return unnest_sql(f"dp__run_count_stream({quote_literal(token)})", outputs,
-                          [(RELEASE_COLUMN, "VARCHAR", RELEASE_COLUMN)])
+        return unnest_sql(f"dp__run_count_stream({quote_literal(token)})", outputs)
 
     def run(token):
         count_plan = planned(context, token)
@@ -138,17 +137,22 @@ def install(con, context: Context) -> None:
             cap=options.pop("contribution_cap", None), window=options.pop("window_size", None),
             alarm_threshold=options.pop("alarm_threshold", None), budget=context.budget, note=count_plan.note,
             time_column=count_plan.time_col, **options)
-        remember_error_models(context, result.release)
         columns = result.columns()
+        # The core's per-stream bucket and stream indices give way to row handles: its
+        # rows are in the release's order (stream, then bucket).
+        del columns[PART]
+        columns[ROW] = row_handles(context, result.release)
         held = {}
         for name, values in columns.items():
-            if name == count_plan.time_col:
+            if name == ROW:
+                held[name] = values
+            elif name == count_plan.time_col:
                 held[name] = _bucket_times(values, count_plan.time_type)
             elif name in key_types:
                 held[name] = pa.array(values.tolist(), key_types[name])
             else:
                 held[name] = pa.array(values)
-        return context.hold(held, {RELEASE_COLUMN: pa.array([result.release.release_id], pa.string())})
+        return context.hold(held)
 
     context.udf("dp__plan_count_stream", plan, ["VARCHAR"] * 3, "VARCHAR")
     context.udf("dp__run_count_stream", run, ["VARCHAR"], "BIGINT")

@@ -17,22 +17,23 @@ SQL surface (installed by :func:`dpsql.duckdb.register`):
     parameter (``accounting``, ``memory``, ``bounds_mode``, ``clip_delta``, ``qlen``,
     ``n_s``, ``base``, ``sma``, ``align``) is a named parameter; NULL means the default.
     Returns, sorted by user then time: the keys, the published value (named like
-    ``value_col``), ``dp_row``, ``dp_part`` (0-based user index), ``report`` (the raw
-    report covering the slot, data units), ``dp_report`` (that report's index in the
-    user's stream) and ``dp_release`` (release number; ``dp_release_id`` gives the ledger id).
-    Error bars: ``dp_range_variance`` /
-    ``dp_range_margin`` as for ``dp_range_sum``.
+    ``value_col``), ``dp_row`` (the connection-wide row handle; ``dp_release_id(dp_row)``
+    gives the ledger id), ``dp_user`` (0-based user index), ``dp_slot`` (0-based slot
+    index in the user's stream), ``report`` (the raw report covering the slot, data
+    units) and ``dp_report`` (that report's index in the user's stream). Error bars:
+    ``dp_range_variance`` / ``dp_range_margin`` over ``dp_row`` as for ``dp_range_sum``.
 
 The collector's side is post-processing of a saved ``dp_ldp`` result ``reports`` (a table
 or view name), free of charge:
 
-``dp_ldp_subsequence_means(reports, start_row, stop_row)``
-    Per user (``dp_part``): the mean of the raw reports over slots ``start_row ..
-    stop_row - 1`` (DU's subsequence-mean estimator).
+``dp_ldp_subsequence_means(reports, start_slot, stop_slot)``
+    Per user (``dp_user``): the mean of the raw reports over slots ``start_slot ..
+    stop_slot - 1`` (DU's subsequence-mean estimator).
 ``dp_ldp_smoothed(reports, sma := 3, align := 'trailing')``
-    Per user and slot: the simple moving average of the raw reports (``'trailing'``
-    window of ``sma`` slots, or ``'center'`` with odd ``sma``), shrinking at the ends.
-``dp_ldp_crowd_distribution(reports, start_row, stop_row)``
+    Per user and slot (``dp_user``, ``dp_slot``): the simple moving average of the raw
+    reports (``'trailing'`` window of ``sma`` slots, or ``'center'`` with odd ``sma``),
+    shrinking at the ends.
+``dp_ldp_crowd_distribution(reports, start_slot, stop_slot)``
     The crowd-level distribution of per-user subsequence means: ``mean`` and its
     empirical ``cdf``.
 
@@ -50,33 +51,39 @@ or view name), free of charge:
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 
-from dpsql.duckdb._machinery import Context, install_stream_release
+from dpsql.duckdb._machinery import Context, install_stream_release, release_offsets
 from dpsql.ldp import du
 
-REPORT_COLUMNS = [("report", "DOUBLE"), ("dp_report", "BIGINT")]
+USER_COLUMNS = [("dp_user", "BIGINT"), ("dp_slot", "BIGINT"), ("report", "DOUBLE"), ("dp_report", "BIGINT")]
 
 
-def _report_columns(release) -> dict[str, pa.Array]:
+def _user_columns(release) -> dict[str, pa.Array]:
+    """User index, slot index and the raw report view: what the collector macros read."""
+    offsets = release_offsets(release)
+    sizes = np.diff(offsets)
     reports, index = du.report_view(release)
-    return {"report": pa.array(reports), "dp_report": pa.array(index)}
+    return {"dp_user": pa.array(np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)),
+            "dp_slot": pa.array(np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], sizes)),
+            "report": pa.array(reports), "dp_report": pa.array(index)}
 
 
 def install(con, context: Context) -> None:
-    install_stream_release(context, "dp_ldp", default_method="capp", extra_outputs=(REPORT_COLUMNS, _report_columns))
+    install_stream_release(context, "dp_ldp", default_method="capp", extra_outputs=(USER_COLUMNS, _user_columns))
     context.macro(
-        "dp_ldp_subsequence_means(reports, start_row, stop_row) AS TABLE "
-        "SELECT dp_part, avg(report) AS mean FROM query_table(reports) "
-        "WHERE dp_row >= start_row AND dp_row < stop_row GROUP BY dp_part ORDER BY dp_part")
+        "dp_ldp_subsequence_means(reports, start_slot, stop_slot) AS TABLE "
+        "SELECT dp_user, avg(report) AS mean FROM query_table(reports) "
+        "WHERE dp_slot >= start_slot AND dp_slot < stop_slot GROUP BY dp_user ORDER BY dp_user")
     context.macro(
         "dp_ldp_smoothed(reports, sma := 3, align := 'trailing') AS TABLE "
-        "SELECT dp_part, dp_row, avg(report) OVER (PARTITION BY dp_part ORDER BY dp_row ROWS BETWEEN "
+        "SELECT dp_user, dp_slot, avg(report) OVER (PARTITION BY dp_user ORDER BY dp_slot ROWS BETWEEN "
         "(CASE WHEN align = 'center' THEN sma // 2 WHEN align = 'trailing' THEN sma - 1 "
         "ELSE error('align must be ''trailing'' or ''center'', got ' || align) END) PRECEDING AND "
         "(CASE WHEN align = 'center' THEN sma // 2 ELSE 0 END) FOLLOWING) AS value "
-        "FROM query_table(reports) ORDER BY dp_part, dp_row")
+        "FROM query_table(reports) ORDER BY dp_user, dp_slot")
     context.macro(
-        "dp_ldp_crowd_distribution(reports, start_row, stop_row) AS TABLE "
+        "dp_ldp_crowd_distribution(reports, start_slot, stop_slot) AS TABLE "
         "SELECT mean, cume_dist() OVER (ORDER BY mean) AS cdf "
-        "FROM dp_ldp_subsequence_means(reports, start_row, stop_row) ORDER BY mean")
+        "FROM dp_ldp_subsequence_means(reports, start_slot, stop_slot) ORDER BY mean")

@@ -13,23 +13,27 @@ SQL surface (installed by :func:`dpsql.duckdb.register`):
     time order and partition keys public; with ``partition_by`` one stream per
     partition, charged once at the maximum (parallel composition). Returns, sorted by
     partition then order key: the partition key, the order key, the private value
-    (named like ``value_col``), ``dp_row`` (0-based position in the partition's stream),
-    ``dp_part`` (0-based partition index) and ``dp_release`` (the connection's release
-    number: an integer, because a 32-character ledger id on every row would cost more
-    than the sort).
+    (named like ``value_col``) and ``dp_row``, a BIGINT *row handle*, unique across the
+    connection's releases: each release takes the next block of handles, numbered in
+    output order, so a partition's rows have consecutive handles. It is the only
+    column added, because every per-row column costs its full length in the result.
 
-``dp_release_id(dp_release)``
-    The ledger's ``release_id`` of a release number (``budget.history()`` lists it).
+``dp_release_id(dp_row)``
+    The ledger's ``release_id`` of the release owning a row handle
+    (``budget.history()`` lists it).
 
-``dp_range_variance(release, dp_part, start_row, stop_row)``
-    Exact noise variance of the sum of rows ``start_row .. stop_row - 1`` of one
-    partition's stream (``release``: a ``dp_release`` number or a ledger ``release_id``):
-    the release's :class:`~dpsql.release.ErrorModel`, so it is right for correlated
-    (tree) noise too, where per-row variances do not add up. For a window ``w``:
-    ``dp_range_variance(dp_release, dp_part, min(dp_row) OVER w, max(dp_row) OVER w + 1)``;
-    a window must stay within one partition (``PARTITION BY`` the partition key).
+``dp_range_variance(start_row, stop_row)``
+    Exact noise variance of the sum of the rows with handles ``start_row .. stop_row -
+    1``, which must lie in one partition of one release: from the release's
+    :class:`~dpsql.release.ErrorModel`, so it is right for correlated (tree) noise too,
+    where per-row variances do not add up. For a window ``w``:
+    ``dp_range_variance(min(dp_row) OVER w, max(dp_row) OVER w + 1)`` with ``w AS
+    (PARTITION BY <partition key> ORDER BY <order key> RANGE BETWEEN ... PRECEDING AND
+    CURRENT ROW)``. A range spanning two partitions or two releases, an empty one, or
+    a handle of an unknown or forgotten release is refused (``InvalidParameter``).
+    NULL arguments give NULL.
 
-``dp_range_margin(release, dp_part, start_row, stop_row, level := 0.95)``
+``dp_range_margin(start_row, stop_row, level := 0.95)``
     Half-width of the interval :meth:`dpsql.Release.range_ci` gives for that sum: the
     window's ``sum(value) ± margin``. Noise only: clipping and smoothing bias excluded.
 
@@ -48,6 +52,7 @@ import inspect
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from dpsql import api, streams  # noqa: F401  (registers the methods)
 from dpsql.duckdb._machinery import (
@@ -56,9 +61,7 @@ from dpsql.duckdb._machinery import (
     Plan,
     column_name,
     describe,
-    error_models,
     install_stream_release,
-    ledger_id,
     params_struct,
     parse_params,
     planned,
@@ -85,56 +88,58 @@ def install(con, context: Context) -> None:
     _install_threshold(context)
 
 
-def _variances(context: Context, release_ids, parts, starts, stops) -> np.ndarray:
-    """Vectorised range variances; rows are grouped by (release, partition)."""
-    release_ids = np.asarray(release_ids.to_pylist(), dtype=object)
-    parts = parts.to_numpy(zero_copy_only=False)
-    starts = starts.to_numpy(zero_copy_only=False)
-    stops = stops.to_numpy(zero_copy_only=False)
-    out = np.empty(len(starts), dtype=np.float64)
-    for release_id in dict.fromkeys(release_ids):
-        models = error_models(context, release_id)
-        in_release = release_ids == release_id
-        for part in np.unique(parts[in_release]):
-            if not 0 <= part < len(models):
-                raise InvalidParameter(f"dp_part must be in [0, {len(models)}) for release {release_id!r}, "
-                                       f"got {part}")
-            rows = np.flatnonzero(in_release & (parts == part))
-            model, n = models[part]
-            i, j = starts[rows].astype(np.int64), stops[rows].astype(np.int64)
-            if np.any(i < 0) or np.any(j > n) or np.any(i > j):
-                raise InvalidParameter(f"row range [start_row, stop_row) must satisfy 0 <= start_row <= "
-                                       f"stop_row <= {n}")
-            out[rows] = model.range_variance(i, j)
-    return out
+def _valid_handles(*columns: pa.Array) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Rows where no argument is NULL, and each argument's values on those rows."""
+    valid = np.ones(len(columns[0]), dtype=bool)
+    for column in columns:
+        valid &= pc.is_valid(column).to_numpy(zero_copy_only=False)
+    # Filled, not converted with their NULLs: that would turn int64 handles into float64.
+    return valid, [pc.fill_null(column, 0).to_numpy(zero_copy_only=False)[valid] for column in columns]
+
+
+def _with_nulls(values: np.ndarray, valid: np.ndarray, arrow_type: pa.DataType) -> pa.Array:
+    if valid.all():
+        return pa.array(values, arrow_type)
+    out = np.zeros(len(valid), dtype=values.dtype)
+    out[valid] = values
+    return pa.array(out, arrow_type, mask=~valid)
 
 
 def _install_error_bars(context: Context) -> None:
-    def variance(release_ids, parts, starts, stops):
-        return pa.array(_variances(context, release_ids, parts, starts, stops))
+    def variance(starts, stops):
+        valid, (i, j) = _valid_handles(starts, stops)
+        out = np.empty(len(i), dtype=np.float64)
+        for positions, model, part_i, part_j in context.row_index.ranges(i, j):
+            out[positions] = model.range_variance(part_i, part_j)
+        return _with_nulls(out, valid, pa.float64())
 
-    def margin(release_ids, parts, starts, stops, levels):
-        sigma = np.sqrt(_variances(context, release_ids, parts, starts, stops))
-        levels = levels.to_numpy(zero_copy_only=False)
-        bad = levels[~((levels > 0) & (levels < 1))]
+    def margin(starts, stops, levels):
+        valid, (i, j, level) = _valid_handles(starts, stops, levels)
+        bad = level[~((level > 0) & (level < 1))]
         if bad.size:
             raise InvalidParameter(f"level must satisfy 0 < level < 1, got {bad[0]!r}")
-        multiplier = {(r, lv): _quantile_multiplier(lv, error_models(context, r)[0][0].excess_kurtosis)
-                      for r, lv in dict.fromkeys(zip(release_ids.to_pylist(), levels.tolist()))}
-        return pa.array(sigma * [multiplier[key] for key in zip(release_ids.to_pylist(), levels.tolist())])
+        out = np.empty(len(i), dtype=np.float64)
+        for positions, model, part_i, part_j in context.row_index.ranges(i, j):
+            # A level is usually one constant: one multiplier per distinct level.
+            distinct, which = np.unique(level[positions], return_inverse=True)
+            multiplier = np.array([_quantile_multiplier(lv, model.excess_kurtosis) for lv in distinct])
+            out[positions] = multiplier[which] * np.sqrt(model.range_variance(part_i, part_j))
+        return _with_nulls(out, valid, pa.float64())
 
-    def release_id(numbers):
-        return pa.array([ledger_id(context, str(n)) for n in numbers.to_pylist()], pa.string())
+    def release_id(rows):
+        valid, (handles,) = _valid_handles(rows)
+        index = context.row_index
+        owners = index.release_of[index.partitions(handles)]
+        ids = np.full(len(valid), None, dtype=object)
+        ids[valid] = np.array([r.release_id for r in index.releases], dtype=object)[owners]
+        return pa.array(ids, pa.string())
 
-    context.udf("dp__range_variance", variance, ["VARCHAR", "BIGINT", "BIGINT", "BIGINT"], "DOUBLE", arrow=True)
-    context.udf("dp__range_margin", margin, ["VARCHAR", "BIGINT", "BIGINT", "BIGINT", "DOUBLE"], "DOUBLE",
-                arrow=True)
+    context.udf("dp_range_variance", variance, ["BIGINT", "BIGINT"], "DOUBLE", arrow=True)
+    context.udf("dp__range_margin", margin, ["BIGINT", "BIGINT", "DOUBLE"], "DOUBLE", arrow=True)
     context.udf("dp_release_id", release_id, ["BIGINT"], "VARCHAR", arrow=True)
-    # The release may be a ledger id (VARCHAR) or a release number (BIGINT).
-    context.macro("dp_range_variance(release, dp_part, start_row, stop_row) AS "
-                  "dp__range_variance(CAST(release AS VARCHAR), dp_part, start_row, stop_row)")
-    context.macro("dp_range_margin(release, dp_part, start_row, stop_row, level := 0.95) AS "
-                  "dp__range_margin(CAST(release AS VARCHAR), dp_part, start_row, stop_row, level)")
+    # A macro, for the default level.
+    context.macro("dp_range_margin(start_row, stop_row, level := 0.95) AS "
+                  "dp__range_margin(start_row, stop_row, level)")
 
 
 def _install_threshold(context: Context) -> None:
