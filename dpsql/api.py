@@ -22,7 +22,7 @@ import numpy as np
 from dpsql import _validate, noise
 from dpsql.accountant import Budget
 from dpsql.errors import InvalidParameter
-from dpsql.release import Release, StreamMachine, chunks_of, release_from
+from dpsql.release import Release, StreamMachine, as_release, chunks_of, release_from, run_machine
 
 #: name -> machine factory ``(n, *, noise, **params) -> StreamMachine``. Algorithm
 #: modules add themselves in :mod:`dpsql.streams`.
@@ -134,8 +134,7 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
     first = machines[0]
     if budget is not None:
         budget.check(epsilon=epsilon, delta=delta, notion=first.notion, w=first.w, private=source.private)
-    parts = [release_from(machine, chunks_of(data[a:b]), int(b - a), private=source.private)
-             for machine, a, b in zip(machines, offsets[:-1], offsets[1:])]
+    parts, values = _run_partitions(method, machines, data, offsets, source, params)
     release_id = None
     if budget is not None:
         release_id = budget.charge(method=parts[0].method, epsilon=epsilon, delta=delta, rows=len(data),
@@ -144,9 +143,24 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
     if partition_offsets is None:
         return parts[0].with_id(release_id) if release_id else parts[0]
     parts = tuple(p.with_id(release_id) if release_id else p for p in parts)
-    return PartitionedRelease(values=np.concatenate([p.values for p in parts]), offsets=offsets, parts=parts,
+    return PartitionedRelease(values=values, offsets=offsets, parts=parts,
                               method=parts[0].method, epsilon=epsilon, delta=delta, private=source.private,
                               release_id=release_id)
+
+
+def _run_partitions(method: str, machines: list[StreamMachine], data: np.ndarray, offsets: np.ndarray,
+                    source: noise.NoiseSource, params: dict) -> tuple[list[Release], np.ndarray]:
+    """One :class:`Release` per partition, and all their values in one array. Machines
+    whose rows are independent release all partitions in one run of one machine (cut at
+    the offsets), so many small partitions cost what one long stream does."""
+    if len(machines) > 1 and all(m.rows_independent for m in machines):
+        values = run_machine(machine_for(method, len(data), source, params), chunks_of(data), len(data))
+        parts = [as_release(m, values[a:b], private=source.private)
+                 for m, a, b in zip(machines, offsets[:-1], offsets[1:])]
+        return parts, values
+    parts = [release_from(machine, chunks_of(data[a:b]), int(b - a), private=source.private)
+             for machine, a, b in zip(machines, offsets[:-1], offsets[1:])]
+    return parts, (parts[0].values if len(parts) == 1 else np.concatenate([p.values for p in parts]))
 
 
 def _compose(costs: list[float], levels: list[int]) -> float:

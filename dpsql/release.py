@@ -241,6 +241,12 @@ class StreamMachine(ABC):
     #: Number of outputs over the whole stream; None means one per input row. A
     #: scalar release (a threshold) sets 1.
     n_outputs: int | None = None
+    #: True when every row is released on its own (noise independent across rows, public
+    #: parameters independent of ``n``) and :meth:`describe` is valid before any row is
+    #: fed: then releasing several partitions is one run of one machine over all of them,
+    #: cut at the partition boundaries (same distribution, one pass instead of one per
+    #: partition).
+    rows_independent: bool = False
 
     @abstractmethod
     def feed(self, chunk: np.ndarray) -> np.ndarray:
@@ -275,7 +281,11 @@ def run_machine(machine: StreamMachine, chunks, n: int) -> np.ndarray:
 
 def release_from(machine: StreamMachine, chunks, n: int, *, private: bool) -> Release:
     """Drive ``machine`` over ``chunks`` of ``n`` rows and wrap its outputs as a :class:`Release`."""
-    values = run_machine(machine, chunks, n)
+    return as_release(machine, run_machine(machine, chunks, n), private=private)
+
+
+def as_release(machine: StreamMachine, values: np.ndarray, *, private: bool) -> Release:
+    """``values`` released by ``machine`` (already driven, or with independent rows), as a :class:`Release`."""
     return Release(values=values, epsilon=machine.cost[0], delta=machine.cost[1], private=private,
                    neighbour=machine.neighbour, notion=machine.notion, **machine.describe())
 

@@ -36,6 +36,38 @@ def test_partitioned_release_is_charged_once_at_the_max():
     np.testing.assert_array_equal(rel.values, np.concatenate([p.values for p in rel.parts]))
 
 
+@pytest.mark.parametrize("method, params", [("laplace", {"upper": 30.0}), ("count_laplace", {})])
+def test_partitions_of_independent_rows_are_one_run_with_per_partition_error_models(method, params):
+    """Rows released independently: the partitioned release is the unpartitioned one cut at the
+    offsets (same seeded draws), drawn in one call, each part with its own length's error model."""
+    values = np.arange(30.0)
+    offsets = [0, 10, 25, 30]
+    with dpsql.testing.seeded(2):
+        whole = api.publish(method, values, epsilon=0.5, **params)
+    with dpsql.testing.seeded(2) as source:
+        calls = []
+        real = source.discrete_laplace
+        source.discrete_laplace = lambda scale, size: calls.append(size) or real(scale, size)
+        parted = api.publish(method, values, partition_offsets=offsets, epsilon=0.5, **params)
+    assert calls == [30]
+    np.testing.assert_array_equal(parted.values, whole.values)
+    for part, a, b in zip(parted.parts, offsets[:-1], offsets[1:]):
+        np.testing.assert_array_equal(part.values, whole.values[a:b])
+        assert len(part) == b - a
+        assert part.range_variance(0, b - a) == pytest.approx(whole.range_variance(a, b))
+        assert (part.epsilon, part.method) == (0.5, whole.method)
+
+
+def test_partitions_of_dependent_rows_run_one_machine_each():
+    values = np.arange(40.0)
+    with dpsql.testing.seeded(3):
+        parted = api.publish("binary_tree", values, partition_offsets=[0, 16, 40], epsilon=0.5, upper=40.0)
+    with dpsql.testing.seeded(3):
+        first = api.publish("binary_tree", values[:16], epsilon=0.5, upper=40.0)
+    np.testing.assert_array_equal(parted.parts[0].values, first.values)
+    assert parted.parts[1].params == api.publish("binary_tree", values[16:], epsilon=0.5, upper=40.0).params
+
+
 @pytest.mark.parametrize("offsets", [[0, 10], [1, 30], [0, 10, 10, 30], [0, 40]])
 def test_bad_partition_offsets_are_refused(offsets):
     with pytest.raises(InvalidParameter, match="partition_offsets"):

@@ -186,3 +186,26 @@ def test_lattice_scale_never_rounds_below_its_exact_value():
         lap = LaplaceLattice(sensitivity=1.0, epsilon=epsilon)
         units = math.ceil(1.0 / lap.granularity) + 1
         assert Fraction(lap.scale_units) >= Fraction(units) / Fraction(epsilon)
+
+
+def test_top_bit_is_the_sign_and_negative_zero_is_redrawn():
+    scale = 10.0
+    low = (1 << 52) + 12345  # U about 1/2: magnitude floor(10 ln 2) = 6
+    magnitude = math.floor(-scale * math.log((low + 1) * 2.0**-53))
+    sign = 1 << 63
+    assert _Scripted([low]).discrete_laplace(scale, 1)[0] == magnitude
+    assert _Scripted([sign | low]).discrete_laplace(scale, 1)[0] == -magnitude
+    near_one = (1 << 53) - 2  # U just below 1: magnitude 0
+    assert _Scripted([near_one]).discrete_laplace(scale, 1)[0] == 0
+    # (negative, 0) would count zero twice: that draw is rejected and the next word used
+    assert _Scripted([sign | near_one, sign | low]).discrete_laplace(scale, 1)[0] == -magnitude
+
+
+def test_pieces_and_threads_do_not_change_the_distribution():
+    """SystemNoise splits large requests between threads and cache-sized pieces; every share is
+    filled (no zeros left from the allocation) and the pieces are independent."""
+    z = noise.SystemNoise().discrete_laplace(1e6, 1_000_003)
+    assert np.count_nonzero(z == 0) < 20  # P(0) is about 5e-7 at this scale
+    half = len(z) // 2
+    assert abs(np.corrcoef(z[:half], z[half:2 * half])[0, 1]) < 0.01
+    assert abs(np.std(z) / (math.sqrt(2) * 1e6) - 1) < 0.01

@@ -18,7 +18,8 @@ from dpsql.release import IndependentNoise, StreamMachine
 
 class LaplaceStream(StreamMachine):
     """Online state machine: no state beyond the calibrated noise; every row is
-    released as soon as it arrives.
+    released as soon as it arrives. Rows are independent (``rows_independent``): a
+    partitioned release runs one machine over all partitions.
 
     Examples
     --------
@@ -30,6 +31,8 @@ class LaplaceStream(StreamMachine):
     >>> out.shape
     (3,)
     """
+
+    rows_independent = True
 
     def __init__(self, n: int, *, epsilon: float, upper: float, lower: float = 0.0, noise: NoiseSource):
         self.epsilon = _validate.epsilon(epsilon)

@@ -87,7 +87,8 @@ class CountLaplaceStream(StreamMachine):
     ``c_t + Lap(sensitivity / epsilon)``, negatives clipped to 0 first.
 
     Privacy: ``epsilon``-DP for add/remove-one-event neighbours (one count moves by at
-    most ``sensitivity``). The baseline PeGaSus is compared against.
+    most ``sensitivity``). The baseline PeGaSus is compared against. Rows are
+    independent (``rows_independent``).
 
     Examples
     --------
@@ -97,6 +98,8 @@ class CountLaplaceStream(StreamMachine):
     >>> len(rel), rel.range_variance(0, 3) > 0
     (3, True)
     """
+
+    rows_independent = True
 
     def __init__(self, n: int, *, epsilon: float, sensitivity: float = 1.0, noise: NoiseSource):
         self.epsilon = _validate.epsilon(epsilon)
