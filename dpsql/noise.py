@@ -42,7 +42,8 @@ import itertools
 import math
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -61,6 +62,9 @@ _PIECE = 1 << 14
 # Draws from which SystemNoise splits a request between two threads.
 _THREADED_FROM = 1 << 17
 _THREADS = max(1, min(4, os.cpu_count() or 1))
+# Words read ahead per background task, and at most in reserve (64 MiB).
+_PREFETCH_PIECE = 1 << 20
+_MAX_PREFETCHED = 1 << 23
 
 
 class NoiseSource:
@@ -128,6 +132,10 @@ class NoiseSource:
         zeros = np.flatnonzero(out == 0)
         return zeros[w[zeros] >= _SIGN_BIT]
 
+    def prefetch(self, count: int) -> None:
+        """Hint that about ``count`` words will be drawn soon. Sources that can read
+        them in the background start doing so; the others ignore the hint."""
+
     def _parallel(self, out: np.ndarray, fill) -> None:
         """``fill(out)``; sources that can draw in parallel fill shares of ``out`` at once."""
         fill(out)
@@ -135,14 +143,51 @@ class NoiseSource:
 
 class SystemNoise(NoiseSource):
     """The OS CSPRNG. No seed can be set. Large requests are filled by two threads
-    (``os.urandom`` and numpy both release the GIL)."""
+    (``os.urandom`` and numpy both release the GIL).
+
+    :meth:`prefetch` reads words ahead on a background thread, e.g. while an engine is
+    still handing over the rows the noise is for. Read-ahead words are OS CSPRNG output
+    like any other, kept in memory only until drawn, and each is handed out once.
+    """
 
     private = True
     _pool: ThreadPoolExecutor | None = None
+    _reader: ThreadPoolExecutor | None = None
     _pool_lock = threading.Lock()
 
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._ready: deque[np.ndarray] = deque()
+        self._pending: deque[Future] = deque()
+        self._reserved = 0
+
     def words(self, n: int) -> np.ndarray:
-        return np.frombuffer(os.urandom(8 * n), dtype=np.uint64)
+        if not self._reserved:
+            return _urandom_words(n)
+        taken = []
+        with self._lock:
+            while n and (self._ready or self._pending):
+                if not self._ready:
+                    self._ready.append(self._pending.popleft().result())
+                head = self._ready.popleft()
+                if len(head) > n:
+                    self._ready.appendleft(head[n:])
+                    head = head[:n]
+                taken.append(head)
+                self._reserved -= len(head)
+                n -= len(head)
+        if n:
+            taken.append(_urandom_words(n))
+        return taken[0] if len(taken) == 1 else np.concatenate(taken)
+
+    def prefetch(self, count: int) -> None:
+        with self._lock:
+            count = min(int(count), _MAX_PREFETCHED - self._reserved)
+            reader = self._executor("_reader", 1) if count > 0 else None
+            for start in range(0, max(count, 0), _PREFETCH_PIECE):
+                size = min(_PREFETCH_PIECE, count - start)
+                self._pending.append(reader.submit(_urandom_words, size))
+                self._reserved += size
 
     def _parallel(self, out: np.ndarray, fill) -> None:
         if out.size < _THREADED_FROM:
@@ -150,15 +195,18 @@ class SystemNoise(NoiseSource):
             return
         # One contiguous share per thread, each worked through in cache-sized pieces.
         bounds = np.linspace(0, out.size, _THREADS + 1).astype(int).tolist()
-        list(self._executor().map(fill, [out[a:b] for a, b in itertools.pairwise(bounds)]))
+        list(self._executor("_pool", _THREADS).map(fill, [out[a:b] for a, b in itertools.pairwise(bounds)]))
 
     @classmethod
-    def _executor(cls) -> ThreadPoolExecutor:
+    def _executor(cls, name: str, workers: int) -> ThreadPoolExecutor:
         with cls._pool_lock:
-            if cls._pool is None:
-                cls._pool = ThreadPoolExecutor(max_workers=_THREADS,
-                                               thread_name_prefix="dpsql-noise")
-            return cls._pool
+            if getattr(cls, name) is None:
+                setattr(cls, name, ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"dpsql{name}"))
+            return getattr(cls, name)
+
+
+def _urandom_words(n: int) -> np.ndarray:
+    return np.frombuffer(os.urandom(8 * n), dtype=np.uint64)
 
 
 class SeededNoise(NoiseSource):

@@ -1,5 +1,6 @@
 """Noise sources and the float-safe Laplace lattice."""
 
+import itertools
 import math
 
 import numpy as np
@@ -209,3 +210,28 @@ def test_pieces_and_threads_do_not_change_the_distribution():
     half = len(z) // 2
     assert abs(np.corrcoef(z[:half], z[half:2 * half])[0, 1]) < 0.01
     assert abs(np.std(z) / (math.sqrt(2) * 1e6) - 1) < 0.01
+
+
+def test_prefetched_words_are_handed_out_once_in_order_then_fresh_ones(monkeypatch):
+    counter = itertools.count()
+    monkeypatch.setattr(noise, "_urandom_words",
+                        lambda n: np.fromiter(counter, dtype=np.uint64, count=n))
+    monkeypatch.setattr(noise, "_PREFETCH_PIECE", 300)
+    monkeypatch.setattr(noise, "_MAX_PREFETCHED", 2000)
+    source = noise.SystemNoise()
+    source.prefetch(1000)  # read ahead: words 0..999, in pieces of 300
+    drawn = np.concatenate([source.words(600), source.words(250), source.words(400)])
+    np.testing.assert_array_equal(drawn, np.arange(1250))
+    assert source._reserved == 0 and not source._ready and not source._pending
+    source.prefetch(2500)  # capped: memory stays bounded
+    assert source._reserved == 2000
+    assert source.words(2100)[-1] == 1250 + 2099
+
+
+def test_prefetch_is_a_hint_seeded_sources_ignore():
+    with dpsql.testing.seeded(11) as source:
+        a = source.discrete_laplace(3.0, 50)
+    with dpsql.testing.seeded(11) as source:
+        source.prefetch(1000)
+        b = source.discrete_laplace(3.0, 50)
+    np.testing.assert_array_equal(a, b)
