@@ -186,14 +186,17 @@ class HierarchyStream(StreamMachine):
         out[last_rows] = released - (block_lengths - 1) * predictions[:complete]
         return out
 
+    def params(self) -> dict:
+        """The public parameters actually used (defaults resolved)."""
+        return {"epsilon": self.epsilon, "lower": self.lower, "upper": self.upper, "r": self.r,
+                "fanout": self.fanout, "consistency": self.consistency, "smoother": self.smoother_name,
+                **self._smoother.params(), "depth": self.depth, "block": self.block, "levels": self.levels}
+
     def describe(self) -> dict:
-        params = {"epsilon": self.epsilon, "lower": self.lower, "upper": self.upper, "r": self.r,
-                  "fanout": self.fanout, "consistency": self.consistency, "smoother": self.smoother_name,
-                  **self._smoother.params(), "depth": self.depth, "block": self.block, "levels": self.levels}
         error = BlockStreamNoise(n_rows=self.n, block=self.block, chunk_blocks=self.chunk_blocks,
                                  fanout=self.fanout, levels=self.levels, node_variance=self._lap.variance,
                                  consistent=self.consistency, prefix_terms=self._smoother.prefix_terms)
-        return dict(method="hierarchy", params=params, error=error, components={"hierarchy": self.cost})
+        return dict(method="hierarchy", params=self.params(), error=error, components={"hierarchy": self.cost})
 
 
 class ToPS(ThresholdedStream):
@@ -233,7 +236,7 @@ class ToPS(ThresholdedStream):
                                smoother=self.smoother, window=self.window, alpha=self.alpha, noise=self.noise)
 
     def _method_params(self) -> dict:
-        stream = self._stream.describe()["params"]
+        stream = self._stream.params()
         return {"r": self.r, "fanout": self.fanout, "smoother": self.smoother,
                 **{k: stream[k] for k in ("window", "alpha", "depth", "block", "levels") if k in stream},
                 "c": self.c, "step": self.step, "levels_for_nm": self.levels_for_nm}
