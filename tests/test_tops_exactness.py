@@ -12,7 +12,7 @@ import dpsql
 from dpsql import streams
 from dpsql.mechanisms import LaplaceLattice, report_noisy_max
 from dpsql.mechanisms.hierarchy import BlockStreamNoise, Forest, leaf_interval_variance
-from dpsql.mechanisms.noisy_max import _count_above, _places, candidate_grid, contenders, nm_scores
+from dpsql.mechanisms.noisy_max import _places, candidate_grid, contenders, nm_scores
 from dpsql.noise import MAX_NEG_LOG_UNIFORM, NoiseSource, SeededNoise
 
 
@@ -114,8 +114,11 @@ def test_a_far_away_candidate_gets_no_draw_and_never_wins():
 
 # --- Hold-out counts ------------------------------------------------------------------------------
 
-def reference_above(holdout_sorted, candidates):
-    return len(holdout_sorted) - np.searchsorted(holdout_sorted, candidates, side="right")
+def assert_counts_exact(holdout_sorted, candidates):
+    """Eq. 6 counts (the scores at slope 0) equal one binary search per candidate."""
+    expected = np.searchsorted(holdout_sorted, candidates, side="right") - len(holdout_sorted)
+    np.testing.assert_array_equal(nm_scores(holdout_sorted, candidates, 0.0), expected)
+    np.testing.assert_array_equal(nm_scores(holdout_sorted, candidates, 0.0, increasing=True), expected)
 
 
 @pytest.mark.parametrize("upper, step", [(8000.0, 1.0), (100.5, 100.5 / 1024), (1.0, 1.0 / 1024),
@@ -131,7 +134,7 @@ def test_counts_by_placing_values_on_the_grid_equal_the_binary_search(upper, ste
         holdout[m // 2: 3 * m // 4] = np.nextafter(on_grid[m // 2: 3 * m // 4], rng.choice([-np.inf, np.inf]))
         holdout[:2] = [0.0, upper][: len(holdout[:2])]
         holdout = np.sort(np.clip(holdout, 0.0, upper))
-        np.testing.assert_array_equal(_count_above(holdout, candidates), reference_above(holdout, candidates))
+        assert_counts_exact(holdout, candidates)
 
 
 def test_placing_values_is_exact_for_any_increasing_candidates():
@@ -141,7 +144,7 @@ def test_placing_values_is_exact_for_any_increasing_candidates():
         values = np.sort(np.r_[rng.uniform(-1, 1200, 300), candidates[::3]])
         np.testing.assert_array_equal(_places(candidates, values), np.searchsorted(candidates, values, side="left"))
         holdout = np.sort(rng.uniform(0, 100, max(1, len(candidates) // 2)))
-        np.testing.assert_array_equal(_count_above(holdout, candidates), reference_above(holdout, candidates))
+        assert_counts_exact(holdout, candidates)
 
 
 def test_counts_for_unsorted_candidates_and_long_holdouts():
@@ -149,7 +152,7 @@ def test_counts_for_unsorted_candidates_and_long_holdouts():
     assert nm_scores(np.array([3.0, 9.0]), np.array([9.0, 8.999, 3.0, 1.0]), 0.0).tolist() == [0.0, -1.0, -1.0, -2.0]
     long_holdout = np.sort(np.random.default_rng(1).uniform(0, 50, 2000))
     candidates = candidate_grid(50.0, 1.0)
-    np.testing.assert_array_equal(_count_above(long_holdout, candidates), reference_above(long_holdout, candidates))
+    assert_counts_exact(long_holdout, candidates)
 
 
 def test_candidate_grid_is_shared_and_read_only():

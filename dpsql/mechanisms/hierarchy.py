@@ -112,15 +112,16 @@ class Forest:
         """
         f = self.fanout
         z = [np.asarray(nodes[0], dtype=np.float64)]
+        children = [None]  # children[l]: sums of the bottom-up z of the children of level-l nodes
         for level in range(1, self.levels):
             height = level + 1
-            children = z[-1].reshape(-1, f).sum(axis=1)
+            children.append(z[-1].reshape(-1, f).sum(axis=1))
             z.append(((f**height - f ** (height - 1)) * np.asarray(nodes[level], dtype=np.float64)
-                      + (f ** (height - 1) - 1) * children) / (f**height - 1))
+                      + (f ** (height - 1) - 1) * children[level]) / (f**height - 1))
         out = [z[-1]]
         for level in range(self.levels - 1, 0, -1):
-            correction = (out[0] - z[level - 1].reshape(-1, f).sum(axis=1)) / f
-            out.insert(0, z[level - 1] + np.repeat(correction, f))
+            correction = (out[0] - children[level]) / f
+            out.insert(0, (z[level - 1].reshape(-1, f) + correction[:, None]).ravel())
         return out
 
     def consistent_leaf_noise(self, lap: LaplaceLattice, noise: NoiseSource, n_leaves: int) -> np.ndarray:

@@ -134,20 +134,24 @@ def candidate_grid(upper: float, step: float) -> np.ndarray:
     return candidates
 
 
-def nm_scores(holdout_sorted: np.ndarray, candidates: np.ndarray, slope: float) -> np.ndarray:
+def nm_scores(holdout_sorted: np.ndarray, candidates: np.ndarray, slope: float, *,
+              increasing: bool | None = None) -> np.ndarray:
     """ToPS Eq. 6 scores ``q(theta) = -slope * theta - m_theta``, ``m_theta = #{v > theta}``.
 
     Replacing one value moves every ``m_theta`` by at most 1 and all in the same direction,
-    so the scores have sensitivity 1 and are monotone.
+    so the scores have sensitivity 1 and are monotone. ``increasing=True`` says the
+    candidates increase (a :func:`candidate_grid`), which is otherwise checked.
 
     >>> nm_scores(np.array([1., 1, 2, 2, 3, 3, 4, 5, 9, 20]), np.array([3., 4, 5, 6, 9]), 0.5)
     array([-5.5, -5. , -4.5, -5. , -5.5])
     """
     candidates = np.asarray(candidates, dtype=np.float64)
-    return -slope * candidates - _count_above(holdout_sorted, candidates)
+    if increasing is None:
+        increasing = not np.any(candidates[1:] < candidates[:-1])
+    return -slope * candidates - _count_above(holdout_sorted, candidates, increasing=increasing)
 
 
-def _count_above(holdout_sorted: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+def _count_above(holdout_sorted: np.ndarray, candidates: np.ndarray, *, increasing: bool) -> np.ndarray:
     """``#{v > theta}`` for every candidate, by placing the shorter array in the longer.
 
     For increasing candidates and fewer hold-out values than candidates (ToPS on short
@@ -156,7 +160,7 @@ def _count_above(holdout_sorted: np.ndarray, candidates: np.ndarray) -> np.ndarr
     suffix sums of how many values land at each place. Both ways count the same set.
     """
     m = len(holdout_sorted)
-    if m >= len(candidates) or np.any(candidates[1:] < candidates[:-1]):
+    if m >= len(candidates) or not increasing:
         return m - np.searchsorted(holdout_sorted, candidates, side="right")
     landed = np.bincount(_places(candidates, holdout_sorted), minlength=len(candidates) + 1)
     return m - np.cumsum(landed[:-1])
@@ -213,5 +217,5 @@ def nm_threshold(holdout_sorted: np.ndarray, *, epsilon: float, upper: float, ep
     candidates = candidate_grid(upper, default_step(upper) if step is None else step)
     slope = nm_slope(len(holdout_sorted), epsilon_perturber=epsilon_perturber, r=r, fanout=fanout, c=c,
                      levels_for_nm=levels_for_nm)
-    scores = nm_scores(holdout_sorted, candidates, slope)
+    scores = nm_scores(holdout_sorted, candidates, slope, increasing=True)
     return float(candidates[report_noisy_max(scores, epsilon=epsilon, noise=noise)])
