@@ -23,6 +23,7 @@ are never released.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +45,8 @@ def tree_height(r: int, fanout: int) -> int:
     return height
 
 
+# Cached: a partitioned release builds one hierarchy per partition with the same public parameters.
+@functools.lru_cache(maxsize=256)
 def smoothing_depth(epsilon: float, r: int, fanout: int) -> int:
     """ToPS Eq. 7: the number ``s`` of lowest levels the smoother replaces (discrete argmin).
 
@@ -109,21 +112,26 @@ class Forest:
         """
         f = self.fanout
         z = [np.asarray(nodes[0], dtype=np.float64)]
+        children = [None]  # children[l]: sums of the bottom-up z of the children of level-l nodes
         for level in range(1, self.levels):
             height = level + 1
-            children = z[-1].reshape(-1, f).sum(axis=1)
+            children.append(z[-1].reshape(-1, f).sum(axis=1))
             z.append(((f**height - f ** (height - 1)) * np.asarray(nodes[level], dtype=np.float64)
-                      + (f ** (height - 1) - 1) * children) / (f**height - 1))
+                      + (f ** (height - 1) - 1) * children[level]) / (f**height - 1))
         out = [z[-1]]
         for level in range(self.levels - 1, 0, -1):
-            correction = (out[0] - z[level - 1].reshape(-1, f).sum(axis=1)) / f
-            out.insert(0, z[level - 1] + np.repeat(correction, f))
+            correction = (out[0] - children[level]) / f
+            out.insert(0, (z[level - 1].reshape(-1, f) + correction[:, None]).ravel())
         return out
 
     def consistent_leaf_noise(self, lap: LaplaceLattice, noise: NoiseSource, n_leaves: int) -> np.ndarray:
         """Online consistency: draw the noise forest, make it consistent, keep the first
-        ``n_leaves`` leaves rounded back to integer lattice units (int64)."""
-        draws = [lap.noise_units(noise, size).astype(np.float64) for size in self.level_sizes()]
+        ``n_leaves`` leaves rounded back to integer lattice units (int64).
+
+        All nodes' draws come from one call (the same i.i.d. draws as one call per level,
+        with a single call's fixed cost)."""
+        sizes = self.level_sizes()
+        draws = np.split(lap.noise_units(noise, sum(sizes)).astype(np.float64), np.cumsum(sizes[:-1]))
         return np.rint(self.consistent(draws)[0][:n_leaves]).astype(np.int64)
 
     def least_squares_weights(self) -> np.ndarray:
@@ -200,10 +208,17 @@ class BlockStreamNoise(ErrorModel):
         self._n_blocks = -(-n_rows // block)
         self._interval = dict(fanout=fanout, levels=levels, node_variance=node_variance, consistent=consistent)
         self._prefix_terms = prefix_terms
-        n_chunks = -(-self._n_blocks // chunk_blocks)
-        chunk_sizes = np.minimum(chunk_blocks, self._n_blocks - chunk_blocks * np.arange(n_chunks))
+
+    # Built on the first query, not with the release: many releases (one per partition) never
+    # get one.
+    @functools.cached_property
+    def _chunks_before(self) -> np.ndarray:
+        """Noise variance of the first ``k`` chunks' block sums, for every ``k``."""
+        nb = self._chunk_blocks
+        n_chunks = -(-self._n_blocks // nb)
+        chunk_sizes = np.minimum(nb, self._n_blocks - nb * np.arange(n_chunks))
         whole = leaf_interval_variance(np.zeros(n_chunks, dtype=np.int64), chunk_sizes, **self._interval)
-        self._chunks_before = np.concatenate([[0.0], np.cumsum(whole)])
+        return np.concatenate([[0.0], np.cumsum(whole)])
 
     def _block_interval_variance(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Variance of the noise in block sums ``lo:hi`` (global block indices, ``lo <= hi``)."""

@@ -119,7 +119,8 @@ class ThresholdedStream(StreamMachine):
         return values + self.lower if self.lower else values
 
     def _release_holdout(self) -> np.ndarray:
-        holdout = np.clip(np.concatenate(self._held) - self.lower, 0.0, self.bound)
+        held = self._held[0] if len(self._held) == 1 else np.concatenate(self._held)
+        holdout = np.clip(self._shift(held), 0.0, self.bound)
         self._held = []
         threshold = float(np.clip(self._choose_threshold(np.sort(holdout)), _MIN_THRESHOLD * self.bound, self.bound))
         self.threshold = threshold

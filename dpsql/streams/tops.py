@@ -162,38 +162,49 @@ class HierarchyStream(StreamMachine):
             units = np.multiply(values, self._inverse_gamma)
         np.clip(units, 0.0, self._bound_units, out=units)
         np.rint(units, out=units)
+        # Chunks hold whole blocks, so blocks start at multiples of g: this piece continues
+        # block b0 at ``offset`` and touches ``pieces`` blocks, all but the first and last whole.
+        count = len(values)
         offset = self._rows % g
-        cuts = np.arange(min(g - offset, len(values)), len(values), g)
-        starts = np.concatenate([[0], cuts])
+        head = min(g - offset, count)
+        starts = np.arange(head - g, count, g)
+        starts[0] = 0
+        pieces = len(starts)
         sums = np.add.reduceat(units, starts)
         sums[0] += self._partial_units
-        lengths = np.diff(starts, append=len(values))
-        chunk_start = self._rows - self._rows % self.chunk_rows
-        first_block = (self._rows - chunk_start) // g
-        block_ends = np.minimum(chunk_start + (first_block + 1 + np.arange(len(starts))) * g, self.n)
-        self._rows += len(values)
-        complete = len(starts) if block_ends[-1] <= self._rows else len(starts) - 1
-        self._partial_units = 0.0 if complete == len(starts) else float(sums[-1])
+        lengths = np.full(pieces, g)
+        lengths[0] = head
+        lengths[-1] = count - starts[-1]
+        b0 = self._rows // g
+        first_block = b0 - (self._rows - self._rows % self.chunk_rows) // g
+        self._rows += count
+        complete = pieces if min((b0 + pieces) * g, self.n) <= self._rows else pieces - 1
+        self._partial_units = 0.0 if complete == pieces else float(sums[-1])
         released_units = sums[:complete].astype(np.int64) + self._leaf_noise[first_block:first_block + complete]
         released = self._lap.from_units(released_units)
-        block_lengths = block_ends[:complete] - (chunk_start + (first_block + np.arange(complete)) * g)
+        block_lengths = np.full(complete, g)
+        if complete and (b0 + complete) * g > self.n:  # the stream's last block is short
+            block_lengths[-1] = self.n - (b0 + complete - 1) * g
         if not self._smoother.predictive:
             return np.repeat(released / block_lengths, block_lengths)
         predictions = np.concatenate([[self._prediction], self._smoother.predict(released)])
         self._prediction = float(predictions[complete])
-        _spread(predictions[:len(starts)], lengths, g, out)
+        _spread(predictions[:pieces], lengths, g, out)
         last_rows = starts[:complete] + lengths[:complete] - 1
         out[last_rows] = released - (block_lengths - 1) * predictions[:complete]
         return out
 
+    def params(self) -> dict:
+        """The public parameters actually used (defaults resolved)."""
+        return {"epsilon": self.epsilon, "lower": self.lower, "upper": self.upper, "r": self.r,
+                "fanout": self.fanout, "consistency": self.consistency, "smoother": self.smoother_name,
+                **self._smoother.params(), "depth": self.depth, "block": self.block, "levels": self.levels}
+
     def describe(self) -> dict:
-        params = {"epsilon": self.epsilon, "lower": self.lower, "upper": self.upper, "r": self.r,
-                  "fanout": self.fanout, "consistency": self.consistency, "smoother": self.smoother_name,
-                  **self._smoother.params(), "depth": self.depth, "block": self.block, "levels": self.levels}
         error = BlockStreamNoise(n_rows=self.n, block=self.block, chunk_blocks=self.chunk_blocks,
                                  fanout=self.fanout, levels=self.levels, node_variance=self._lap.variance,
                                  consistent=self.consistency, prefix_terms=self._smoother.prefix_terms)
-        return dict(method="hierarchy", params=params, error=error, components={"hierarchy": self.cost})
+        return dict(method="hierarchy", params=self.params(), error=error, components={"hierarchy": self.cost})
 
 
 class ToPS(ThresholdedStream):
@@ -233,7 +244,7 @@ class ToPS(ThresholdedStream):
                                smoother=self.smoother, window=self.window, alpha=self.alpha, noise=self.noise)
 
     def _method_params(self) -> dict:
-        stream = self._stream.describe()["params"]
+        stream = self._stream.params()
         return {"r": self.r, "fanout": self.fanout, "smoother": self.smoother,
                 **{k: stream[k] for k in ("window", "alpha", "depth", "block", "levels") if k in stream},
                 "c": self.c, "step": self.step, "levels_for_nm": self.levels_for_nm}
