@@ -55,7 +55,9 @@ def test_release_equals_the_core_release_in_time_order(con, budget):
     assert out.columns == ["ts", "v", "dp_row"]
     assert out["ts"].is_sorted()
     np.testing.assert_array_equal(out["v"].to_numpy(), expected.values)
-    np.testing.assert_array_equal(out["dp_row"].to_numpy(), np.arange(1000))  # the connection's first block
+    rows = out["dp_row"].to_numpy()
+    np.testing.assert_array_equal(rows, rows[0] + np.arange(1000))  # the connection's first block
+    assert rows[0] % 2**32 == 0 and 0 <= rows[0] < 2**62  # starting at its random base
     assert budget.spent == (0.5, 0.0)
     history = budget.history()
     release_id = con.execute(f"SELECT dp_release_id({out['dp_row'][0]})").fetchall()[0][0]
@@ -90,7 +92,8 @@ def test_partitions_are_released_independently_and_charged_once_at_the_max(con, 
     np.testing.assert_array_equal(out["v"].to_numpy(), expected.values)
     assert out["g"].to_list() == sorted(out["g"].to_list())
     # One block in output order: each partition owns a contiguous range of handles.
-    np.testing.assert_array_equal(out["dp_row"].to_numpy(), np.arange(1000))
+    rows = out["dp_row"].to_numpy()
+    np.testing.assert_array_equal(rows, rows[0] + np.arange(1000))
     assert budget.spent == (0.5, 0.0)
     assert budget.history()["partitions"].to_list() == [3]
 
@@ -200,7 +203,8 @@ def test_two_calls_in_one_query_are_two_charged_releases(con, budget):
     # Two disjoint contiguous blocks, one per release, consecutive in time order.
     for rows in (out["row_a"].to_numpy(), out["row_b"].to_numpy()):
         np.testing.assert_array_equal(rows, rows[0] + np.arange(1000))
-    assert sorted([out["row_a"][0], out["row_b"][0]]) == [0, 1000]
+    first, second = sorted([out["row_a"][0], out["row_b"][0]])
+    assert second - first == 1000
     assert budget.spent == (1.0, 0.0)
 
 
@@ -221,9 +225,10 @@ def test_each_execution_is_a_new_charged_release(con, budget):
         second = relation.fetchnumpy()
     assert not np.array_equal(first["v"], second["v"])
     # Each execution takes the next block of handles.
-    np.testing.assert_array_equal(first["dp_row"], np.arange(1000))
-    np.testing.assert_array_equal(second["dp_row"], np.arange(1000, 2000))
-    ids = con.execute(f"SELECT dp_release_id(0), dp_release_id({second['dp_row'][-1]})").fetchall()[0]
+    np.testing.assert_array_equal(first["dp_row"], first["dp_row"][0] + np.arange(1000))
+    np.testing.assert_array_equal(second["dp_row"], first["dp_row"][0] + np.arange(1000, 2000))
+    ids = con.execute(f"SELECT dp_release_id({first['dp_row'][0]}), "
+                      f"dp_release_id({second['dp_row'][-1]})").fetchall()[0]
     assert list(ids) == budget.history()["release_id"].to_list()
     assert budget.history().height == 2
 
@@ -257,23 +262,25 @@ def test_error_bar_ranges_must_lie_in_one_partition_of_one_held_release(con):
     partitioned = ("SELECT * FROM dp_range_sum('t', 'ts', 'v', method := 'laplace', epsilon := 0.5, upper := 10, "
                    "partition_by := 'g')")
     with dpsql.testing.seeded(0):
-        con.execute(f"CREATE TABLE a AS {partitioned}")  # handles 0..999, partitions of 334, 333, 333 rows
-        con.execute(f"CREATE TABLE b AS {RANGE_SUM}")    # handles 1000..1999
-    (variance,) = con.execute("SELECT dp_range_variance(334, 667)").fetchall()[0]
+        con.execute(f"CREATE TABLE a AS {partitioned}")  # handles b..b+999, partitions of 334, 333, 333 rows
+        con.execute(f"CREATE TABLE b AS {RANGE_SUM}")    # handles b+1000..b+1999
+    (b,) = con.execute("SELECT min(dp_row) FROM a").fetchall()[0]
+    (variance,) = con.execute(f"SELECT dp_range_variance({b + 334}, {b + 667})").fetchall()[0]
     assert variance == pytest.approx(333 * 2 * (10 / 0.5) ** 2, rel=0.01)  # lattice rounding of the scale
     for start, stop, message in [
-            (300, 400, "rows start_row=300 .. stop_row=400 span two partitions of release"),
+            (300, 400, f"rows start_row={b + 300} .. stop_row={b + 400} span two partitions of release"),
             (990, 1010, "span two releases"),
             (1990, 2010, "past the last dp_row issued"),
-            (2000, 2001, "dp_row 2000 was never issued by this connection"),
-            (-1, 3, "dp_row -1 was never issued"),
+            (2000, 2001, f"dp_row {b + 2000} was never issued by this connection"),
+            (-1, 3, f"dp_row {b - 1} was never issued"),
             (5, 5, "needs start_row < stop_row"),
             (6, 5, "needs start_row < stop_row")]:
         for function in ("dp_range_variance", "dp_range_margin"):
             with pytest.raises(InvalidParameter, match=message), dpsql.duckdb.typed_errors():
-                con.sql(f"SELECT {function}({start}, {stop})").fetchall()
-    with pytest.raises(InvalidParameter, match="dp_row 2000 was never issued"), dpsql.duckdb.typed_errors():
-        con.sql("SELECT dp_release_id(2000)").fetchall()
+                con.sql(f"SELECT {function}({b + start}, {b + stop})").fetchall()
+    with pytest.raises(InvalidParameter, match=f"dp_row {b + 2000} was never issued"), \
+            dpsql.duckdb.typed_errors():
+        con.sql(f"SELECT dp_release_id({b + 2000})").fetchall()
     nulls = con.execute("SELECT dp_range_variance(NULL, 5), dp_range_margin(1, NULL), dp_release_id(NULL)")
     assert nulls.fetchall() == [(None, None, None)]
 
@@ -284,15 +291,40 @@ def test_error_bars_of_forgotten_releases_are_refused(budget):
     con.execute("CREATE TABLE small AS SELECT range AS ts, 1.0 AS v FROM range(5)")
     query = "SELECT * FROM dp_range_sum('small', 'ts', 'v', method := 'laplace', epsilon := 1, upper := 1)"
     with dpsql.testing.seeded(0):
-        for _ in range(_machinery.KEEP_ERROR_MODELS + 1):
+        b = min(row for _, _, row in con.sql(query).fetchall())
+        for _ in range(_machinery.KEEP_ERROR_MODELS):
             con.sql(query).fetchall()
-    assert con.execute("SELECT dp_range_variance(5, 10)").fetchall()[0][0] > 0  # the oldest one still held
-    with pytest.raises(InvalidParameter, match=rf"dp_row 0 belongs to a release that is not held by this "
+    assert con.execute(f"SELECT dp_range_variance({b + 5}, {b + 10})").fetchall()[0][0] > 0  # oldest held
+    with pytest.raises(InvalidParameter, match=rf"dp_row {b} belongs to a release that is not held by this "
                                                rf"connection: error bars are available for its last "
                                                rf"{_machinery.KEEP_ERROR_MODELS} releases"), \
             dpsql.duckdb.typed_errors():
-        con.sql("SELECT dp_range_variance(0, 5)").fetchall()
+        con.sql(f"SELECT dp_range_variance({b}, {b + 5})").fetchall()
     con.close()
+
+
+def test_handles_of_a_table_saved_from_another_connection_are_refused(tmp_path):
+    """A released table outlives its connection; its dp_row must not be mistaken for a
+    release of a later connection (each connection's handles start at a random base)."""
+    path = str(tmp_path / "saved.duckdb")
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
+    old = duckdb.connect(path)
+    dpsql.duckdb.register(old, budget=budget)
+    old.execute("CREATE TABLE t AS SELECT range AS ts, 1.0 AS v FROM range(100)")
+    old.execute("CREATE TABLE saved AS SELECT * FROM dp_range_sum('t', 'ts', 'v', method := 'laplace', "
+                "epsilon := 1, upper := 1)")
+    old.close()
+    new = duckdb.connect(path)
+    dpsql.duckdb.register(new, budget=budget)
+    new.execute("CREATE TABLE fresh AS SELECT * FROM dp_range_sum('t', 'ts', 'v', method := 'laplace', "
+                "epsilon := 1, upper := 1)")
+    (saved_first,) = new.execute("SELECT min(dp_row) FROM saved").fetchall()[0]
+    with pytest.raises(InvalidParameter, match="was never issued by this connection"), \
+            dpsql.duckdb.typed_errors():
+        new.sql("SELECT dp_range_margin(min(dp_row), max(dp_row) + 1) FROM saved").fetchall()
+    assert new.execute("SELECT dp_range_margin(min(dp_row), max(dp_row) + 1) FROM fresh").fetchall()[0][0] > 0
+    assert saved_first != new.execute("SELECT min(dp_row) FROM fresh").fetchall()[0][0]
+    new.close()
 
 
 # -- refusals: typed errors with the core's messages, nothing charged ---------------------------

@@ -66,9 +66,10 @@ def test_sql_release_equals_per_user_releases_and_is_charged_once(frame, method,
     assert out["user"].to_list() == sorted(out["user"].to_list())
     assert np.array_equal(out["dp_user"].to_numpy(), np.repeat(np.arange(USERS), SLOTS))
     assert np.array_equal(out["dp_slot"].to_numpy(), np.tile(np.arange(SLOTS), USERS))
-    assert np.array_equal(out["dp_row"].to_numpy(), np.arange(USERS * SLOTS))  # one block of row handles
-    # Error bars by handle: user 1's slots 2..8 are handles SLOTS + 2 .. SLOTS + 8.
-    (variance,) = con.execute(f"SELECT dp_range_variance({SLOTS + 2}, {SLOTS + 9})").fetchall()[0]
+    first = out["dp_row"][0]
+    assert np.array_equal(out["dp_row"].to_numpy(), first + np.arange(USERS * SLOTS))  # one block of handles
+    # Error bars by handle: user 1's slots 2..8 are handles first + SLOTS + 2 .. first + SLOTS + 8.
+    (variance,) = con.execute(f"SELECT dp_range_variance({first + SLOTS + 2}, {first + SLOTS + 9})").fetchall()[0]
     assert variance == pytest.approx(expected[1].range_variance(2, 9), rel=1e-12)
 
 

@@ -29,8 +29,10 @@ export, so a stream release adds a single column for error bars: ``dp_row``, a
 *connection-wide row handle*. Each release takes the next contiguous block of
 handles from its :class:`Context`, numbered in output order (partition, then order
 key), so a partition owns a contiguous range and consecutive rows of a stream have
-consecutive handles. The handle alone finds the release, the partition and the row
-within it (:class:`RowIndex`); the context keeps the error models of its last
+consecutive handles. A connection's first handle is a random multiple of 2^32 below
+2^62, so handles saved from another connection are refused, not misread. The handle
+alone finds the release, the partition and the row within it (:class:`RowIndex`);
+the context keeps the error models of its last
 :data:`KEEP_ERROR_MODELS` releases. (Handing the block over as a numpy
 ``arange`` list was measured cheaper than generating it in SQL from ``range`` or
 ``generate_subscripts``.)
@@ -67,7 +69,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dpsql import api
+from dpsql import api, noise
 from dpsql.accountant import Budget
 from dpsql.errors import DPError, InvalidData, InvalidParameter, InvalidTimeKey
 from dpsql.release import ErrorModel
@@ -167,22 +169,23 @@ class RowIndex:
     releases: tuple[HeldRelease, ...]
     release_of: np.ndarray
     models: tuple[ErrorModel, ...]
+    first: int
     issued: int
 
     @classmethod
-    def of(cls, held: Iterable[HeldRelease], issued: int) -> RowIndex:
+    def of(cls, held: Iterable[HeldRelease], first: int, issued: int) -> RowIndex:
         held = tuple(held)
         empty = np.zeros(0, dtype=np.int64)
         return cls(starts=np.concatenate([empty, *(r.first_row + r.offsets[:-1] for r in held)]),
                    stops=np.concatenate([empty, *(r.first_row + r.offsets[1:] for r in held)]),
                    releases=held,
                    release_of=np.repeat(np.arange(len(held)), [len(r.models) for r in held]),
-                   models=tuple(model for r in held for model in r.models), issued=issued)
+                   models=tuple(model for r in held for model in r.models), first=first, issued=issued)
 
     def partitions(self, rows: np.ndarray) -> np.ndarray:
         """Index (into :attr:`starts`) of the held partition owning each handle; refuses
         handles never issued and handles of releases no longer held."""
-        never = (rows < 0) | (rows >= self.issued)
+        never = (rows < self.first) | (rows >= self.issued)
         if never.any():
             raise InvalidParameter(f"dp_row {rows[never][0]} was never issued by this connection: pass the "
                                    "dp_row column of a release made on this connection")
@@ -253,8 +256,12 @@ class Context:
         self.constants: _Bounded = _Bounded(KEEP_PLANS)
         self.recent_errors: _Bounded = _Bounded(32)
         self._held: _Bounded = _Bounded(KEEP_ERROR_MODELS)
-        self._rows_issued = 0
-        self.row_index = RowIndex.of((), 0)
+        # Handles start at a random multiple of 2^32 below 2^62, so that the dp_row of a
+        # table saved from another connection (or an earlier session) is refused as "never
+        # issued" instead of being mistaken for a release of this one.
+        self._first_row = int(noise.current().words(1)[0] >> np.uint64(34)) << 32
+        self._rows_issued = self._first_row
+        self.row_index = RowIndex.of((), self._first_row, self._first_row)
         self._lock = threading.Lock()
         self._counter = itertools.count(1)
 
@@ -273,7 +280,7 @@ class Context:
             self._rows_issued += int(offsets[-1])
             self._held[first_row] = HeldRelease(release.release_id, first_row, offsets,
                                                 tuple(p.error for p in parts))
-            self.row_index = RowIndex.of(self._held.values(), self._rows_issued)
+            self.row_index = RowIndex.of(self._held.values(), self._first_row, self._rows_issued)
         return first_row
 
     # -- registering functions ---------------------------------------------------------
@@ -474,8 +481,13 @@ def read_ordered(context: Context, plan: Plan) -> Ordered:
         chunks: dict[str, list] = {c: [] for c in [*key_cols, plan.value_col]}
         boundaries = [np.zeros(1, dtype=np.int64)]
         checker = _KeyChecker(plan.order_col, plan.partition_by)
+        # A method drawing one word per row gets them read on the other core while DuckDB
+        # still exports the sorted rows (the sort itself keeps both cores busy).
+        read_ahead = api.rows_independent(plan.method)
         seen = 0
         for batch in reader:
+            if read_ahead:
+                noise.current().prefetch(batch.num_rows)
             for c in chunks:
                 chunks[c].append(batch.column(c))
             boundaries.append(checker.check(batch) + seen)

@@ -15,7 +15,8 @@ SQL surface (installed by :func:`dpsql.duckdb.register`):
     partition then order key: the partition key, the order key, the private value
     (named like ``value_col``) and ``dp_row``, a BIGINT *row handle*, unique across the
     connection's releases: each release takes the next block of handles, numbered in
-    output order, so a partition's rows have consecutive handles. It is the only
+    output order, so a partition's rows have consecutive handles (starting from a random
+    base per connection: handles saved from another connection are refused). It is the only
     column added, because every per-row column costs its full length in the result.
 
 ``dp_release_id(dp_row)``
