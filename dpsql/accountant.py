@@ -27,6 +27,7 @@ different notions do not compose by addition.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -302,6 +303,8 @@ class Budget:
                 remaining=(float(left_eps), float(left_delta)), requested=(float(epsilon), float(delta)))
 
 
+# Cached: a partitioned release asks the same question once per partition.
+@functools.lru_cache(maxsize=1024)
 def largest_share(total: float, share: float, *, count: int = 1, rest: float = 0.0) -> float:
     """The largest float ``x <= share`` with ``count * x + rest <= total`` in exact
     arithmetic, so that budget pieces never add up to more than ``total`` by rounding.

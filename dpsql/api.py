@@ -22,7 +22,7 @@ import numpy as np
 from dpsql import _validate, noise
 from dpsql.accountant import Budget
 from dpsql.errors import InvalidParameter
-from dpsql.release import Release, StreamMachine, as_release, chunks_of, release_from, run_machine
+from dpsql.release import Release, StreamMachine, as_release, chunks_of, release_batched, release_from, run_machine
 
 #: name -> machine factory ``(n, *, noise, **params) -> StreamMachine``. Algorithm
 #: modules add themselves in :mod:`dpsql.streams`.
@@ -132,7 +132,14 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
     data = _validate.values(values, column)
     offsets = _offsets(partition_offsets, len(data))
     source = noise.current()
-    machines = [machine_for(method, int(b - a), source, params) for a, b in itertools.pairwise(offsets)]
+    # One machine per partition length: machines of one length (and these parameters) are
+    # identical until fed, and cost the same.
+    lengths = np.diff(offsets).tolist()
+    templates: dict[int, StreamMachine] = {}
+    for n in lengths:
+        if n not in templates:
+            templates[n] = machine_for(method, n, source, params)
+    machines = [templates[n] for n in lengths]
     levels = [0] * len(machines) if partition_levels is None else list(partition_levels)
     if len(levels) != len(machines):
         raise InvalidParameter(f"partition_levels must give one level per partition ({len(machines)}), "
@@ -142,7 +149,7 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
     first = machines[0]
     if budget is not None:
         budget.check(epsilon=epsilon, delta=delta, notion=first.notion, w=first.w, private=source.private)
-    parts, values = _run_partitions(method, machines, data, offsets, source, params)
+    parts, values = _run_partitions(method, templates, data, offsets, source, params)
     release_id = None
     if budget is not None:
         release_id = budget.charge(method=parts[0].method, epsilon=epsilon, delta=delta, rows=len(data),
@@ -156,19 +163,54 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
                               release_id=release_id)
 
 
-def _run_partitions(method: str, machines: list[StreamMachine], data: np.ndarray, offsets: np.ndarray,
+def _run_partitions(method: str, templates: dict[int, StreamMachine], data: np.ndarray, offsets: np.ndarray,
                     source: noise.NoiseSource, params: dict) -> tuple[list[Release], np.ndarray]:
-    """One :class:`Release` per partition, and all their values in one array. Machines
-    whose rows are independent release all partitions in one run of one machine (cut at
-    the offsets), so many small partitions cost what one long stream does."""
-    if len(machines) > 1 and all(m.rows_independent for m in machines):
+    """One :class:`Release` per partition, and all their values in one array.
+
+    ``templates`` holds one unfed machine per partition length. Machines whose rows are
+    independent release all partitions in one run of one machine (cut at the offsets), so
+    many small partitions cost what one long stream does. Batchable machines release each
+    group of equal-length partitions in one run over a ``(k, n)`` view of their rows (a
+    group of one is the ordinary single stream); the others run partition by partition.
+    """
+    lengths = np.diff(offsets)
+    first = templates[int(lengths[0])]
+    if len(lengths) > 1 and first.rows_independent:
         values = run_machine(machine_for(method, len(data), source, params), chunks_of(data), len(data))
-        parts = [as_release(m, values[a:b], private=source.private)
-                 for m, a, b in zip(machines, offsets[:-1], offsets[1:])]
+        parts = [as_release(templates[int(b - a)], values[a:b], private=source.private)
+                 for a, b in itertools.pairwise(offsets)]
         return parts, values
-    parts = [release_from(machine, chunks_of(data[a:b]), int(b - a), private=source.private)
-             for machine, a, b in zip(machines, offsets[:-1], offsets[1:])]
+    if first.batchable and len(lengths) > 1:
+        values = np.empty(len(data))
+        parts: list[Release | None] = [None] * len(lengths)
+        for n, template in templates.items():
+            group = np.flatnonzero(lengths == n)
+            for j, part in zip(group, _release_group(template, data, values, offsets[group], n, source.private)):
+                parts[j] = part
+        return parts, values
+    unused = dict(templates)
+    parts = [release_from(unused.pop(int(b - a), None) or machine_for(method, int(b - a), source, params),
+                          chunks_of(data[a:b]), int(b - a), private=source.private)
+             for a, b in itertools.pairwise(offsets)]
     return parts, (parts[0].values if len(parts) == 1 else np.concatenate([p.values for p in parts]))
+
+
+def _release_group(machine: StreamMachine, data: np.ndarray, values: np.ndarray, starts: np.ndarray, n: int,
+                   private: bool) -> list[Release]:
+    """Release the partitions of length ``n`` starting at ``starts`` with the batchable
+    ``machine`` (unfed), writing their values into ``values``."""
+    if len(starts) == 1:
+        part = release_from(machine, chunks_of(data[starts[0]:starts[0] + n]), n, private=private)
+        values[starts[0]:starts[0] + n] = part.values
+        return [part]
+    if starts[-1] - starts[0] == (len(starts) - 1) * n:  # adjacent partitions: views, no copies
+        span = slice(starts[0], starts[0] + len(starts) * n)
+        return release_batched(machine, data[span].reshape(-1, n), values[span].reshape(-1, n), private=private)
+    rows = starts[:, None] + np.arange(n)
+    out = np.empty(rows.shape)
+    parts = release_batched(machine, data[rows], out, private=private)
+    values[rows] = out
+    return parts
 
 
 def _compose(costs: list[float], levels: list[int]) -> float:

@@ -38,7 +38,6 @@ could fail is below ``scale * 2^-106``. What remains is the rounding of ``log``
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import os
 import threading
@@ -86,33 +85,45 @@ class NoiseSource:
         w = self.words(size)
         return ((w >> np.uint64(11)).astype(np.float64) + 0.5) * _TWO_POW_M53
 
-    def discrete_laplace(self, scale: float, size: int) -> np.ndarray:
+    def discrete_laplace(self, scale: float | np.ndarray, size: int) -> np.ndarray:
         """Integers with ``P(Z = k) = (1-a)/(1+a) * a**|k|``, ``a = exp(-1/scale)``.
 
         Mean 0, variance ``2a / (1-a)**2`` (about ``2 * scale**2`` for large scale).
-        ``scale = 0`` returns zeros.
+        ``scale = 0`` returns zeros. ``scale`` may also be an array of ``size`` scales, one
+        per draw (partitions with their own lattices in one call): draw ``i`` then has scale
+        ``scale[i]``, from the same words and arithmetic (elementwise) as a scalar scale.
         """
-        if scale == 0:
+        if np.ndim(scale):
+            scale = np.asarray(scale, dtype=np.float64)
+            if scale.shape != (size,) or not np.all((scale >= 0) & np.isfinite(scale)):
+                raise ValueError(f"discrete_laplace scales must be {size} non-negative finite values")
+            positive = scale > 0
+            if not positive.all():
+                out = np.zeros(size, dtype=np.int64)
+                out[positive] = self.discrete_laplace(scale[positive], int(positive.sum()))
+                return out
+        elif scale == 0:
             return np.zeros(size, dtype=np.int64)
-        if not (scale > 0 and np.isfinite(scale)):
+        elif not (scale > 0 and np.isfinite(scale)):
             raise ValueError(f"discrete_laplace scale must be positive and finite, got {scale!r}")
         out = np.empty(size, dtype=np.int64)
-        self._parallel(out, lambda share: self._discrete_laplace_into(scale, share))
+        self._parallel(size, lambda a, b: self._discrete_laplace_into(_share(scale, a, b), out[a:b]))
         return out
 
-    def _discrete_laplace_into(self, scale: float, out: np.ndarray) -> None:
+    def _discrete_laplace_into(self, scale: float | np.ndarray, out: np.ndarray) -> None:
         for start in range(0, out.size, _PIECE):
             piece = out[start:start + _PIECE]
-            rejected = self._fill_discrete_laplace(scale, piece)
+            piece_scale = _share(scale, start, start + _PIECE)
+            rejected = self._fill_discrete_laplace(piece_scale, piece)
             while rejected.size:
                 redraw = np.empty(rejected.size, dtype=np.int64)
-                still = self._fill_discrete_laplace(scale, redraw)
+                still = self._fill_discrete_laplace(_share(piece_scale, rejected), redraw)
                 keep = np.ones(rejected.size, dtype=bool)
                 keep[still] = False
                 piece[rejected[keep]] = redraw[keep]
                 rejected = rejected[still]
 
-    def _fill_discrete_laplace(self, scale: float, out: np.ndarray) -> np.ndarray:
+    def _fill_discrete_laplace(self, scale: float | np.ndarray, out: np.ndarray) -> np.ndarray:
         """Fill ``out`` with signed geometric draws; return the indices to redraw."""
         w = self.words(out.size)
         bits = w & _MASK53
@@ -136,9 +147,9 @@ class NoiseSource:
         """Hint that about ``count`` words will be drawn soon. Sources that can read
         them in the background start doing so; the others ignore the hint."""
 
-    def _parallel(self, out: np.ndarray, fill) -> None:
-        """``fill(out)``; sources that can draw in parallel fill shares of ``out`` at once."""
-        fill(out)
+    def _parallel(self, size: int, fill) -> None:
+        """``fill(0, size)``; sources that can draw in parallel fill several ranges ``a:b`` at once."""
+        fill(0, size)
 
 
 class SystemNoise(NoiseSource):
@@ -189,13 +200,13 @@ class SystemNoise(NoiseSource):
                 self._pending.append(reader.submit(_urandom_words, size))
                 self._reserved += size
 
-    def _parallel(self, out: np.ndarray, fill) -> None:
-        if out.size < _THREADED_FROM:
-            fill(out)
+    def _parallel(self, size: int, fill) -> None:
+        if size < _THREADED_FROM:
+            fill(0, size)
             return
         # One contiguous share per thread, each worked through in cache-sized pieces.
-        bounds = np.linspace(0, out.size, _THREADS + 1).astype(int).tolist()
-        list(self._executor("_pool", _THREADS).map(fill, [out[a:b] for a, b in itertools.pairwise(bounds)]))
+        bounds = np.linspace(0, size, _THREADS + 1).astype(int).tolist()
+        list(self._executor("_pool", _THREADS).map(fill, bounds[:-1], bounds[1:]))
 
     @classmethod
     def _executor(cls, name: str, workers: int) -> ThreadPoolExecutor:
@@ -203,6 +214,14 @@ class SystemNoise(NoiseSource):
             if getattr(cls, name) is None:
                 setattr(cls, name, ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"dpsql{name}"))
             return getattr(cls, name)
+
+
+def _share(scale: float | np.ndarray, *where) -> float | np.ndarray:
+    """The scales of the draws ``where`` selects (a slice ``a, b`` or an index array); a
+    scalar scale is every draw's."""
+    if not np.ndim(scale):
+        return scale
+    return scale[slice(*where)] if len(where) == 2 else scale[where[0]]
 
 
 def _urandom_words(n: int) -> np.ndarray:

@@ -247,6 +247,12 @@ class StreamMachine(ABC):
     #: cut at the partition boundaries (same distribution, one pass instead of one per
     #: partition).
     rows_independent: bool = False
+    #: True when ``batched(k)`` gives this machine (not yet fed) for ``k`` partitions of its
+    #: length at once: fed ``(k, rows)`` chunks, returning ``(k, outputs)``, with
+    #: ``describe_partition(j)`` for partition ``j``. Every partition's release has exactly
+    #: the distribution (and public record) this machine's own release has; only the order of
+    #: the draws in the noise stream changes. This machine is the case ``k = 1``.
+    batchable: bool = False
 
     @abstractmethod
     def feed(self, chunk: np.ndarray) -> np.ndarray:
@@ -262,18 +268,19 @@ class StreamMachine(ABC):
         ``components`` and ``reports`` (keyword arguments of :class:`Release`)."""
 
 
-def run_machine(machine: StreamMachine, chunks, n: int) -> np.ndarray:
-    """Drive ``machine`` over ``chunks`` of ``n`` rows and collect its outputs in order."""
+def run_machine(machine: StreamMachine, chunks, n: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Drive ``machine`` over ``chunks`` of ``n`` rows and collect its outputs in order (into
+    ``out``, ``(k, n)`` for a batched machine fed ``(k, rows)`` chunks)."""
     n = n if machine.n_outputs is None else machine.n_outputs
-    out = np.empty(n, dtype=np.float64)
+    out = np.empty(n, dtype=np.float64) if out is None else out
     filled = 0
     for chunk in chunks:
         piece = machine.feed(chunk)
-        out[filled:filled + len(piece)] = piece
-        filled += len(piece)
+        out[..., filled:filled + piece.shape[-1]] = piece
+        filled += piece.shape[-1]
     piece = machine.close()
-    out[filled:filled + len(piece)] = piece
-    filled += len(piece)
+    out[..., filled:filled + piece.shape[-1]] = piece
+    filled += piece.shape[-1]
     if filled != n:
         raise AssertionError(f"{type(machine).__name__} produced {filled} outputs, expected {n}")
     return out
@@ -284,14 +291,34 @@ def release_from(machine: StreamMachine, chunks, n: int, *, private: bool) -> Re
     return as_release(machine, run_machine(machine, chunks, n), private=private)
 
 
-def as_release(machine: StreamMachine, values: np.ndarray, *, private: bool) -> Release:
-    """``values`` released by ``machine`` (already driven, or with independent rows), as a :class:`Release`."""
+def as_release(machine: StreamMachine, values: np.ndarray, *, private: bool,
+               description: dict | None = None) -> Release:
+    """``values`` released by ``machine`` (already driven, or with independent rows), as a
+    :class:`Release`; ``description`` replaces ``machine.describe()`` (a batched machine's
+    partition)."""
     return Release(values=values, epsilon=machine.cost[0], delta=machine.cost[1], private=private,
-                   neighbour=machine.neighbour, notion=machine.notion, **machine.describe())
+                   neighbour=machine.neighbour, notion=machine.notion,
+                   **(machine.describe() if description is None else description))
+
+
+#: Values per chunk of a batched run (all partitions' columns together): large, because a
+#: step's fixed cost is paid once for all partitions; temporaries stay within a few times
+#: the input.
+_BATCHED_CHUNK = 1 << 24
+
+
+def release_batched(machine: StreamMachine, rows: np.ndarray, out: np.ndarray, *, private: bool) -> list[Release]:
+    """Release the equal-length partitions ``rows`` (``(k, n)``) with ``machine.batched(k)``
+    into ``out`` (``(k, n)``); one :class:`Release` per partition, whose values are views of ``out``."""
+    batch = machine.batched(len(rows))
+    run_machine(batch, chunks_of(rows, max(1, _BATCHED_CHUNK // len(rows))), rows.shape[1], out)
+    return [as_release(batch, values, private=private, description=batch.describe_partition(j))
+            for j, values in enumerate(out)]
 
 
 def chunks_of(values: np.ndarray, size: int = 1 << 20):
-    """Views of ``values`` in consecutive chunks of ``size`` rows."""
-    for start in range(0, len(values), size):
-        yield values[start:start + size]
+    """Views of ``values`` in consecutive chunks of ``size`` rows (along the last axis: the
+    rows of every partition of a ``(k, n)`` array)."""
+    for start in range(0, values.shape[-1], size):
+        yield values[..., start:start + size]
 

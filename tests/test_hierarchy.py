@@ -309,7 +309,7 @@ def test_median_error_model_uses_released_positions():
                               noise=SeededNoise(12))
     out = np.concatenate([machine.feed(np.zeros(n)), machine.close()])
     sums = out.reshape(-1, g).sum(axis=1)
-    positions = np.asarray(machine._smoother._positions)
+    positions = np.asarray(machine._smoother._positions[0])
     np.testing.assert_allclose((sums[positions[:, 0]] + sums[positions[:, 1]]) / 2,
                                [np.median(sums[:t]) for t in range(1, len(sums) + 1)])
     model = machine.describe()["error"]

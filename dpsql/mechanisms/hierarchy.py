@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dpsql.mechanisms.laplace import LaplaceLattice
+from dpsql.mechanisms.laplace import LaplaceLattice, LatticeBatch
 from dpsql.noise import NoiseSource
 from dpsql.release import ErrorModel
 
@@ -101,7 +101,8 @@ class Forest:
 
         Bottom-up weighted averages ``z``, then top-down: each parent's correction is
         computed from its children's *bottom-up* values before any child changes
-        (the [!] pitfall of P6) and shared equally among the children.
+        (the [!] pitfall of P6) and shared equally among the children. Node arrays may have
+        leading axes (one forest per partition), the nodes being the last axis.
 
         Examples
         --------
@@ -112,27 +113,31 @@ class Forest:
         """
         f = self.fanout
         z = [np.asarray(nodes[0], dtype=np.float64)]
+        lead = z[0].shape[:-1]
         children = [None]  # children[l]: sums of the bottom-up z of the children of level-l nodes
         for level in range(1, self.levels):
             height = level + 1
-            children.append(z[-1].reshape(-1, f).sum(axis=1))
+            children.append(z[-1].reshape((*lead, -1, f)).sum(axis=-1))
             z.append(((f**height - f ** (height - 1)) * np.asarray(nodes[level], dtype=np.float64)
                       + (f ** (height - 1) - 1) * children[level]) / (f**height - 1))
         out = [z[-1]]
         for level in range(self.levels - 1, 0, -1):
             correction = (out[0] - children[level]) / f
-            out.insert(0, (z[level - 1].reshape(-1, f) + correction[:, None]).ravel())
+            out.insert(0, (z[level - 1].reshape((*lead, -1, f)) + correction[..., None]).reshape((*lead, -1)))
         return out
 
-    def consistent_leaf_noise(self, lap: LaplaceLattice, noise: NoiseSource, n_leaves: int) -> np.ndarray:
+    def consistent_leaf_noise(self, lap: LaplaceLattice | LatticeBatch, noise: NoiseSource,
+                              n_leaves: int) -> np.ndarray:
         """Online consistency: draw the noise forest, make it consistent, keep the first
         ``n_leaves`` leaves rounded back to integer lattice units (int64).
 
         All nodes' draws come from one call (the same i.i.d. draws as one call per level,
-        with a single call's fixed cost)."""
+        with a single call's fixed cost). With a :class:`LatticeBatch` every partition gets
+        its own forest on its own lattice, all from that one call: ``(partitions, n_leaves)``.
+        """
         sizes = self.level_sizes()
-        draws = np.split(lap.noise_units(noise, sum(sizes)).astype(np.float64), np.cumsum(sizes[:-1]))
-        return np.rint(self.consistent(draws)[0][:n_leaves]).astype(np.int64)
+        draws = np.split(lap.noise_units(noise, sum(sizes)).astype(np.float64), np.cumsum(sizes[:-1]), axis=-1)
+        return np.rint(self.consistent(draws)[0][..., :n_leaves]).astype(np.int64)
 
     def least_squares_weights(self) -> np.ndarray:
         """``kappa_l`` with ``(A^T A)^{-1} = sum_l kappa_l B_l`` (``B_l`` averages over level-l nodes).

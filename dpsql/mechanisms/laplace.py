@@ -17,6 +17,7 @@ at most ``gamma / 2`` per value.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -47,6 +48,13 @@ class LaplaceLattice:
     epsilon: float
     granularity: float = field(init=False)
     scale_units: float = field(init=False)
+
+    # Cached: partitioned releases build the same lattices many times (one per partition and level).
+    @staticmethod
+    @functools.lru_cache(maxsize=4096)
+    def shared(sensitivity: float, epsilon: float) -> LaplaceLattice:
+        """``LaplaceLattice(sensitivity, epsilon)``, one instance per distinct pair (it is immutable)."""
+        return LaplaceLattice(sensitivity, epsilon)
 
     def __post_init__(self):
         if self.sensitivity > 0:
@@ -102,8 +110,64 @@ class LaplaceLattice:
         """
         units = np.rint(np.asarray(values, dtype=np.float64) / self.granularity)
         draws = self.noise_units(noise, units.size).reshape(units.shape)
-        if self.scale_units * MAX_NEG_LOG_UNIFORM >= 2.0**52:
-            return self.from_units(units.astype(np.int64) + draws)
-        units += draws
-        units *= self.granularity
-        return units
+        return _add_draws(units, draws, self.granularity, self.scale_units)
+
+
+class LatticeBatch:
+    """One :class:`LaplaceLattice` per partition, for arrays whose leading axis is the partition.
+
+    Partition ``j`` gets ``LaplaceLattice.shared(sensitivities[j], epsilon)``: its own
+    power-of-two granularity and scale, fixed by its own (public or privately released)
+    sensitivity, so every partition's values and noise are exactly what that lattice
+    gives on its own; only the draws of all partitions come from one sampler call.
+
+    Examples
+    --------
+    >>> import dpsql
+    >>> batch = LatticeBatch(np.array([1.0, 1000.0]), epsilon=0.5)
+    >>> batch.granularity.tolist() == [2.0**-12, 2.0**-3], batch.noise_units(dpsql.noise.SeededNoise(0), 3).shape
+    (True, (2, 3))
+    """
+
+    def __init__(self, sensitivities: np.ndarray, epsilon: float):
+        distinct, which = np.unique(np.asarray(sensitivities, dtype=np.float64), return_inverse=True)
+        lattices = [LaplaceLattice.shared(float(s), epsilon) for s in distinct]
+        self.epsilon = epsilon
+        self.partitions = len(which)
+        self.granularity = np.array([lap.granularity for lap in lattices])[which]
+        self.scale_units = np.array([lap.scale_units for lap in lattices])[which]
+        self.variance = np.array([lap.variance for lap in lattices])[which]
+        # one lattice for all partitions: the sampler's scalar path
+        self._common_scale = lattices[0].scale_units if len(lattices) == 1 else None
+
+    def _per_partition(self, attribute: np.ndarray, ndim: int) -> np.ndarray:
+        return attribute.reshape((self.partitions,) + (1,) * (ndim - 1))
+
+    def noise_units(self, noise: NoiseSource, size: int) -> np.ndarray:
+        """``(partitions, size)`` independent draws in lattice units (int64), partition by partition."""
+        scales = self._common_scale if self._common_scale is not None else np.repeat(self.scale_units, size)
+        return noise.discrete_laplace(scales, self.partitions * size).reshape(self.partitions, size)
+
+    def from_units(self, units: np.ndarray) -> np.ndarray:
+        """Lattice units (leading axis the partition) back to data units, exactly."""
+        return units.astype(np.float64) * self._per_partition(self.granularity, units.ndim)
+
+    def release(self, values: np.ndarray, noise: NoiseSource) -> np.ndarray:
+        """``values`` (leading axis the partition) plus noise on each partition's lattice, as
+        :meth:`LaplaceLattice.release` would give partition by partition (same float path
+        condition, now for the largest scale)."""
+        values = np.asarray(values, dtype=np.float64)
+        gamma = self._per_partition(self.granularity, values.ndim)
+        units = np.rint(values / gamma)
+        draws = self.noise_units(noise, units[0].size if len(units) else 0).reshape(units.shape)
+        return _add_draws(units, draws, gamma, float(self.scale_units.max()))
+
+
+def _add_draws(units: np.ndarray, draws: np.ndarray, gamma, largest_scale_units: float) -> np.ndarray:
+    """``gamma * (units + draws)`` for integral float ``units`` (overwritten), in float64 when
+    every possible draw keeps the sum exact (see :meth:`LaplaceLattice.release`), else via int64."""
+    if largest_scale_units * MAX_NEG_LOG_UNIFORM >= 2.0**52:
+        return (units.astype(np.int64) + draws).astype(np.float64) * gamma
+    units += draws
+    units *= gamma
+    return units

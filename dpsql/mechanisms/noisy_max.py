@@ -38,12 +38,45 @@ def report_noisy_max(scores: np.ndarray, *, epsilon: float, noise: NoiseSource,
     ...     report_noisy_max(np.array([0.0, 100.0, 3.0]), epsilon=10.0, noise=source)
     1
     """
+    scores = np.asarray(scores, dtype=np.float64)
+    return int(report_noisy_max_rows(scores[None], epsilon=epsilon, noise=noise, sensitivity=sensitivity,
+                                     monotonic=monotonic)[0])
+
+
+def report_noisy_max_rows(scores: np.ndarray, *, epsilon: float, noise: NoiseSource,
+                          sensitivity: float = 1.0, monotonic: bool = True) -> np.ndarray:
+    """:func:`report_noisy_max` on every row of the 2-D ``scores`` (one row per partition).
+
+    Each row's index has exactly the distribution :func:`report_noisy_max` gives it alone
+    (same lattice, same contenders, i.i.d. draws); the draws of all rows' contenders come
+    from one sampler call, row after row. Scores must not be NaN.
+
+    Examples
+    --------
+    >>> import dpsql
+    >>> with dpsql.testing.seeded(0) as source:
+    ...     report_noisy_max_rows(np.array([[0.0, 100.0, 3.0], [50.0, 0.0, 0.0]]), epsilon=10.0, noise=source)
+    array([1, 0])
+    """
     # Non-monotone scores need twice the scale of the *rounded* score change (lattice slack
     # included): halving epsilon doubles both, where doubling the sensitivity would not.
     lap = LaplaceLattice(sensitivity=sensitivity, epsilon=epsilon if monotonic else epsilon / 2)
     scores = np.asarray(scores, dtype=np.float64)
     alive = contenders(np.rint(scores / lap.granularity), lap.scale_units)
-    return int(alive[np.argmax(lap.release(scores[alive], noise))])
+    noisy = lap.release(scores.ravel()[alive], noise)
+    if np.isnan(noisy).any():
+        raise ValueError("report_noisy_max scores must not be NaN")
+    # contenders are in row-major order and every row keeps at least its maximum
+    starts = np.searchsorted(alive, np.arange(len(scores)) * scores.shape[1])
+    return alive[_first_argmax(noisy, starts)] - np.arange(len(scores)) * scores.shape[1]
+
+
+def _first_argmax(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Position of the first largest value of every segment ``values[starts[i]:starts[i+1]]``
+    (``np.argmax`` per segment; segments non-empty, values not NaN)."""
+    maxima = np.maximum.reduceat(values, starts)
+    at_max = np.flatnonzero(values == np.repeat(maxima, np.diff(starts, append=len(values))))
+    return at_max[np.searchsorted(at_max, starts)]
 
 
 def contenders(units: np.ndarray, scale_units: float) -> np.ndarray:
@@ -64,7 +97,9 @@ def contenders(units: np.ndarray, scale_units: float) -> np.ndarray:
 
     The argument needs every noisy value ``k_i + Z_i`` exact in float64 (no rounding that
     could turn a strict inequality into a tie): when ``max |k| + bound`` reaches ``2**53``
-    (or a score is not finite) every index is returned.
+    (or a score is not finite) every index is returned. A 2-D ``units`` holds independent
+    rows (one per partition): each row is pruned on its own and the flat (row-major)
+    indices are returned.
 
     Examples
     --------
@@ -72,11 +107,14 @@ def contenders(units: np.ndarray, scale_units: float) -> np.ndarray:
     array([1, 2])
     >>> contenders(np.array([0.0, 1000.0]), 10.0)  # bound 735: both can win
     array([0, 1])
+    >>> contenders(np.array([[0.0, 1000.0, 990.0, 700.0], [5.0, 0.0, 0.0, 0.0]]), 1.0)
+    array([1, 2, 4, 5, 6, 7])
     """
     bound = math.ceil(scale_units * MAX_NEG_LOG_UNIFORM * _BOUND_SLACK)
-    if not units.size or not float(np.abs(units).max()) + bound < 2.0**53:
+    if not units.size:
         return np.arange(units.size)
-    return np.flatnonzero(units >= float(units.max()) - 2 * bound)
+    exact = np.abs(units).max(axis=-1, keepdims=True) + bound < 2.0**53
+    return np.flatnonzero((units >= units.max(axis=-1, keepdims=True) - 2 * bound) | ~exact)
 
 
 #: ``levels_for_nm`` choices: the paper's ``log_fanout(r)`` or the reference code's ``int(log_fanout r) + 1``.
@@ -134,13 +172,16 @@ def candidate_grid(upper: float, step: float) -> np.ndarray:
     return candidates
 
 
-def nm_scores(holdout_sorted: np.ndarray, candidates: np.ndarray, slope: float, *,
-              increasing: bool | None = None) -> np.ndarray:
+def nm_scores(holdout: np.ndarray, candidates: np.ndarray, slope: float, *,
+              increasing: bool | None = None, is_sorted: bool = True) -> np.ndarray:
     """ToPS Eq. 6 scores ``q(theta) = -slope * theta - m_theta``, ``m_theta = #{v > theta}``.
 
     Replacing one value moves every ``m_theta`` by at most 1 and all in the same direction,
     so the scores have sensitivity 1 and are monotone. ``increasing=True`` says the
-    candidates increase (a :func:`candidate_grid`), which is otherwise checked.
+    candidates increase (a :func:`candidate_grid`), which is otherwise checked. A 2-D
+    ``holdout`` holds one partition's hold-out per row and gives one row of scores per
+    partition; ``is_sorted`` says whether its rows are sorted (they are sorted here when
+    the counting needs it).
 
     >>> nm_scores(np.array([1., 1, 2, 2, 3, 3, 4, 5, 9, 20]), np.array([3., 4, 5, 6, 9]), 0.5)
     array([-5.5, -5. , -4.5, -5. , -5.5])
@@ -148,22 +189,31 @@ def nm_scores(holdout_sorted: np.ndarray, candidates: np.ndarray, slope: float, 
     candidates = np.asarray(candidates, dtype=np.float64)
     if increasing is None:
         increasing = not np.any(candidates[1:] < candidates[:-1])
-    return -slope * candidates - _count_above(holdout_sorted, candidates, increasing=increasing)
+    return -slope * candidates - _count_above(holdout, candidates, increasing=increasing, is_sorted=is_sorted)
 
 
-def _count_above(holdout_sorted: np.ndarray, candidates: np.ndarray, *, increasing: bool) -> np.ndarray:
-    """``#{v > theta}`` for every candidate, by placing the shorter array in the longer.
+def _count_above(holdout: np.ndarray, candidates: np.ndarray, *, increasing: bool, is_sorted: bool) -> np.ndarray:
+    """``#{v > theta}`` for every candidate (and every row of a 2-D ``holdout``), by placing
+    the shorter array in the longer.
 
     For increasing candidates and fewer hold-out values than candidates (ToPS on short
     partitions: thousands of values, 8,000 grid points), each value ``v`` is placed among the
     candidates instead: it is above exactly the ``#{theta < v}`` first ones, so the counts are
-    suffix sums of how many values land at each place. Both ways count the same set.
+    suffix sums of how many values land at each place (no sort needed; the rows of a 2-D
+    hold-out land in disjoint ranges of one count). Both ways count the same set.
     """
-    m = len(holdout_sorted)
-    if m >= len(candidates) or not increasing:
-        return m - np.searchsorted(holdout_sorted, candidates, side="right")
-    landed = np.bincount(_places(candidates, holdout_sorted), minlength=len(candidates) + 1)
-    return m - np.cumsum(landed[:-1])
+    rows = holdout.reshape(-1, holdout.shape[-1])
+    (k, m), size = rows.shape, len(candidates)
+    if m >= size or not increasing:
+        if not is_sorted:
+            rows = np.sort(rows, axis=1)
+        counts = m - np.stack([np.searchsorted(row, candidates, side="right") for row in rows])
+    else:
+        places = _places(candidates, rows.ravel()).reshape(k, m)
+        places += (size + 1) * np.arange(k)[:, None]
+        landed = np.bincount(places.ravel(), minlength=k * (size + 1)).reshape(k, size + 1)
+        counts = m - np.cumsum(landed[:, :-1], axis=1)
+    return counts.reshape((*holdout.shape[:-1], size))
 
 
 def _places(candidates: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -190,6 +240,10 @@ def _places(candidates: np.ndarray, values: np.ndarray) -> np.ndarray:
     return places
 
 
+#: Scores (partitions x candidates) computed at once: bounds the memory of many partitions.
+_SCORES_AT_ONCE = 1 << 20
+
+
 def nm_threshold(holdout_sorted: np.ndarray, *, epsilon: float, upper: float, epsilon_perturber: float, r: int,
                  fanout: int = 16, c: float = 60.0, step: float | None = None, levels_for_nm: str = "paper",
                  noise: NoiseSource) -> float:
@@ -214,8 +268,25 @@ def nm_threshold(holdout_sorted: np.ndarray, *, epsilon: float, upper: float, ep
     >>> theta
     10.0
     """
+    return float(nm_thresholds(np.asarray(holdout_sorted)[None], epsilon=epsilon, upper=upper,
+                               epsilon_perturber=epsilon_perturber, r=r, fanout=fanout, c=c, step=step,
+                               levels_for_nm=levels_for_nm, noise=noise)[0])
+
+
+def nm_thresholds(holdouts: np.ndarray, *, epsilon: float, upper: float, epsilon_perturber: float, r: int,
+                  fanout: int = 16, c: float = 60.0, step: float | None = None, levels_for_nm: str = "paper",
+                  is_sorted: bool = True, noise: NoiseSource) -> np.ndarray:
+    """:func:`nm_threshold` for every row of ``holdouts`` (partitions' hold-outs of one length),
+    each with exactly the distribution it has alone (see :func:`report_noisy_max_rows`).
+
+    Rows are scored and drawn for in groups of about ``2**20`` scores (one sampler call per
+    group), so memory stays proportional to the hold-outs plus one group.
+    """
     candidates = candidate_grid(upper, default_step(upper) if step is None else step)
-    slope = nm_slope(len(holdout_sorted), epsilon_perturber=epsilon_perturber, r=r, fanout=fanout, c=c,
+    slope = nm_slope(holdouts.shape[1], epsilon_perturber=epsilon_perturber, r=r, fanout=fanout, c=c,
                      levels_for_nm=levels_for_nm)
-    scores = nm_scores(holdout_sorted, candidates, slope, increasing=True)
-    return float(candidates[report_noisy_max(scores, epsilon=epsilon, noise=noise)])
+    group = max(1, _SCORES_AT_ONCE // len(candidates))
+    chosen = [report_noisy_max_rows(nm_scores(holdouts[a:a + group], candidates, slope, increasing=True,
+                                              is_sorted=is_sorted), epsilon=epsilon, noise=noise)
+              for a in range(0, len(holdouts), group)]
+    return candidates[np.concatenate(chosen)]

@@ -25,10 +25,16 @@ constant ``u_0`` is ``initial_sum``. Predictions (per value, the paper's ``pred_
   are only released when their block completes.
 
 Everything here reads released sums only, never the data.
+
+Partitions: block sums may come as a 2-D array, one row per partition (equal-length
+partitions released together); every smoother then keeps one state per row, with the
+same arithmetic per row as for a single stream, and ``initial_sum`` may be one value per
+row. ``median`` loops over the rows (its heaps are per partition).
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from abc import ABC, abstractmethod
@@ -51,25 +57,29 @@ class BlockSmoother(ABC):
     #: False for ``none``: a row's value needs its own block's sum.
     predictive = True
 
-    def __init__(self, block: int, initial_sum: float):
+    def __init__(self, block: int, initial_sum: float | np.ndarray):
         self.block = block
         self.first_prediction = initial_sum / block
 
     @abstractmethod
     def predict(self, sums: np.ndarray) -> np.ndarray:
-        """Consume newly released block sums (in order); return, for each, the per-value
-        prediction for the block that follows it."""
+        """Consume newly released block sums (in order, along the last axis); return, for
+        each, the per-value prediction for the block that follows it."""
 
     @abstractmethod
-    def _prediction_terms(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _prediction_terms(self, blocks: np.ndarray, partition: int) -> tuple[np.ndarray, np.ndarray]:
         """``g * pred_t`` for blocks ``t >= 1`` as ``sum_k coefs[:, k] * U(points[:, k])``,
-        ``U(p)`` the sum of the first ``p`` released block sums."""
+        ``U(p)`` the sum of the first ``p`` released block sums (of row ``partition``)."""
 
-    def prefix_terms(self, blocks, offsets, lengths) -> tuple[np.ndarray, np.ndarray]:
+    def partition_terms(self, partition: int):
+        """:meth:`prefix_terms` of one partition's stream (the row ``partition`` of the sums)."""
+        return functools.partial(self.prefix_terms, partition=partition)
+
+    def prefix_terms(self, blocks, offsets, lengths, partition: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """The random part of ``values[:x].sum()`` for a row ``x`` at ``offset`` in block
         ``blocks``: ``U(t) + offset * pred_t`` as points and coefficients (see
         :class:`dpsql.mechanisms.hierarchy.BlockStreamNoise`)."""
-        points, coefs = self._prediction_terms(np.maximum(blocks, 1))
+        points, coefs = self._prediction_terms(np.maximum(blocks, 1), partition)
         coefs = coefs * np.where(blocks >= 1, offsets / self.block, 0.0)[:, None]
         return (np.concatenate([blocks[:, None], points], axis=1),
                 np.concatenate([np.ones((len(blocks), 1)), coefs], axis=1))
@@ -83,7 +93,7 @@ class Recent(BlockSmoother):
     def predict(self, sums):
         return sums / self.block
 
-    def _prediction_terms(self, blocks):
+    def _prediction_terms(self, blocks, partition):
         return np.stack([blocks, blocks - 1], axis=1), np.tile([1.0, -1.0], (len(blocks), 1))
 
 
@@ -94,13 +104,13 @@ class Mean(BlockSmoother):
         self._count = 0
 
     def predict(self, sums):
-        totals = self._total + np.cumsum(sums)
-        counts = self._count + np.arange(1, len(sums) + 1)
-        if len(sums):
-            self._total, self._count = float(totals[-1]), int(counts[-1])
+        totals = self._total + np.cumsum(sums, axis=-1)
+        counts = self._count + np.arange(1, sums.shape[-1] + 1)
+        if sums.shape[-1]:
+            self._total, self._count = totals[..., -1:], int(counts[-1])
         return totals / (counts * self.block)
 
-    def _prediction_terms(self, blocks):
+    def _prediction_terms(self, blocks, partition):
         return blocks[:, None], (1.0 / blocks)[:, None]
 
 
@@ -108,19 +118,20 @@ class Moving(BlockSmoother):
     def __init__(self, block, initial_sum, window: int):
         super().__init__(block, initial_sum)
         self.window = window
-        self._recent = np.empty(0)
+        self._recent = None
         self._count = 0
 
     def predict(self, sums):
-        history = np.concatenate([self._recent, sums])
-        cumulative = np.concatenate([[0.0], np.cumsum(history)])
-        ends = len(self._recent) + np.arange(1, len(sums) + 1)
-        widths = np.minimum(self.window, self._count + np.arange(1, len(sums) + 1))
-        self._recent = history[-self.window:]
-        self._count += len(sums)
-        return (cumulative[ends] - cumulative[ends - widths]) / (widths * self.block)
+        history = sums if self._recent is None else np.concatenate([self._recent, sums], axis=-1)
+        lead = history.shape[:-1]
+        cumulative = np.concatenate([np.zeros((*lead, 1)), np.cumsum(history, axis=-1)], axis=-1)
+        ends = history.shape[-1] - sums.shape[-1] + np.arange(1, sums.shape[-1] + 1)
+        widths = np.minimum(self.window, self._count + np.arange(1, sums.shape[-1] + 1))
+        self._recent = history[..., -self.window:]
+        self._count += sums.shape[-1]
+        return (cumulative[..., ends] - cumulative[..., ends - widths]) / (widths * self.block)
 
-    def _prediction_terms(self, blocks):
+    def _prediction_terms(self, blocks, partition):
         widths = np.minimum(self.window, blocks)
         return (np.stack([blocks, blocks - widths], axis=1),
                 np.stack([1.0 / widths, -1.0 / widths], axis=1))
@@ -133,19 +144,19 @@ class Exponential(BlockSmoother):
     def __init__(self, block, initial_sum, alpha: float):
         super().__init__(block, initial_sum)
         self.alpha = alpha
-        self._level: float | None = None
+        self._level: np.ndarray | None = None
         decay = 1.0 - alpha
         self._memory = 1 if decay == 0 else max(1, math.ceil(math.log(_EXPONENTIAL_TAIL) / math.log(decay)))
 
     def predict(self, sums):
-        if not len(sums):
-            return np.empty(0)
-        start = float(sums[0]) if self._level is None else self._level
+        if not sums.shape[-1]:
+            return np.empty(sums.shape)
+        start = sums[..., 0] if self._level is None else self._level
         levels = _exponential_filter(sums, self.alpha, start)
-        self._level = float(levels[-1])
+        self._level = levels[..., -1]
         return levels / self.block
 
-    def _prediction_terms(self, blocks):
+    def _prediction_terms(self, blocks, partition):
         """``e_{t-1} = sum_j w_j u_j`` with ``w_0 = (1-alpha)^(t-1)``, ``w_j = alpha (1-alpha)^(t-1-j)``,
         kept for the last ``memory`` blocks (the rest weigh < 1e-9 together) and written as
         ``sum_j w_j (U(j+1) - U(j)) = sum_p (w_{p-1} - w_p) U(p)``."""
@@ -168,35 +179,43 @@ class Exponential(BlockSmoother):
 
 
 class Median(BlockSmoother):
+    """Loops over the partitions: the heaps are per partition and the step per block is Python."""
+
     def __init__(self, block, initial_sum):
         super().__init__(block, initial_sum)
-        self._low: list[tuple[float, int]] = []   # max-heap of the smaller half, stored negated
-        self._high: list[tuple[float, int]] = []  # min-heap of the larger half
-        self._positions: list[tuple[int, int]] = []
+        # per partition: max-heap of the smaller half (stored negated), min-heap of the larger
+        # half, the released middle position(s) after each block
+        self._low: list[list[tuple[float, int]]] = []
+        self._high: list[list[tuple[float, int]]] = []
+        self._positions: list[list[tuple[int, int]]] = []
 
     def predict(self, sums):
-        out = np.empty(len(sums))
-        low, high = self._low, self._high
-        for i, value in enumerate(sums.tolist()):
-            index = len(self._positions)
-            neg, pos = heapq.heappushpop(low, (-value, index))
-            heapq.heappush(high, (-neg, pos))
-            if len(high) > len(low):
-                value_up, pos_up = heapq.heappop(high)
-                heapq.heappush(low, (-value_up, pos_up))
-            if len(low) > len(high):
-                out[i] = -low[0][0]
-                self._positions.append((low[0][1], low[0][1]))
-            else:
-                out[i] = (high[0][0] - low[0][0]) / 2
-                self._positions.append((low[0][1], high[0][1]))
-        return out / self.block
+        rows = sums.reshape(-1, sums.shape[-1])
+        while len(self._positions) < len(rows):
+            self._low.append([]), self._high.append([]), self._positions.append([])
+        out = np.empty(rows.shape)
+        for row, low, high, positions, row_out in zip(rows, self._low, self._high, self._positions, out):
+            for i, value in enumerate(row.tolist()):
+                index = len(positions)
+                neg, pos = heapq.heappushpop(low, (-value, index))
+                heapq.heappush(high, (-neg, pos))
+                if len(high) > len(low):
+                    value_up, pos_up = heapq.heappop(high)
+                    heapq.heappush(low, (-value_up, pos_up))
+                if len(low) > len(high):
+                    row_out[i] = -low[0][0]
+                    positions.append((low[0][1], low[0][1]))
+                else:
+                    row_out[i] = (high[0][0] - low[0][0]) / 2
+                    positions.append((low[0][1], high[0][1]))
+        return (out / self.block).reshape(sums.shape)
 
-    def _prediction_terms(self, blocks):
+    def _prediction_terms(self, blocks, partition):
         """Plug-in: the median is ``u`` at the (released) middle position(s), so the terms use
         those positions as if they were fixed. Exact given the positions; the choice of
         positions itself depends on the noise, which this does not account for."""
-        positions = np.asarray(self._positions, dtype=np.int64).reshape(-1, 2)[blocks - 1]
+        released = self._positions[partition] if self._positions else []
+        positions = np.asarray(released, dtype=np.int64).reshape(-1, 2)[blocks - 1]
         low, high = positions[:, 0], positions[:, 1]
         return (np.stack([low + 1, low, high + 1, high], axis=1),
                 np.tile([0.5, -0.5, 0.5, -0.5], (len(blocks), 1)))
@@ -206,17 +225,18 @@ class Unsmoothed(BlockSmoother):
     predictive = False
 
     def predict(self, sums):
-        return np.empty(0)
+        return np.empty((*sums.shape[:-1], 0))
 
-    def _prediction_terms(self, blocks):
+    def _prediction_terms(self, blocks, partition):
         raise NotImplementedError("'none' has no prediction")
 
-    def prefix_terms(self, blocks, offsets, lengths):
+    def prefix_terms(self, blocks, offsets, lengths, partition=0):
         share = offsets / lengths
         return np.stack([blocks + 1, blocks], axis=1), np.stack([share, 1.0 - share], axis=1)
 
 
-def make_smoother(name: str, *, block: int, initial_sum: float, window: int, alpha: float) -> BlockSmoother:
+def make_smoother(name: str, *, block: int, initial_sum: float | np.ndarray, window: int,
+                  alpha: float) -> BlockSmoother:
     """The smoother ``name`` (one of :data:`SMOOTHERS`; validated by the caller).
 
     Examples
@@ -232,8 +252,9 @@ def make_smoother(name: str, *, block: int, initial_sum: float, window: int, alp
     return {"recent": Recent, "mean": Mean, "median": Median, "none": Unsmoothed}[name](block, initial_sum)
 
 
-def _exponential_filter(values: np.ndarray, alpha: float, start: float) -> np.ndarray:
-    """``y_j = alpha * x_j + (1 - alpha) * y_{j-1}`` with ``y_{-1} = start``, vectorised.
+def _exponential_filter(values: np.ndarray, alpha: float, start) -> np.ndarray:
+    """``y_j = alpha * x_j + (1 - alpha) * y_{j-1}`` with ``y_{-1} = start``, vectorised along
+    the last axis (``start`` one value per row of ``values``).
 
     Closed form ``y_j = d^(j+1) (start + alpha * sum_{i<=j} x_i d^-(i+1))`` (``d = 1 - alpha``),
     evaluated in pieces short enough that ``d^-len`` stays below 1e100; the absolute rounding
@@ -243,11 +264,11 @@ def _exponential_filter(values: np.ndarray, alpha: float, start: float) -> np.nd
     if decay == 0.0:
         return np.array(values, dtype=np.float64)
     piece = max(1, int(100 / -math.log10(decay)))
-    out = np.empty(len(values), dtype=np.float64)
-    previous = start
-    for a in range(0, len(values), piece):
-        x = values[a:a + piece]
-        powers = decay ** np.arange(1, len(x) + 1, dtype=np.float64)
-        out[a:a + len(x)] = powers * (previous + alpha * np.cumsum(x / powers))
-        previous = out[a + len(x) - 1]
+    out = np.empty(values.shape, dtype=np.float64)
+    previous = np.asarray(start, dtype=np.float64)[..., None]
+    for a in range(0, values.shape[-1], piece):
+        x = values[..., a:a + piece]
+        powers = decay ** np.arange(1, x.shape[-1] + 1, dtype=np.float64)
+        out[..., a:a + x.shape[-1]] = powers * (previous + alpha * np.cumsum(x / powers, axis=-1))
+        previous = out[..., a + x.shape[-1] - 1:a + x.shape[-1]]
     return out

@@ -24,13 +24,14 @@ is raised to it (post-processing), so the stream phase always has a positive bou
 
 from __future__ import annotations
 
+import copy
 from abc import abstractmethod
 
 import numpy as np
 
 from dpsql import _validate
 from dpsql.accountant import largest_share
-from dpsql.mechanisms import LaplaceLattice
+from dpsql.mechanisms.laplace import LatticeBatch
 from dpsql.noise import NoiseSource
 from dpsql.release import SegmentedNoise, SharedTotalNoise, StreamMachine
 
@@ -51,9 +52,14 @@ class ThresholdedStream(StreamMachine):
     """Buffer the first ``m`` rows, choose the threshold, release the hold-out's total,
     then delegate every later row to the stream phase.
 
-    Subclasses implement :meth:`_choose_threshold`, :meth:`_stream_phase` and
+    Subclasses implement :meth:`_choose_thresholds`, :meth:`_stream_phase` and
     :meth:`_method_params`, and set ``method`` and, for (epsilon, delta) thresholds,
     ``threshold_delta``.
+
+    Partitions: :meth:`batched` gives this machine for ``k`` equal-length partitions at once,
+    fed ``(k, rows)`` chunks (for subclasses whose threshold and stream phase work per row;
+    ``batchable`` says so). A single stream is the case ``k = 1``. Each partition gets its own
+    threshold, hold-out total (on its own lattice) and stream phase, exactly as alone.
     """
 
     method: str
@@ -72,41 +78,58 @@ class ThresholdedStream(StreamMachine):
         self.epsilon_total = largest_share(self.epsilon, self.holdout_share * self.epsilon,
                                            rest=self.epsilon_threshold)
         self.noise = noise
-        self.threshold: float | None = None
+        self._start(1)
+
+    def batched(self, k: int) -> ThresholdedStream:
+        machine = copy.copy(self)
+        machine._start(k)
+        return machine
+
+    def _start(self, partitions: int):
+        """State for ``partitions`` streams, nothing fed yet."""
+        self.partitions = partitions
+        self.thresholds: np.ndarray | None = None
         self._held: list[np.ndarray] = []
         self._held_rows = 0
         self._stream: StreamMachine | None = None
-        self._holdout_error: SharedTotalNoise | None = None
+        self._holdout_variance: np.ndarray | None = None
+        self._lead = ()
 
     @property
     def cost(self) -> tuple[float, float]:
         return self.epsilon, self.threshold_delta
 
     @abstractmethod
-    def _choose_threshold(self, holdout_sorted: np.ndarray) -> float:
-        """The private threshold from the sorted hold-out values in ``[0, bound]``."""
+    def _choose_thresholds(self, holdout: np.ndarray) -> np.ndarray:
+        """One private threshold per row of ``holdout`` (values in ``[0, bound]``, one
+        partition's hold-out per row, in time order, C-contiguous)."""
 
     @abstractmethod
-    def _stream_phase(self, n_rest: int, threshold: float) -> StreamMachine:
-        """The machine releasing the remaining rows, fed values shifted to ``[0, bound]``;
-        it clips them at ``threshold`` itself."""
+    def _stream_phase(self, n_rest: int, thresholds: np.ndarray) -> StreamMachine:
+        """The machine releasing the remaining rows of every partition, fed values shifted
+        to ``[0, bound]`` shaped like this machine's input; it clips partition ``j`` at
+        ``thresholds[j]`` itself."""
 
     @abstractmethod
-    def _method_params(self) -> dict:
-        """Method-specific public parameters for the release record."""
+    def _method_params(self, partition: int) -> dict:
+        """Method-specific public parameters of one partition, for the release record."""
 
     def feed(self, chunk: np.ndarray) -> np.ndarray:
+        self._lead = chunk.shape[:-1]
+        rows = chunk.reshape(self.partitions, -1)
         outputs = []
         if self._stream is None:
-            take = chunk[: self.m - self._held_rows]
+            take = rows[:, : self.m - self._held_rows]
             self._held.append(take)
-            self._held_rows += len(take)
-            chunk = chunk[len(take):]
+            self._held_rows += take.shape[1]
+            rows = rows[:, take.shape[1]:]
             if self._held_rows == self.m:
                 outputs.append(self._release_holdout())
-        if len(chunk):
-            outputs.append(self._shift_back(self._stream.feed(self._shift(chunk))))
-        return np.concatenate(outputs) if outputs else np.empty(0)
+        if rows.shape[1]:
+            rest = self._stream.feed(self._shift(rows.reshape((*self._lead, -1))))
+            outputs.append(self._shift_back(rest).reshape(self.partitions, -1))
+        out = np.concatenate(outputs, axis=1) if outputs else np.empty((self.partitions, 0))
+        return out.reshape((*self._lead, -1))
 
     def close(self) -> np.ndarray:
         return self._shift_back(self._stream.close())
@@ -119,23 +142,27 @@ class ThresholdedStream(StreamMachine):
         return values + self.lower if self.lower else values
 
     def _release_holdout(self) -> np.ndarray:
-        held = self._held[0] if len(self._held) == 1 else np.concatenate(self._held)
+        held = self._held[0] if len(self._held) == 1 else np.concatenate(self._held, axis=1)
         holdout = np.clip(self._shift(held), 0.0, self.bound)
         self._held = []
-        threshold = float(np.clip(self._choose_threshold(np.sort(holdout)), _MIN_THRESHOLD * self.bound, self.bound))
-        self.threshold = threshold
-        total = LaplaceLattice(sensitivity=threshold, epsilon=self.epsilon_total)
-        noisy_total = float(total.release(np.array([np.minimum(holdout, threshold).sum()]), self.noise)[0])
-        self._holdout_error = SharedTotalNoise(total.variance, self.m)
-        self._stream = self._stream_phase(self.n - self.m, threshold)
-        return np.full(self.m, noisy_total / self.m + self.lower)
+        thresholds = np.clip(self._choose_thresholds(holdout), _MIN_THRESHOLD * self.bound, self.bound)
+        self.thresholds = thresholds
+        totals = LatticeBatch(thresholds, self.epsilon_total)
+        noisy_totals = totals.release(np.minimum(holdout, thresholds[:, None]).sum(axis=1), self.noise)
+        self._holdout_variance = totals.variance
+        self._stream = self._stream_phase(self.n - self.m, thresholds)
+        return np.repeat((noisy_totals / self.m + self.lower)[:, None], self.m, axis=1)
 
     def describe(self) -> dict:
-        stream = self._stream.describe()
+        return self.describe_partition(0)
+
+    def describe_partition(self, partition: int) -> dict:
+        stream = self._stream.describe_partition(partition) if self.partitions > 1 else self._stream.describe()
         params = {"epsilon": self.epsilon, "lower": self.lower, "upper": self.upper, "m": self.m,
-                  "holdout_share": self.holdout_share, **self._method_params()}
+                  "holdout_share": self.holdout_share, **self._method_params(partition)}
         components = {"threshold": (self.epsilon_threshold, self.threshold_delta),
                       "holdout_total": (self.epsilon_total, 0.0), **stream.get("components", {})}
-        return dict(method=self.method, params=params, threshold=self.threshold + self.lower,
-                    error=SegmentedNoise([0, self.m, self.n], [self._holdout_error, stream["error"]]),
+        holdout_error = SharedTotalNoise(float(self._holdout_variance[partition]), self.m)
+        return dict(method=self.method, params=params, threshold=float(self.thresholds[partition]) + self.lower,
+                    error=SegmentedNoise([0, self.m, self.n], [holdout_error, stream["error"]]),
                     components=components)

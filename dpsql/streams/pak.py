@@ -19,10 +19,11 @@ replace-one-value neighbours).
 
 from __future__ import annotations
 
+import numpy as np
+
 from dpsql import _validate
 from dpsql.mechanisms.smooth_sensitivity import check_pak_threshold, pak_threshold
 from dpsql.noise import NoiseSource
-from dpsql.release import StreamMachine
 from dpsql.streams.binary_tree import BinaryTreeStream
 from dpsql.streams.holdout import ThresholdedStream
 
@@ -51,15 +52,17 @@ class PakStream(ThresholdedStream):
                                                      tail_p=tail_p, lam=lam, beta_lt=beta_lt, rho=rho)
         self.threshold_delta = delta
 
-    def _choose_threshold(self, holdout_sorted):
+    def _choose_thresholds(self, holdout):
         p = self._threshold_params
-        return pak_threshold(holdout_sorted, epsilon=p.epsilon, delta=p.delta, upper=p.upper, tail_p=p.tail_p,
-                             lam=p.lam, beta_lt=p.beta_lt, rho=p.rho, noise=self.noise)
+        return np.array([pak_threshold(row, epsilon=p.epsilon, delta=p.delta, upper=p.upper, tail_p=p.tail_p,
+                                       lam=p.lam, beta_lt=p.beta_lt, rho=p.rho, noise=self.noise)
+                         for row in np.sort(holdout, axis=1)])
 
-    def _stream_phase(self, n_rest: int, threshold: float) -> StreamMachine:
-        return BinaryTreeStream(n_rest, epsilon=self.epsilon, upper=threshold, noise=self.noise)
+    def _stream_phase(self, n_rest: int, thresholds):
+        # one partition: PAK's binary tree is not batchable
+        return BinaryTreeStream(n_rest, epsilon=self.epsilon, upper=float(thresholds.item()), noise=self.noise)
 
-    def _method_params(self) -> dict:
+    def _method_params(self, partition: int) -> dict:
         p = self._threshold_params
         return {"delta": p.delta, "tail_p": p.tail_p, "lam": p.lam, "beta_lt": p.beta_lt, "rho": p.rho,
                 "kappa": p.kappa}

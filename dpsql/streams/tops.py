@@ -29,14 +29,16 @@ adds the threshold and hold-out total on the disjoint hold-out (see
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from dpsql import _validate
 from dpsql.accountant import largest_share
 from dpsql.errors import InvalidParameter
-from dpsql.mechanisms import LaplaceLattice
 from dpsql.mechanisms.hierarchy import BlockStreamNoise, Forest, smoothing_depth, tree_height
-from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_threshold
+from dpsql.mechanisms.laplace import LatticeBatch
+from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_thresholds
 from dpsql.mechanisms.smoothers import MIN_ALPHA, SMOOTHERS, make_smoother
 from dpsql.noise import NoiseSource
 from dpsql.release import StreamMachine
@@ -74,6 +76,13 @@ class HierarchyStream(StreamMachine):
     the consistent noise to the lattice, at most ``gamma / 2`` per block, aside); for ``median``
     they are exact given the released positions of the medians (a plug-in).
 
+    Partitions: :meth:`for_partitions` gives the machine for ``k`` equal-length streams at
+    once, each with its own upper bound (ToPS: its own threshold), lattice, forest and
+    smoother state; it is fed ``(k, rows)`` chunks. This machine is the case ``k = 1``: the
+    same code, with a leading axis of one. Every partition's release is exactly what its own
+    single stream gives (the same arithmetic per row); only the order of the draws in the
+    noise stream differs (one sampler call per chunk for all partitions' forests).
+
     Examples
     --------
     >>> import numpy as np, dpsql
@@ -85,6 +94,8 @@ class HierarchyStream(StreamMachine):
     ((4096,), 16)
     """
 
+    batchable = True
+
     def __init__(self, n: int, *, epsilon: float, upper: float, lower: float = 0.0, r: int | None = None,
                  fanout: int = 16, consistency: bool = True, smoother: str = "recent", window: int = 8,
                  alpha: float = 0.6, depth: int | None = None, noise: NoiseSource):
@@ -92,7 +103,7 @@ class HierarchyStream(StreamMachine):
         self.epsilon = _validate.epsilon(epsilon)
         self.lower, self.upper = _validate.bounds(lower, upper)
         self.r = min(PAPER_RANGE, n) if r is None else _validate.integer(r, "r", minimum=1)
-        self.fanout, self.consistency, self.smoother_name, window, alpha = _check_hierarchy_options(
+        self.fanout, self.consistency, self.smoother_name, self.window, self.alpha = _check_hierarchy_options(
             fanout=fanout, consistency=consistency, smoother=smoother, window=window, alpha=alpha)
         height = tree_height(self.r, self.fanout)
         if depth is None:
@@ -107,39 +118,59 @@ class HierarchyStream(StreamMachine):
         self.chunk_blocks = -(-self.r // self.block)
         self.chunk_rows = self.chunk_blocks * self.block
         self.cost = (self.epsilon, 0.0)
-        bound = self.upper - self.lower
-        level_epsilon = largest_share(self.epsilon, self.epsilon / self.levels, count=self.levels)
-        self._lap = LaplaceLattice(sensitivity=bound, epsilon=level_epsilon)
-        self._inverse_gamma = 1.0 / self._lap.granularity
-        self._bound_units = bound * self._inverse_gamma
-        self._smoother = make_smoother(self.smoother_name, block=self.block, initial_sum=self.block * bound / 2,
-                                       window=window, alpha=alpha)
+        self._level_epsilon = largest_share(self.epsilon, self.epsilon / self.levels, count=self.levels)
         self._noise = noise
+        self._start(np.array([self.upper]))
+
+    def for_partitions(self, uppers: np.ndarray) -> HierarchyStream:
+        """This machine (not yet fed) for ``len(uppers)`` equal-length partitions, partition ``j``
+        clipped to ``[lower, uppers[j]]`` (public or privately released bounds above ``lower``)."""
+        machine = copy.copy(self)
+        machine._start(np.asarray(uppers, dtype=np.float64))
+        return machine
+
+    def batched(self, k: int) -> HierarchyStream:
+        return self.for_partitions(np.full(k, self.upper))
+
+    def _start(self, uppers: np.ndarray):
+        """Per-partition state for the upper bounds ``uppers``, nothing fed yet."""
+        self._uppers = uppers
+        bounds = uppers - self.lower
+        self._lap = LatticeBatch(bounds, self._level_epsilon)
+        self._inverse_gamma = (1.0 / self._lap.granularity)[:, None]
+        self._bound_units = bounds[:, None] * self._inverse_gamma
+        self._smoother = make_smoother(self.smoother_name, block=self.block, initial_sum=self.block * bounds / 2,
+                                       window=self.window, alpha=self.alpha)
         self._rows = 0
-        self._leaf_noise = np.empty(0, dtype=np.int64)
-        self._partial_units = 0.0
+        self._leaf_noise = np.empty((len(uppers), 0), dtype=np.int64)
+        self._partial_units = np.zeros(len(uppers))
         self._prediction = self._smoother.first_prediction
+        self._lead = ()
 
     def feed(self, chunk: np.ndarray) -> np.ndarray:
+        rows = chunk.reshape(len(self._uppers), -1)
+        count = rows.shape[1]
         # predictive smoothers emit one output per row: write them straight into one buffer
-        out = np.empty(len(chunk)) if self._smoother.predictive else None
+        out = np.empty(rows.shape) if self._smoother.predictive else None
         pieces = []
         start = 0
-        while start < len(chunk):
+        while start < count:
             if self._rows % self.chunk_rows == 0:
                 self._start_chunk()
-            take = min(len(chunk) - start, self.chunk_rows - self._rows % self.chunk_rows)
-            view = None if out is None else out[start:start + take]
-            pieces.append(self._feed_within_chunk(chunk[start:start + take], view))
+            take = min(count - start, self.chunk_rows - self._rows % self.chunk_rows)
+            view = None if out is None else out[:, start:start + take]
+            pieces.append(self._feed_within_chunk(rows[:, start:start + take], view))
             start += take
         if out is None:
-            out = np.concatenate(pieces) if pieces else np.empty(0)
+            out = np.concatenate(pieces, axis=1) if pieces else np.empty((len(rows), 0))
         if self.lower:
             out += self.lower
-        return out
+        self._lead = chunk.shape[:-1]
+        return out.reshape((*self._lead, -1))
 
     def close(self) -> np.ndarray:
-        return np.empty(0)
+        # outputs are shaped like the inputs: (partitions, rows) chunks or one stream's rows
+        return np.empty((*self._lead, 0))
 
     def _start_chunk(self):
         rows = min(self.chunk_rows, self.n - self._rows)
@@ -151,9 +182,9 @@ class HierarchyStream(StreamMachine):
             self._leaf_noise = self._lap.noise_units(self._noise, leaves)
 
     def _feed_within_chunk(self, values: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-        """Rows ``self._rows ..`` of one chunk: clip, sum per block in lattice units, release the
-        blocks that complete, and write one output per row into ``out`` (``none``: return the
-        rows of the completed blocks)."""
+        """Rows ``self._rows ..`` of one chunk (``values`` one row per partition): clip, sum per
+        block in lattice units, release the blocks that complete, and write one output per row
+        into ``out`` (``none``: return the rows of the completed blocks)."""
         g = self.block
         if self.lower:
             units = np.subtract(values, self.lower)
@@ -164,14 +195,14 @@ class HierarchyStream(StreamMachine):
         np.rint(units, out=units)
         # Chunks hold whole blocks, so blocks start at multiples of g: this piece continues
         # block b0 at ``offset`` and touches ``pieces`` blocks, all but the first and last whole.
-        count = len(values)
+        count = values.shape[1]
         offset = self._rows % g
         head = min(g - offset, count)
         starts = np.arange(head - g, count, g)
         starts[0] = 0
         pieces = len(starts)
-        sums = np.add.reduceat(units, starts)
-        sums[0] += self._partial_units
+        sums = np.add.reduceat(units, starts, axis=1)
+        sums[:, 0] += self._partial_units
         lengths = np.full(pieces, g)
         lengths[0] = head
         lengths[-1] = count - starts[-1]
@@ -179,32 +210,37 @@ class HierarchyStream(StreamMachine):
         first_block = b0 - (self._rows - self._rows % self.chunk_rows) // g
         self._rows += count
         complete = pieces if min((b0 + pieces) * g, self.n) <= self._rows else pieces - 1
-        self._partial_units = 0.0 if complete == pieces else float(sums[-1])
-        released_units = sums[:complete].astype(np.int64) + self._leaf_noise[first_block:first_block + complete]
+        self._partial_units = np.zeros(len(sums)) if complete == pieces else sums[:, -1].copy()
+        released_units = sums[:, :complete].astype(np.int64) + self._leaf_noise[:, first_block:first_block + complete]
         released = self._lap.from_units(released_units)
         block_lengths = np.full(complete, g)
         if complete and (b0 + complete) * g > self.n:  # the stream's last block is short
             block_lengths[-1] = self.n - (b0 + complete - 1) * g
         if not self._smoother.predictive:
-            return np.repeat(released / block_lengths, block_lengths)
-        predictions = np.concatenate([[self._prediction], self._smoother.predict(released)])
-        self._prediction = float(predictions[complete])
-        _spread(predictions[:pieces], lengths, g, out)
+            return np.repeat(released / block_lengths, block_lengths, axis=1)
+        predictions = np.concatenate([self._prediction[:, None], self._smoother.predict(released)], axis=1)
+        self._prediction = predictions[:, complete].copy()
+        _spread(predictions[:, :pieces], lengths, g, out)
         last_rows = starts[:complete] + lengths[:complete] - 1
-        out[last_rows] = released - (block_lengths - 1) * predictions[:complete]
+        out[:, last_rows] = released - (block_lengths - 1) * predictions[:, :complete]
         return out
 
-    def params(self) -> dict:
-        """The public parameters actually used (defaults resolved)."""
-        return {"epsilon": self.epsilon, "lower": self.lower, "upper": self.upper, "r": self.r,
+    def params(self, partition: int = 0) -> dict:
+        """The public parameters actually used (defaults resolved), of one partition."""
+        return {"epsilon": self.epsilon, "lower": self.lower, "upper": float(self._uppers[partition]), "r": self.r,
                 "fanout": self.fanout, "consistency": self.consistency, "smoother": self.smoother_name,
                 **self._smoother.params(), "depth": self.depth, "block": self.block, "levels": self.levels}
 
     def describe(self) -> dict:
+        return self.describe_partition(0)
+
+    def describe_partition(self, partition: int) -> dict:
         error = BlockStreamNoise(n_rows=self.n, block=self.block, chunk_blocks=self.chunk_blocks,
-                                 fanout=self.fanout, levels=self.levels, node_variance=self._lap.variance,
-                                 consistent=self.consistency, prefix_terms=self._smoother.prefix_terms)
-        return dict(method="hierarchy", params=self.params(), error=error, components={"hierarchy": self.cost})
+                                 fanout=self.fanout, levels=self.levels,
+                                 node_variance=float(self._lap.variance[partition]), consistent=self.consistency,
+                                 prefix_terms=self._smoother.partition_terms(partition))
+        return dict(method="hierarchy", params=self.params(partition), error=error,
+                    components={"hierarchy": self.cost})
 
 
 class ToPS(ThresholdedStream):
@@ -220,6 +256,7 @@ class ToPS(ThresholdedStream):
     """
 
     method = "tops"
+    batchable = True
 
     def __init__(self, n: int, *, epsilon: float, upper: float, lower: float = 0.0, m: int | None = None,
                  r: int | None = None, fanout: int = 16, smoother: str = "recent", window: int = 8,
@@ -234,30 +271,34 @@ class ToPS(ThresholdedStream):
                                                                                   strict=True)
         self.levels_for_nm = _validate.choice(levels_for_nm, "levels_for_nm", NM_LEVELS)
 
-    def _choose_threshold(self, holdout_sorted: np.ndarray) -> float:
-        return nm_threshold(holdout_sorted, epsilon=self.epsilon_threshold, upper=self.bound,
-                            epsilon_perturber=self.epsilon, r=self.r, fanout=self.fanout, c=self.c, step=self.step,
-                            levels_for_nm=self.levels_for_nm, noise=self.noise)
+    def _choose_thresholds(self, holdout: np.ndarray) -> np.ndarray:
+        return nm_thresholds(holdout, epsilon=self.epsilon_threshold, upper=self.bound,
+                             epsilon_perturber=self.epsilon, r=self.r, fanout=self.fanout, c=self.c, step=self.step,
+                             levels_for_nm=self.levels_for_nm, is_sorted=False, noise=self.noise)
 
-    def _stream_phase(self, n_rest: int, threshold: float) -> StreamMachine:
-        return HierarchyStream(n_rest, epsilon=self.epsilon, upper=threshold, r=self.r, fanout=self.fanout,
-                               smoother=self.smoother, window=self.window, alpha=self.alpha, noise=self.noise)
+    def _stream_phase(self, n_rest: int, thresholds: np.ndarray) -> StreamMachine:
+        return HierarchyStream(n_rest, epsilon=self.epsilon, upper=float(thresholds[0]), r=self.r, fanout=self.fanout,
+                               smoother=self.smoother, window=self.window, alpha=self.alpha,
+                               noise=self.noise).for_partitions(thresholds)
 
-    def _method_params(self) -> dict:
-        stream = self._stream.params()
+    def _method_params(self, partition: int) -> dict:
+        stream = self._stream.params(partition)
         return {"r": self.r, "fanout": self.fanout, "smoother": self.smoother,
                 **{k: stream[k] for k in ("window", "alpha", "depth", "block", "levels") if k in stream},
                 "c": self.c, "step": self.step, "levels_for_nm": self.levels_for_nm}
 
 
 def _spread(per_piece: np.ndarray, lengths: np.ndarray, block: int, out: np.ndarray) -> np.ndarray:
-    """``out[:] = np.repeat(per_piece, lengths)`` for pieces that are whole blocks except the
-    first and the last, written as one broadcast over a (blocks, block) view (faster than repeat)."""
+    """``out[:] = np.repeat(per_piece, lengths, axis=1)`` for pieces that are whole blocks except
+    the first and the last, written as one broadcast over a (partitions, blocks, block) view
+    (faster than repeat)."""
     head = int(lengths[0])
-    out[:head] = per_piece[0]
+    out[:, :head] = per_piece[:, :1]
     whole = len(lengths) - 2
     if whole > 0:
-        out[head:head + whole * block].reshape(whole, block)[:] = per_piece[1:-1, None]
+        middle = out[:, head:head + whole * block]
+        middle.shape = (len(out), whole, block)  # a view: assigning the shape never copies
+        middle[:] = per_piece[:, 1:-1, None]
     if len(lengths) > 1:
-        out[head + max(whole, 0) * block:] = per_piece[-1]
+        out[:, head + max(whole, 0) * block:] = per_piece[:, -1:]
     return out
