@@ -23,6 +23,7 @@ from dpsql.mechanisms.noisy_max import nm_threshold, nm_thresholds, report_noisy
 from dpsql.mechanisms.smoothers import SMOOTHERS
 from dpsql.noise import NoiseSource, SeededNoise
 from dpsql.release import release_batched
+from dpsql.streams.tops import HierarchyStream
 
 
 class ScaleKeyedNoise(NoiseSource):
@@ -200,3 +201,21 @@ def test_median_smoother_keeps_one_history_per_partition():
     parts = release_batched(api.machine_for("hierarchy", n, source, params), rows, np.empty((k, n)), private=False)
     for j in range(k):
         _assert_same_release(parts[j], _single("hierarchy", rows[j], source, **params), n)
+
+
+@pytest.mark.parametrize("consistency", [True, False])
+def test_draws_ahead_are_the_draws_the_next_chunk_makes(consistency):
+    class Counting(ScaleKeyedNoise):
+        drawn = 0
+
+        def discrete_laplace(self, scale, size):
+            self.drawn += size
+            return super().discrete_laplace(scale, size)
+
+    source = Counting()
+    machine = HierarchyStream(5000, epsilon=1.0, upper=10.0, r=1500, fanout=4, consistency=consistency,
+                              noise=source)
+    while machine._rows < machine.n:  # whole chunks, the last one short
+        ahead, before = machine.draws_ahead(), source.drawn
+        machine.feed(np.ones(min(machine.chunk_rows, machine.n - machine._rows)))
+        assert source.drawn - before == ahead > 0

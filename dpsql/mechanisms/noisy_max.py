@@ -58,17 +58,39 @@ def report_noisy_max_rows(scores: np.ndarray, *, epsilon: float, noise: NoiseSou
     ...     report_noisy_max_rows(np.array([[0.0, 100.0, 3.0], [50.0, 0.0, 0.0]]), epsilon=10.0, noise=source)
     array([1, 0])
     """
+    lap = noisy_max_lattice(epsilon, sensitivity=sensitivity, monotonic=monotonic)
+    alive, alive_units = _lattice_contenders(scores, lap)
+    return _noisy_argmax(alive_units, alive, np.shape(scores), lap, noise)
+
+
+def noisy_max_lattice(epsilon: float, *, sensitivity: float = 1.0, monotonic: bool = True) -> LaplaceLattice:
+    """The lattice noise of Report-Noisy-Max at ``epsilon`` for scores of ``sensitivity``."""
     # Non-monotone scores need twice the scale of the *rounded* score change (lattice slack
     # included): halving epsilon doubles both, where doubling the sensitivity would not.
-    lap = LaplaceLattice(sensitivity=sensitivity, epsilon=epsilon if monotonic else epsilon / 2)
-    scores = np.asarray(scores, dtype=np.float64)
-    alive = contenders(np.rint(scores / lap.granularity), lap.scale_units)
-    noisy = lap.release(scores.ravel()[alive], noise)
+    return LaplaceLattice(sensitivity=sensitivity, epsilon=epsilon if monotonic else epsilon / 2)
+
+
+def _lattice_contenders(scores: np.ndarray, lap: LaplaceLattice) -> tuple[np.ndarray, np.ndarray]:
+    """The :func:`contenders` of every row of the 2-D ``scores`` (flat indices) and their
+    scores on ``lap``'s lattice."""
+    units = np.rint(np.asarray(scores, dtype=np.float64) / lap.granularity)
+    alive = contenders(units, lap.scale_units)
+    return alive, units.ravel()[alive]
+
+
+def _noisy_argmax(alive_units: np.ndarray, alive: np.ndarray, shape: tuple[int, int], lap: LaplaceLattice,
+                  noise: NoiseSource) -> np.ndarray:
+    """Per row of a ``shape`` array of scores, the index of the first largest noisy score among
+    the contenders ``alive`` (flat, row-major, each row's maximum among them) whose scores on
+    the lattice are ``alive_units``: one sampler call for all rows. The draws are those
+    ``lap.release`` adds to the contenders' scores (``alive_units * gamma`` is a lattice
+    point, which it rounds back to ``alive_units`` exactly)."""
+    noisy = lap.release(alive_units * lap.granularity, noise)
     if np.isnan(noisy).any():
         raise ValueError("report_noisy_max scores must not be NaN")
-    # contenders are in row-major order and every row keeps at least its maximum
-    starts = np.searchsorted(alive, np.arange(len(scores)) * scores.shape[1])
-    return alive[_first_argmax(noisy, starts)] - np.arange(len(scores)) * scores.shape[1]
+    row_starts = np.arange(shape[0]) * shape[1]
+    starts = np.searchsorted(alive, row_starts)
+    return alive[_first_argmax(noisy, starts)] - row_starts
 
 
 def _first_argmax(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -113,8 +135,9 @@ def contenders(units: np.ndarray, scale_units: float) -> np.ndarray:
     bound = math.ceil(scale_units * MAX_NEG_LOG_UNIFORM * _BOUND_SLACK)
     if not units.size:
         return np.arange(units.size)
-    exact = np.abs(units).max(axis=-1, keepdims=True) + bound < 2.0**53
-    return np.flatnonzero((units >= units.max(axis=-1, keepdims=True) - 2 * bound) | ~exact)
+    top = units.max(axis=-1, keepdims=True)
+    exact = np.maximum(top, -units.min(axis=-1, keepdims=True)) + bound < 2.0**53  # max |units|, one pass fewer
+    return np.flatnonzero((units >= top - 2 * bound) | ~exact)
 
 
 #: ``levels_for_nm`` choices: the paper's ``log_fanout(r)`` or the reference code's ``int(log_fanout r) + 1``.
@@ -240,8 +263,9 @@ def _places(candidates: np.ndarray, values: np.ndarray) -> np.ndarray:
     return places
 
 
-#: Scores (partitions x candidates) computed at once: bounds the memory of many partitions.
-_SCORES_AT_ONCE = 1 << 20
+#: Scores (partitions x candidates) computed at once: bounds the memory of many partitions,
+#: and a group this size stays in cache while it is scored and pruned.
+_SCORES_AT_ONCE = 1 << 18
 
 
 def nm_threshold(holdout_sorted: np.ndarray, *, epsilon: float, upper: float, epsilon_perturber: float, r: int,
@@ -279,14 +303,23 @@ def nm_thresholds(holdouts: np.ndarray, *, epsilon: float, upper: float, epsilon
     """:func:`nm_threshold` for every row of ``holdouts`` (partitions' hold-outs of one length),
     each with exactly the distribution it has alone (see :func:`report_noisy_max_rows`).
 
-    Rows are scored and drawn for in groups of about ``2**20`` scores (one sampler call per
-    group), so memory stays proportional to the hold-outs plus one group.
+    Rows are scored in groups of about ``2**18`` scores (cache-sized), so memory stays
+    proportional to the hold-outs and the contenders; all rows' contenders are drawn for in
+    one sampler call, from words the source may read ahead while later groups are scored
+    (:meth:`~dpsql.noise.NoiseSource.prefetch`).
     """
     candidates = candidate_grid(upper, default_step(upper) if step is None else step)
     slope = nm_slope(holdouts.shape[1], epsilon_perturber=epsilon_perturber, r=r, fanout=fanout, c=c,
                      levels_for_nm=levels_for_nm)
+    lap = noisy_max_lattice(epsilon)
     group = max(1, _SCORES_AT_ONCE // len(candidates))
-    chosen = [report_noisy_max_rows(nm_scores(holdouts[a:a + group], candidates, slope, increasing=True,
-                                              is_sorted=is_sorted), epsilon=epsilon, noise=noise)
-              for a in range(0, len(holdouts), group)]
-    return candidates[np.concatenate(chosen)]
+    alive, alive_units = [], []
+    for a in range(0, len(holdouts), group):
+        scores = nm_scores(holdouts[a:a + group], candidates, slope, increasing=True, is_sorted=is_sorted)
+        index, units = _lattice_contenders(scores, lap)
+        noise.prefetch(len(index))  # their words are read while the next group is scored
+        alive.append(index + a * len(candidates))
+        alive_units.append(units)
+    chosen = _noisy_argmax(np.concatenate(alive_units), np.concatenate(alive), (len(holdouts), len(candidates)),
+                           lap, noise)
+    return candidates[chosen]

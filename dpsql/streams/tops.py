@@ -172,14 +172,23 @@ class HierarchyStream(StreamMachine):
         # outputs are shaped like the inputs: (partitions, rows) chunks or one stream's rows
         return np.empty((*self._lead, 0))
 
+    def _next_chunk(self) -> tuple[int, Forest | None]:
+        """The next chunk's leaves and, with consistency, the forest covering them."""
+        leaves = -(-min(self.chunk_rows, self.n - self._rows) // self.block)
+        return leaves, Forest.covering(leaves, self.fanout, self.levels) if self.consistency else None
+
+    def draws_ahead(self) -> int:
+        """Noise draws per partition the next chunk starts with, asked between chunks (a hint
+        for reading words ahead)."""
+        leaves, forest = self._next_chunk()
+        return leaves if forest is None else sum(forest.level_sizes())
+
     def _start_chunk(self):
-        rows = min(self.chunk_rows, self.n - self._rows)
-        leaves = -(-rows // self.block)
-        if self.consistency:
-            forest = Forest.covering(leaves, self.fanout, self.levels)
-            self._leaf_noise = forest.consistent_leaf_noise(self._lap, self._noise, leaves)
-        else:
+        leaves, forest = self._next_chunk()
+        if forest is None:
             self._leaf_noise = self._lap.noise_units(self._noise, leaves)
+        else:
+            self._leaf_noise = forest.consistent_leaf_noise(self._lap, self._noise, leaves)
 
     def _feed_within_chunk(self, values: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         """Rows ``self._rows ..`` of one chunk (``values`` one row per partition): clip, sum per
@@ -272,6 +281,11 @@ class ToPS(ThresholdedStream):
         self.levels_for_nm = _validate.choice(levels_for_nm, "levels_for_nm", NM_LEVELS)
 
     def _choose_thresholds(self, holdout: np.ndarray) -> np.ndarray:
+        # the hold-out totals and the first forests are drawn right after the threshold: the
+        # source may read their words while Noisy-Max scores (the stream's draws do not
+        # depend on the threshold's value)
+        first_forest = self._stream_phase(self.n - self.m, np.array([self.bound])).draws_ahead()
+        self.noise.prefetch(len(holdout) * (1 + first_forest))
         return nm_thresholds(holdout, epsilon=self.epsilon_threshold, upper=self.bound,
                              epsilon_perturber=self.epsilon, r=self.r, fanout=self.fanout, c=self.c, step=self.step,
                              levels_for_nm=self.levels_for_nm, is_sorted=False, noise=self.noise)
