@@ -111,24 +111,29 @@ class ThresholdedStream(StreamMachine):
         ``thresholds[j]`` itself."""
 
     @abstractmethod
-    def _method_params(self, partition: int) -> dict:
-        """Method-specific public parameters of one partition, for the release record."""
+    def _method_params(self) -> dict:
+        """Method-specific public parameters for the release record (the same for every partition)."""
 
     def feed(self, chunk: np.ndarray) -> np.ndarray:
         self._lead = chunk.shape[:-1]
         rows = chunk.reshape(self.partitions, -1)
-        outputs = []
+        holdout = None
         if self._stream is None:
             take = rows[:, : self.m - self._held_rows]
             self._held.append(take)
             self._held_rows += take.shape[1]
             rows = rows[:, take.shape[1]:]
             if self._held_rows == self.m:
-                outputs.append(self._release_holdout())
-        if rows.shape[1]:
-            rest = self._stream.feed(self._shift(rows.reshape((*self._lead, -1))))
-            outputs.append(self._shift_back(rest).reshape(self.partitions, -1))
-        out = np.concatenate(outputs, axis=1) if outputs else np.empty((self.partitions, 0))
+                holdout = self._release_holdout()
+        rest = self._stream.feed(self._shift(rows.reshape((*self._lead, -1)))) if rows.shape[1] else None
+        if holdout is None:
+            out = np.empty((self.partitions, 0)) if rest is None else self._shift_back(rest)
+        else:  # every hold-out row carries its share: written into the chunk's outputs, not repeated
+            stream_rows = 0 if rest is None else rest.shape[-1]
+            out = np.empty((self.partitions, self.m + stream_rows))
+            out[:, :self.m] = holdout[:, None]
+            if rest is not None:
+                out[:, self.m:] = self._shift_back(rest).reshape(self.partitions, -1)
         return out.reshape((*self._lead, -1))
 
     def close(self) -> np.ndarray:
@@ -142,6 +147,7 @@ class ThresholdedStream(StreamMachine):
         return values + self.lower if self.lower else values
 
     def _release_holdout(self) -> np.ndarray:
+        """Choose the thresholds, start the stream phase; return each hold-out row's value."""
         held = self._held[0] if len(self._held) == 1 else np.concatenate(self._held, axis=1)
         holdout = np.clip(self._shift(held), 0.0, self.bound)
         self._held = []
@@ -151,7 +157,7 @@ class ThresholdedStream(StreamMachine):
         noisy_totals = totals.release(np.minimum(holdout, thresholds[:, None]).sum(axis=1), self.noise)
         self._holdout_variance = totals.variance
         self._stream = self._stream_phase(self.n - self.m, thresholds)
-        return np.repeat((noisy_totals / self.m + self.lower)[:, None], self.m, axis=1)
+        return noisy_totals / self.m + self.lower
 
     def describe(self) -> dict:
         return self.describe_partition(0)
@@ -159,7 +165,7 @@ class ThresholdedStream(StreamMachine):
     def describe_partition(self, partition: int) -> dict:
         stream = self._stream.describe_partition(partition) if self.partitions > 1 else self._stream.describe()
         params = {"epsilon": self.epsilon, "lower": self.lower, "upper": self.upper, "m": self.m,
-                  "holdout_share": self.holdout_share, **self._method_params(partition)}
+                  "holdout_share": self.holdout_share, **self._method_params()}
         components = {"threshold": (self.epsilon_threshold, self.threshold_delta),
                       "holdout_total": (self.epsilon_total, 0.0), **stream.get("components", {})}
         holdout_error = SharedTotalNoise(float(self._holdout_variance[partition]), self.m)

@@ -62,7 +62,7 @@ class PakStream(ThresholdedStream):
         # one partition: PAK's binary tree is not batchable
         return BinaryTreeStream(n_rest, epsilon=self.epsilon, upper=float(thresholds.item()), noise=self.noise)
 
-    def _method_params(self, partition: int) -> dict:
+    def _method_params(self) -> dict:
         p = self._threshold_params
         return {"delta": p.delta, "tail_p": p.tail_p, "lam": p.lam, "beta_lt": p.beta_lt, "rho": p.rho,
                 "kappa": p.kappa}

@@ -238,7 +238,11 @@ class HierarchyStream(StreamMachine):
         """The public parameters actually used (defaults resolved), of one partition."""
         return {"epsilon": self.epsilon, "lower": self.lower, "upper": float(self._uppers[partition]), "r": self.r,
                 "fanout": self.fanout, "consistency": self.consistency, "smoother": self.smoother_name,
-                **self._smoother.params(), "depth": self.depth, "block": self.block, "levels": self.levels}
+                **self.smoother_params(), "depth": self.depth, "block": self.block, "levels": self.levels}
+
+    def smoother_params(self) -> dict:
+        """The smoother's own public parameters (``window``, ``alpha``), the same for every partition."""
+        return self._smoother.params()
 
     def describe(self) -> dict:
         return self.describe_partition(0)
@@ -295,10 +299,10 @@ class ToPS(ThresholdedStream):
                                smoother=self.smoother, window=self.window, alpha=self.alpha,
                                noise=self.noise).for_partitions(thresholds)
 
-    def _method_params(self, partition: int) -> dict:
-        stream = self._stream.params(partition)
-        return {"r": self.r, "fanout": self.fanout, "smoother": self.smoother,
-                **{k: stream[k] for k in ("window", "alpha", "depth", "block", "levels") if k in stream},
+    def _method_params(self) -> dict:
+        stream = self._stream
+        return {"r": self.r, "fanout": self.fanout, "smoother": self.smoother, **stream.smoother_params(),
+                "depth": stream.depth, "block": stream.block, "levels": stream.levels,
                 "c": self.c, "step": self.step, "levels_for_nm": self.levels_for_nm}
 
 
