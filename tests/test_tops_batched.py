@@ -101,6 +101,7 @@ def test_single_stream_draws_are_those_of_the_per_partition_code():
     with dpsql.testing.seeded(7):
         release = api.publish("tops", values, epsilon=0.7, upper=3000.0, r=5000)
     assert release.threshold == 1008.0
+    assert (release.values.sum(), release.values[123], release.values[-1]) == (32733833.75, 548.974725, -6670.8125)
     assert release.range_variance(100, 40000) == pytest.approx(1565960655.3178272, rel=1e-12)
 
 
