@@ -179,8 +179,28 @@ def test_noise_functions_have_side_effects(con):
     rows = con.sql("SELECT function_name, has_side_effects FROM duckdb_functions() "
                    "WHERE function_name LIKE 'dp%' AND function_type = 'scalar'").fetchall()
     names = {name for name, _ in rows}
-    assert {"dp__run_dp_range_sum", "dp__run_threshold", "dp_range_variance", "dp_release_id"} <= names
+    assert {"dp__plan_dp_range_sum", "dp__plan_threshold", "dp_range_variance", "dp_release_id"} <= names
     assert all(flag for _, flag in rows)
+
+
+def test_releases_run_when_the_query_executes_from_the_registered_result_slots(con, budget):
+    """Binding plans and charges nothing; the release runs when DuckDB scans the slot, once
+    per execution, and a query with more macro calls than slots still gets its own plans."""
+    slots = {name for (name,) in con.sql("SHOW TABLES").fetchall() if name.startswith("dp__result_")}
+    assert slots == {f"dp__result_{i}" for i in range(_machinery.RESULT_SLOTS)}
+    relation = con.sql(RANGE_SUM)
+    assert relation.columns == ["ts", "v", "dp_row"] and budget.spent == (0.0, 0.0)
+    with dpsql.testing.seeded(3):
+        relation.fetchall()
+        relation.fetchall()
+    assert budget.history().height == 2
+    calls = " UNION ALL ".join(f"SELECT {k} AS k, sum(v) AS s FROM dp_range_sum('t', 'ts', 'v', "
+                               f"method := 'laplace', epsilon := {0.01 * (k + 1)}, upper := 10)"
+                               for k in range(_machinery.RESULT_SLOTS))
+    with dpsql.testing.seeded(4):
+        con.sql(calls).fetchall()
+    epsilons = budget.history()["epsilon"].to_list()[2:]
+    assert sorted(epsilons) == [0.01 * (k + 1) for k in range(_machinery.RESULT_SLOTS)]
 
 
 def test_rows_do_not_share_noise(con):

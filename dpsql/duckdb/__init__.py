@@ -18,8 +18,8 @@ rules (what is charged when, what a failed query costs).
 Plugging in more macros
 -----------------------
 :func:`register` runs every function of :data:`_INSTALLERS` as ``install(con, context)``
-with the connection's :class:`~dpsql.duckdb._machinery.Context` (bound budget, plan and
-result stores). To add a module's macros (e.g. ``dpsql/duckdb/counts.py``,
+with the connection's :class:`~dpsql.duckdb._machinery.Context` (bound budget, result
+slots, row handles and error models). To add a module's macros (e.g. ``dpsql/duckdb/counts.py``,
 ``dpsql/duckdb/ldp.py``), define ``install(con, context)`` in it and add two lines here:
 ``from dpsql.duckdb import counts`` and ``counts.install`` in ``_INSTALLERS``.
 
@@ -30,14 +30,13 @@ The reusable pieces live in :mod:`dpsql.duckdb._machinery`:
   method := 'pegasus', partition_by := NULL, <every registered method parameter>)``,
   with the same validation, charging, outputs and error bars as ``dp_range_sum``.
 * For other shapes, a macro is ``context.macro("name(tbl, ...) AS TABLE FROM
-  query(dp__plan_name(...))")`` with two UDFs registered by ``context.udf`` (which sets
-  ``side_effects=True``): a *plan* UDF (bind time; use ``resolve_source``,
-  ``describe``, ``require_columns``, ``require_numeric``, store a ``Plan`` in
-  ``context.plans`` and return ``unnest_sql(run_call, outputs, constants)``) and a
-  *run* UDF (execution time; ``read_ordered`` for the ordered, validated Arrow read,
+  query(dp__plan_name(...))")`` with a *plan* UDF registered by ``context.udf`` (which
+  sets ``side_effects=True``). At bind time it uses ``resolve_source``, ``describe``,
+  ``require_columns``, ``require_numeric`` and ``arrow_fields``, fixes the result's
+  Arrow schema and returns ``context.result_query(schema, run)``. ``run()`` is called
+  when the query executes: ``read_ordered`` for the ordered, validated Arrow read,
   ``publish_ordered`` for the one charge, ``row_handles`` for the ``dp_row`` column
-  that error bars take, then ``context.hold(columns)`` returns the handle the result
-  query unnests).
+  that error bars take; it returns a ``pyarrow.Table`` of that schema.
   ``method_parameters()`` and ``params_struct()`` pass named parameters through to
   publish generically.
 """
@@ -92,7 +91,7 @@ def register(con: duckdb.DuckDBPyConnection, *, budget: Budget) -> None:
     if not isinstance(con, duckdb.DuckDBPyConnection):
         raise InvalidParameter(f"con must be a duckdb connection, got {type(con).__name__}")
     context = _machinery.context_for(con, budget)
-    _machinery.install_list_udfs(context)
+    _machinery.install_result_slots(context)
     for install in _INSTALLERS:
         install(con, context)
 

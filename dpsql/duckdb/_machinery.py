@@ -7,22 +7,24 @@ all driven by one table macro::
     CREATE MACRO dp_x(tbl, ...) AS TABLE FROM query(dp__plan_x(tbl, ...))
 
 1. **Plan, at bind time.** DuckDB folds the arguments of a table function while it
-   binds, so ``dp__plan_x`` (a Python UDF) runs once per binding. It resolves the
-   source (catalog table or view, a file path, or a Polars / Arrow / pandas object
-   named like a Python variable of the caller), checks that the columns exist and have
-   usable types, stores a :class:`Plan` and returns the SQL text of the result query.
-   It draws no noise and charges nothing (binding may happen more than once).
-2. **Run, at execution time.** The result query starts with
-   ``WITH h AS MATERIALIZED (SELECT dp__run('<plan token>') AS h)``: the ``dp__run``
-   UDF (``side_effects=True``, so never folded or shared) reads the source through a
-   second connection (``con.cursor()``) as an ordered Arrow stream in large batches,
-   validates the order and partition keys batch by batch, and calls
-   :func:`dpsql.api.publish` (the single charging path) with the budget bound to the
-   connection. Its result is held under a fresh integer handle.
-3. **Return.** The same query unnests typed lists, one per output column, that
-   ``dp__list_<type>(h, column)`` UDFs hand over zero-copy from Arrow. Unnesting a
-   Python-made list costs a few milliseconds for 10^7 rows; everything else is the
-   one sort DuckDB does for the ordered scan.
+   binds, so ``dp__plan_x`` (a Python UDF, ``side_effects=True``) runs once per
+   binding. It resolves the source (catalog table or view, a file path, or a Polars /
+   Arrow / pandas object named like a Python variable of the caller), checks that the
+   columns exist and have usable types, and fixes the result's Arrow schema. It hands
+   schema and run to the next of the connection's :class:`ResultSlot` objects and
+   returns ``SELECT * FROM dp__result_<i>``: the result query. It draws no noise and
+   charges nothing (binding may happen more than once).
+2. **Run, at execution time.** The slots are Arrow stream sources registered on the
+   connection once, by :func:`install_result_slots`. Binding the result query reads a
+   slot's schema; executing it asks the slot for its stream, and only then does the
+   release run: it reads the source through a second connection (``con.cursor()``) as
+   an ordered Arrow stream in large batches, validates the order and partition keys
+   batch by batch, and calls :func:`dpsql.api.publish` (the single charging path)
+   with the budget bound to the connection.
+3. **Return.** The slot's stream is the key columns as read, the private values and
+   the row handles: DuckDB scans them like any Arrow object, no copy through lists
+   or UDF results. Every execution of the query asks for a new stream, so each is a
+   new release; DuckDB never caches a registered source between executions.
 
 Row handles. Every output column costs its full length in DuckDB and in the Arrow
 export, so a stream release adds a single column for error bars: ``dp_row``, a
@@ -40,7 +42,9 @@ the context keeps the error models of its last
 Consequences, documented in the user-facing docstrings:
 
 * Each execution of a query is one release, charged once; two macro calls in one
-  query are two releases, charged twice. Nothing is charged when the run fails
+  query are two releases, charged twice (a common table expression that DuckDB reads
+  twice scans its slot once: one release). One query may hold up to
+  :data:`RESULT_SLOTS` dpsql macro calls. Nothing is charged when the run fails
   (bad argument, bad data, budget exhausted, an error raised while the source is
   read). Once a release is charged, later failures of the surrounding query are not
   refunded: their errors may depend on the private values.
@@ -62,7 +66,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import duckdb
 import numpy as np
@@ -74,20 +78,17 @@ from dpsql.accountant import Budget
 from dpsql.errors import DPError, InvalidData, InvalidParameter, InvalidTimeKey
 from dpsql.release import ErrorModel
 
-#: Key and value types handed back to SQL as typed lists; any other type travels as
-#: VARCHAR and is cast back (exact, slower).
-LIST_TYPES = ("BIGINT", "INTEGER", "SMALLINT", "TINYINT", "UBIGINT", "UINTEGER", "USMALLINT", "UTINYINT",
-              "DOUBLE", "FLOAT", "DATE", "TIMESTAMP", "TIMESTAMP_S", "TIMESTAMP_MS", "TIMESTAMP_NS",
-              "TIMESTAMP WITH TIME ZONE", "TIME", "VARCHAR", "BOOLEAN")
 NUMERIC_TYPES = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER",
                  "UBIGINT", "UHUGEINT", "FLOAT", "DOUBLE", "DECIMAL")
 #: Rows per Arrow batch of the ordered scan: large enough that per-batch Python work
 #: is negligible, small enough to keep the validation in cache-friendly pieces.
 BATCH_ROWS = 1 << 20
-#: How many plans and error models a connection keeps (bounded memory).
-KEEP_PLANS = 64
+#: How many releases' error models a connection keeps (bounded memory).
 KEEP_ERROR_MODELS = 32
-KEEP_RESULTS = 16
+#: Result sources registered per connection (``dp__result_0`` ...): the most dpsql macro
+#: calls one query can hold. Binding a query assigns its calls consecutive slots, and the
+#: connection binds nothing else before it runs, so no slot is reassigned in between.
+RESULT_SLOTS = 8
 
 
 def quote_ident(name: str) -> str:
@@ -96,10 +97,6 @@ def quote_ident(name: str) -> str:
 
 def quote_literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
-
-
-def list_udf_name(sql_type: str) -> str:
-    return "dp__list_" + sql_type.lower().replace(" ", "_")
 
 
 class _Bounded(OrderedDict):
@@ -142,7 +139,6 @@ class Plan:
     method: str
     params: dict
     note: str
-    key_types: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -231,10 +227,10 @@ class RowIndex:
 
 @dataclass
 class Ordered:
-    """An ordered, validated read of a source: Arrow key columns, the value column
-    (chunked, validated by publish) and the partition offsets."""
+    """An ordered, validated read of a source: the Arrow key columns and the value
+    column as read (chunked; publish validates the values) and the partition offsets."""
 
-    keys: dict[str, pa.Array]
+    keys: dict[str, pa.ChunkedArray]
     values: pa.ChunkedArray
     offsets: np.ndarray | None
 
@@ -243,17 +239,15 @@ class Ordered:
 
 
 class Context:
-    """What one connection's dpsql functions share: the bound budget, plans, results
-    waiting to be unnested, the row-handle counter and the held releases' error models
-    (:attr:`row_index`), and recent typed errors."""
+    """What one connection's dpsql functions share: the bound budget, the result slots,
+    the row-handle counter and the held releases' error models (:attr:`row_index`), and
+    recent typed errors."""
 
     def __init__(self, con: duckdb.DuckDBPyConnection, budget: Budget):
         self.con = con
         self.budget = budget
-        self.plans: _Bounded = _Bounded(KEEP_PLANS)
-        # Bounded: a query that fails between the run and the unnest leaves its result behind.
-        self.results: _Bounded = _Bounded(KEEP_RESULTS)
-        self.constants: _Bounded = _Bounded(KEEP_PLANS)
+        self.slots = [ResultSlot(self, f"dp__result_{i}") for i in range(RESULT_SLOTS)]
+        self._next_slot = itertools.cycle(self.slots)
         self.recent_errors: _Bounded = _Bounded(32)
         self._held: _Bounded = _Bounded(KEEP_ERROR_MODELS)
         # Handles start at a random multiple of 2^32 below 2^62, so that the dp_row of a
@@ -312,39 +306,44 @@ class Context:
 
     # -- results handed back to SQL ----------------------------------------------------
 
-    def hold(self, columns: dict[str, pa.Array], constants: dict[str, pa.Array] | None = None) -> int:
-        """Hold a result for the result query; ``constants`` are one-element columns that
-        the query may read any number of times."""
-        handle = self.next_id()
-        self.results[handle] = columns
-        self.constants[handle] = constants or {}
-        return handle
-
-    def take(self, handle: int, column: str) -> pa.Array:
-        """Column ``column`` of result ``handle``; the per-row columns are handed over
-        once and the result is freed after its last one."""
-        constant = self.constants.get(handle, {}).get(column)
-        if constant is not None:
-            return constant
-        columns = self.results.get(handle)
-        if columns is None or column not in columns:
-            raise InvalidParameter(f"result {handle} column {column!r} was already read or never produced")
-        out = columns.pop(column)
-        if not columns:
-            del self.results[handle]
-        return out
+    def result_query(self, schema: pa.Schema, run: Callable[[], pa.Table]) -> str:
+        """The SQL of a result query whose execution calls ``run`` (a release returning a
+        table of ``schema``); to be returned by a plan UDF."""
+        slot = next(self._next_slot)
+        slot.assign(schema, self._remembering(run))
+        return f"SELECT * FROM {quote_ident(slot.name)}"
 
 
-def install_list_udfs(context: Context) -> None:
-    """``dp__list_<type>(handle, column)``: column of a held result as one ``<type>[]``."""
-    def taker(handles: pa.Array, columns: pa.Array) -> pa.Array:
-        pieces = [context.take(h, c) for h, c in zip(handles.to_pylist(), columns.to_pylist())]
-        offsets = pa.array(np.cumsum([0, *map(len, pieces)]), pa.int32())
-        # One piece (the usual single-row call) is handed over without a copy.
-        return pa.ListArray.from_arrays(offsets, pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces))
+class ResultSlot:
+    """An Arrow stream source registered on the connection (``dp__result_<i>``) whose
+    rows are made when a query scans it: binding reads :meth:`__arrow_c_schema__` (the
+    schema its last plan fixed), executing asks for :meth:`__arrow_c_stream__`, which
+    runs the release. DuckDB checks the stream's columns against the bound schema."""
 
-    for sql_type in LIST_TYPES:
-        context.udf(list_udf_name(sql_type), taker, ["BIGINT", "VARCHAR"], f"{sql_type}[]", arrow=True)
+    #: What an unassigned slot offers (a registered source needs a column).
+    UNASSIGNED = pa.schema([("dp__unassigned", pa.int8())])
+
+    def __init__(self, context: Context, name: str):
+        self.name = name
+        self._schema = self.UNASSIGNED
+        self._run: Callable[[], pa.Table] | None = None
+
+    def assign(self, schema: pa.Schema, run: Callable[[], pa.Table]) -> None:
+        self._schema, self._run = schema, run
+
+    def __arrow_c_schema__(self):
+        return self._schema.__arrow_c_schema__()
+
+    def __arrow_c_stream__(self, requested_schema=None):
+        if self._run is None:
+            raise InvalidParameter(f"{self.name} holds the results of dpsql's table macros; call a dp_ macro")
+        return self._run().__arrow_c_stream__(requested_schema)
+
+
+def install_result_slots(context: Context) -> None:
+    """Register the connection's result slots (again: a second ``register`` replaces them)."""
+    for slot in context.slots:
+        context.con.register(slot.name, slot)
 
 
 # -- bind time ---------------------------------------------------------------------------
@@ -438,26 +437,18 @@ def require_numeric(columns: dict[str, str], value_col: str) -> None:
         raise InvalidData(f"column {value_col!r} must be numeric, got {sql_type}")
 
 
-def unnest_sql(run_call: str, outputs: list[tuple[str, str, str]],
-               constants: list[tuple[str, str, str]] = ()) -> str:
-    """The result query: run once (materialised), then unnest each held column.
-
-    ``outputs`` are ``(held column, SQL type, output name)``, one value per row;
-    ``constants`` are held as one-element lists and repeated on every row (read once,
-    inside the materialised run: next to an unnest DuckDB would evaluate them per
-    output row). Types outside :data:`LIST_TYPES` were held as VARCHAR and are cast back.
-    """
-    def held(column: str, sql_type: str) -> str:
-        return f"{list_udf_name(sql_type if sql_type in LIST_TYPES else 'VARCHAR')}(h, {quote_literal(column)})"
-
-    def typed(expression: str, sql_type: str) -> str:
-        return expression if sql_type in LIST_TYPES else f"CAST({expression} AS {sql_type})"
-
-    once = ["h", *(f"{typed(f'{held(c, t)}[1]', t)} AS {quote_ident(name)}" for c, t, name in constants)]
-    items = [f"{typed(f'unnest({held(c, t)})', t)} AS {quote_ident(name)}" for c, t, name in outputs]
-    items += [quote_ident(name) for _, _, name in constants]
-    return (f"WITH dp__run AS MATERIALIZED (SELECT {', '.join(once)} FROM (SELECT {run_call} AS h)) "
-            f"SELECT {', '.join(items)} FROM dp__run")
+def arrow_fields(context: Context, source: Source, names: Iterable[str]) -> list[pa.Field]:
+    """The Arrow fields DuckDB reads columns ``names`` of ``source`` as (the result keeps
+    the keys' own types)."""
+    names = list(names)
+    if not names:
+        return []
+    cur = source.cursor(context.con)
+    try:
+        schema = cur.sql(f"SELECT {', '.join(map(quote_ident, names))} FROM {source.sql} LIMIT 0").to_arrow_table()
+    finally:
+        cur.close()
+    return list(schema.schema)
 
 
 # -- execution time ----------------------------------------------------------------------
@@ -470,13 +461,11 @@ def read_ordered(context: Context, plan: Plan) -> Ordered:
     :func:`dpsql.api.publish` validates them and names the column.
     """
     key_cols = [c for c in (plan.partition_by, plan.order_col) if c is not None]
-    select = [f"{_as_held(quote_ident(c), plan.key_types[c])} AS {quote_ident(c)}" for c in key_cols]
-    select.append(quote_ident(plan.value_col))
-    # Qualified, so that keys held as VARCHAR are still sorted by their own type.
-    order = f" ORDER BY {', '.join('dp__source.' + quote_ident(c) for c in key_cols)}" if key_cols else ""
+    select = [quote_ident(c) for c in [*key_cols, plan.value_col]]
+    order = f" ORDER BY {', '.join(quote_ident(c) for c in key_cols)}" if key_cols else ""
     cur = plan.source.cursor(context.con)
     try:
-        query = f"SELECT {', '.join(select)} FROM {plan.source.sql} AS dp__source{order}"
+        query = f"SELECT {', '.join(select)} FROM {plan.source.sql}{order}"
         reader = cur.sql(query).to_arrow_reader(BATCH_ROWS)
         chunks: dict[str, list] = {c: [] for c in [*key_cols, plan.value_col]}
         boundaries = [np.zeros(1, dtype=np.int64)]
@@ -494,20 +483,13 @@ def read_ordered(context: Context, plan: Plan) -> Ordered:
             seen += batch.num_rows
     finally:
         cur.close()
-    keys = {c: pa.chunked_array(chunks[c], type=_chunk_type(chunks[c])).combine_chunks() for c in key_cols}
-    values = pa.chunked_array(chunks[plan.value_col], type=_chunk_type(chunks[plan.value_col]))
+    schema = reader.schema
+    keys = {c: pa.chunked_array(chunks[c], type=schema.field(c).type) for c in key_cols}
+    values = pa.chunked_array(chunks[plan.value_col], type=schema.field(plan.value_col).type)
     offsets = None
     if plan.partition_by is not None:
         offsets = np.concatenate([*boundaries, [seen]]) if seen else None
     return Ordered(keys=keys, values=values, offsets=offsets)
-
-
-def _as_held(quoted: str, sql_type: str) -> str:
-    return quoted if sql_type in LIST_TYPES else f"CAST({quoted} AS VARCHAR)"
-
-
-def _chunk_type(chunks: list) -> pa.DataType | None:
-    return None if chunks else pa.float64()
 
 
 class _KeyChecker:
@@ -650,11 +632,11 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
     any), the order key, the private value under the value column's name and ``dp_row``
     (the connection-wide row handle that error bars and ``dp_release_id`` take): rows
     sorted by partition then order key.
-    ``extra_outputs = (columns, compute)`` adds per-row columns ``[(name, SQL type)]``
+    ``extra_outputs = (columns, compute)`` adds per-row columns ``[(name, Arrow type)]``
     computed by ``compute(release) -> {name: pa.Array}`` (post-processing of the release).
     """
     names = method_parameters(exclude=("method",))
-    plan_udf, run_udf = f"dp__plan_{macro}", f"dp__run_{macro}"
+    plan_udf = f"dp__plan_{macro}"
     extra_columns = extra_outputs[0] if extra_outputs else []
     extra_names = [name for name, _ in extra_columns]
 
@@ -674,38 +656,25 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
         require_columns(columns, source, order_col=order_col, value_col=value_col, partition_by=partition_by)
         require_numeric(columns, value_col)
         keys = [c for c in (partition_by, order_col) if c is not None]
-        token = str(context.next_id())
-        context.plans[token] = Plan(source=source, value_col=value_col, order_col=order_col,
-                                    partition_by=partition_by, method=method, params=parse_params(params_json),
-                                    note=f"duckdb {macro}({table!r}, {order_col!r}, {value_col!r})",
-                                    key_types={c: columns[c] for c in keys})
-        outputs = [(c, columns[c], c) for c in keys]
-        outputs += [(value_col, "DOUBLE", value_col), (ROW_COLUMN, "BIGINT", ROW_COLUMN)]
-        outputs += [(name, sql_type, name) for name, sql_type in extra_columns]
-        return unnest_sql(f"{run_udf}({quote_literal(token)})", outputs)
+        stream = Plan(source=source, value_col=value_col, order_col=order_col, partition_by=partition_by,
+                      method=method, params=parse_params(params_json),
+                      note=f"duckdb {macro}({table!r}, {order_col!r}, {value_col!r})")
+        schema = pa.schema([*arrow_fields(context, source, keys), pa.field(value_col, pa.float64()),
+                            pa.field(ROW_COLUMN, pa.int64()), *(pa.field(n, t) for n, t in extra_columns)])
+        return context.result_query(schema, functools.partial(run, stream, schema))
 
-    def run(token):
-        plan = planned(context, token)
-        ordered = read_ordered(context, plan)
-        release = publish_ordered(context, plan, ordered)
-        columns = dict(ordered.keys)
-        columns[plan.value_col] = pa.array(release.values)
-        columns[ROW_COLUMN] = row_handles(context, release)
+    def run(stream: Plan, schema: pa.Schema) -> pa.Table:
+        ordered = read_ordered(context, stream)
+        release = publish_ordered(context, stream, ordered)
+        columns = [*ordered.keys.values(), pa.array(release.values), row_handles(context, release)]
         if extra_outputs:
-            columns.update(extra_outputs[1](release))
-        return context.hold(columns)
+            computed = extra_outputs[1](release)
+            columns += [computed[name] for name in extra_names]
+        return pa.Table.from_arrays(columns, schema=schema)
 
     context.udf(plan_udf, plan, ["VARCHAR"] * 6, "VARCHAR")
-    context.udf(run_udf, run, ["VARCHAR"], "BIGINT")
     defaults = f"method := {quote_literal(default_method) if default_method else 'NULL'}, partition_by := NULL"
     context.macro(
         f"{macro}(tbl, order_col, value_col, {defaults}, {', '.join(quote_ident(n) + ' := NULL' for n in names)}) "
         "AS TABLE "
         f"FROM query({plan_udf}(tbl, order_col, value_col, partition_by, method, {params_struct(names)}))")
-
-
-def planned(context: Context, token: str) -> Plan:
-    plan = context.plans.get(token)
-    if plan is None:
-        raise InvalidParameter("this query's plan is no longer held by the connection; run the query again")
-    return plan

@@ -44,6 +44,7 @@ monitoring). Windows and alarms are post-processing; so are SQL window functions
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -53,20 +54,17 @@ import pyarrow as pa
 
 from dpsql.counts import ALARM, COUNT, LEVEL, PART, ROW, STD_ERROR, WINDOW_STD_ERROR, WINDOW_SUM, release_event_counts
 from dpsql.duckdb._machinery import (
-    LIST_TYPES,
     NUMERIC_TYPES,
     Context,
     Source,
+    arrow_fields,
     column_name,
     describe,
     params_struct,
-    planned,
     quote_ident,
-    quote_literal,
     require_columns,
     resolve_source,
     row_handles,
-    unnest_sql,
 )
 from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
 
@@ -81,9 +79,8 @@ _INTERVAL = re.compile(r"^(?:(?P<days>-?\d+) days?)?\s*(?:(?P<sign>-)?(?P<h>\d+)
 class CountPlan:
     source: Source
     time_col: str
-    time_type: str
+    time_type: pa.DataType
     keys: list[str]
-    key_types: dict[str, str]
     privacy_unit: str | None
     options: dict
     note: str
@@ -110,24 +107,21 @@ def install(con, context: Context) -> None:
             raise InvalidParameter(f"time_col and partition_by must be distinct columns without dpsql's output "
                                    f"names; got {[time_col, *keys]}")
         time_type = _time_output_type(columns[time_col], time_col)
-        token = str(context.next_id())
-        context.plans[token] = CountPlan(source, time_col, columns[time_col], keys,
-                                         {k: columns[k] for k in keys}, privacy_unit, options,
-                                         f"duckdb {MACRO}({table!r}, {time_col!r})")
-        outputs = [(time_col, time_type, time_col)]
-        outputs += [(k, columns[k], k) for k in keys]
+        count_plan = CountPlan(source, time_col, time_type, keys, privacy_unit, options,
+                               f"duckdb {MACRO}({table!r}, {time_col!r})")
+        fields = [pa.field(time_col, time_type), *arrow_fields(context, source, keys)]
         if options.get("hierarchy"):
-            outputs.append((LEVEL, "BIGINT", LEVEL))
-        outputs += [(COUNT, "DOUBLE", COUNT), (STD_ERROR, "DOUBLE", STD_ERROR), (ROW, "BIGINT", ROW)]
+            fields.append(pa.field(LEVEL, pa.int64()))
+        fields += [pa.field(COUNT, pa.float64()), pa.field(STD_ERROR, pa.float64()), pa.field(ROW, pa.int64())]
         if options.get("window_size") is not None:
-            outputs += [(WINDOW_SUM, "DOUBLE", WINDOW_SUM), (WINDOW_STD_ERROR, "DOUBLE", WINDOW_STD_ERROR)]
+            fields += [pa.field(WINDOW_SUM, pa.float64()), pa.field(WINDOW_STD_ERROR, pa.float64())]
             if options.get("alarm_threshold") is not None:
-                outputs.append((ALARM, "BOOLEAN", ALARM))
-        return unnest_sql(f"dp__run_count_stream({quote_literal(token)})", outputs)
+                fields.append(pa.field(ALARM, pa.bool_()))
+        schema = pa.schema(fields)
+        return context.result_query(schema, functools.partial(run, count_plan, schema))
 
-    def run(token):
-        count_plan = planned(context, token)
-        times, keys, units, key_types = _read_events(context, count_plan)
+    def run(count_plan: CountPlan, schema: pa.Schema) -> pa.Table:
+        times, keys, units = _read_events(context, count_plan)
         options = dict(count_plan.options)
         every = options.pop("every")
         result = release_event_counts(
@@ -142,46 +136,32 @@ def install(con, context: Context) -> None:
         # rows are in the release's order (stream, then bucket).
         del columns[PART]
         columns[ROW] = row_handles(context, result.release)
-        held = {}
-        for name, values in columns.items():
-            if name == ROW:
-                held[name] = values
-            elif name == count_plan.time_col:
-                held[name] = _bucket_times(values, count_plan.time_type)
-            elif name in key_types:
-                held[name] = pa.array(values.tolist(), key_types[name])
-            else:
-                held[name] = pa.array(values)
-        return context.hold(held)
+        columns[count_plan.time_col] = _bucket_times(columns[count_plan.time_col], count_plan.time_type)
+        return pa.Table.from_arrays([pa.array(columns[f.name], f.type) if not isinstance(columns[f.name], pa.Array)
+                                     else columns[f.name] for f in schema], schema=schema)
 
     context.udf("dp__plan_count_stream", plan, ["VARCHAR"] * 3, "VARCHAR")
-    context.udf("dp__run_count_stream", run, ["VARCHAR"], "BIGINT")
     defaults = ", ".join(f"{quote_ident(n)} := {'false' if n == 'hierarchy' else 'NULL'}" for n in PARAMETERS)
     context.macro(f"{MACRO}(tbl, time_col, every := INTERVAL '5 minutes', {defaults}) AS TABLE "
                   f"FROM query(dp__plan_count_stream(tbl, time_col, {params_struct(('every', *PARAMETERS))}))")
 
 
-def _time_output_type(sql_type: str, name: str) -> str:
+def _time_output_type(sql_type: str, name: str) -> pa.DataType:
+    """Bucket starts are UTC timestamps for time zone aware times, naive timestamps for
+    other timestamps and dates, doubles for numbers."""
     if sql_type == "TIMESTAMP WITH TIME ZONE":
-        return sql_type
+        return pa.timestamp("us", tz="UTC")
     if sql_type.startswith("TIMESTAMP") or sql_type == "DATE":
-        return "TIMESTAMP"
+        return pa.timestamp("us")
     if sql_type.split("(")[0] in NUMERIC_TYPES:
-        return "DOUBLE"
+        return pa.float64()
     raise InvalidData(f"time_col {name!r} must be a TIMESTAMP, DATE or number, got {sql_type}")
 
 
 def _read_events(context: Context, plan: CountPlan):
-    """The event table's time, key and unit columns as numpy (one scan, no order needed),
-    and the Arrow types the keys are handed back in (VARCHAR for types outside
-    ``LIST_TYPES``; the result query casts them back)."""
+    """The event table's time, key and unit columns as numpy (one scan, no order needed)."""
     wanted = list(dict.fromkeys([plan.time_col, *plan.keys, *([plan.privacy_unit] if plan.privacy_unit else [])]))
-    select = []
-    for name in wanted:
-        quoted = quote_ident(name)
-        held = plan.key_types.get(name)
-        select.append(f"CAST({quoted} AS VARCHAR) AS {quoted}" if held is not None and held not in LIST_TYPES
-                      else quoted)
+    select = [quote_ident(name) for name in wanted]
     cur = plan.source.cursor(context.con)
     try:
         table = cur.sql(f"SELECT {', '.join(select)} FROM {plan.source.sql}").to_arrow_table()
@@ -196,7 +176,7 @@ def _read_events(context: Context, plan: CountPlan):
     times = time.to_numpy()
     keys = {k: table.column(k).to_numpy(zero_copy_only=False) for k in plan.keys}
     units = table.column(plan.privacy_unit).to_numpy(zero_copy_only=False) if plan.privacy_unit else None
-    return times, keys, units, {k: table.column(k).type for k in plan.keys}
+    return times, keys, units
 
 
 def _instant(value):
@@ -224,9 +204,7 @@ def _duration(value):
     return dt.timedelta(days=int(match["days"] or 0), seconds=-seconds if match["sign"] else seconds)
 
 
-def _bucket_times(starts: np.ndarray, output_type: str) -> pa.Array:
-    if output_type == "TIMESTAMP WITH TIME ZONE":
-        return pa.array(starts.astype("datetime64[us]")).cast(pa.timestamp("us", tz="UTC"))
-    if output_type == "TIMESTAMP":
-        return pa.array(starts.astype("datetime64[us]"))
+def _bucket_times(starts: np.ndarray, output_type: pa.DataType) -> pa.Array:
+    if pa.types.is_timestamp(output_type):
+        return pa.array(starts.astype("datetime64[us]")).cast(output_type)
     return pa.array(starts, pa.float64())

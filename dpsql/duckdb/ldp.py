@@ -57,7 +57,7 @@ import pyarrow as pa
 from dpsql.duckdb._machinery import Context, install_stream_release, release_offsets
 from dpsql.ldp import du
 
-USER_COLUMNS = [("dp_user", "BIGINT"), ("dp_slot", "BIGINT"), ("report", "DOUBLE"), ("dp_report", "BIGINT")]
+USER_COLUMNS = [("dp_user", pa.int64()), ("dp_slot", pa.int64()), ("report", pa.float64()), ("dp_report", pa.int64())]
 
 
 def _user_columns(release) -> dict[str, pa.Array]:

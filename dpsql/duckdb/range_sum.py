@@ -49,6 +49,7 @@ Error bars come from the connection's last few releases (see
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import numpy as np
@@ -65,20 +66,19 @@ from dpsql.duckdb._machinery import (
     install_stream_release,
     params_struct,
     parse_params,
-    planned,
     publish_ordered,
     quote_ident,
-    quote_literal,
     read_ordered,
     require_columns,
     require_numeric,
     resolve_source,
-    unnest_sql,
 )
 from dpsql.errors import InvalidParameter
 from dpsql.release import _quantile_multiplier
 
 THRESHOLD_METHOD = "threshold"
+THRESHOLD_SCHEMA = pa.schema([("threshold", pa.float64()), ("epsilon", pa.float64()), ("delta", pa.float64()),
+                              (RELEASE_COLUMN, pa.string())])
 #: The core threshold method's parameter that SQL calls ``method``.
 ESTIMATOR = "estimator"
 
@@ -156,24 +156,17 @@ def _install_threshold(context: Context) -> None:
         params = parse_params(params_json)
         if method is not None:
             params[ESTIMATOR] = method
-        token = str(context.next_id())
-        context.plans[token] = Plan(source=source, value_col=value_col, order_col=None, partition_by=None,
-                                    method=THRESHOLD_METHOD, params=params,
-                                    note=f"duckdb dp_threshold({table!r}, {value_col!r})")
-        return unnest_sql(f"dp__run_threshold({quote_literal(token)})", [],
-                          [("threshold", "DOUBLE", "threshold"), ("epsilon", "DOUBLE", "epsilon"),
-                           ("delta", "DOUBLE", "delta"), (RELEASE_COLUMN, "VARCHAR", RELEASE_COLUMN)])
+        release = Plan(source=source, value_col=value_col, order_col=None, partition_by=None,
+                       method=THRESHOLD_METHOD, params=params, note=f"duckdb dp_threshold({table!r}, {value_col!r})")
+        return context.result_query(THRESHOLD_SCHEMA, functools.partial(run, release))
 
-    def run(token):
-        plan = planned(context, token)
+    def run(plan: Plan) -> pa.Table:
         release = publish_ordered(context, plan, read_ordered(context, plan))
         threshold = release.threshold if release.threshold is not None else float(release.values[0])
-        return context.hold({}, {"threshold": pa.array([threshold]), "epsilon": pa.array([release.epsilon]),
-                                 "delta": pa.array([release.delta]),
-                                 RELEASE_COLUMN: pa.array([release.release_id], pa.string())})
+        return pa.Table.from_pylist([{"threshold": threshold, "epsilon": release.epsilon, "delta": release.delta,
+                                      RELEASE_COLUMN: release.release_id}], schema=THRESHOLD_SCHEMA)
 
     context.udf("dp__plan_threshold", plan, ["VARCHAR"] * 4, "VARCHAR")
-    context.udf("dp__run_threshold", run, ["VARCHAR"], "BIGINT")
     defaults = ", ".join(f"{quote_ident(n)} := NULL" for n in names)
     context.macro(f"dp_threshold(tbl, value_col, method := 'nm', {defaults}) "
                   f"AS TABLE FROM query(dp__plan_threshold(tbl, value_col, method, {params_struct(names)}))")
