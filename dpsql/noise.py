@@ -41,6 +41,7 @@ import contextlib
 import math
 import os
 import threading
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -158,7 +159,9 @@ class SystemNoise(NoiseSource):
 
     :meth:`prefetch` reads words ahead on a background thread, e.g. while an engine is
     still handing over the rows the noise is for. Read-ahead words are OS CSPRNG output
-    like any other, kept in memory only until drawn, and each is handed out once.
+    like any other, kept in memory only until drawn, and each is handed out once: a
+    forked child forgets the words its parent read ahead (it would otherwise hand out
+    the same ones) and the threads it did not inherit.
     """
 
     private = True
@@ -167,9 +170,13 @@ class SystemNoise(NoiseSource):
     _pool_lock = threading.Lock()
 
     def __init__(self):
+        self._forget_read_ahead()
+        _SYSTEM_SOURCES.add(self)
+
+    def _forget_read_ahead(self) -> None:
         self._lock = threading.Lock()
         self._ready: deque[np.ndarray] = deque()
-        self._pending: deque[Future] = deque()
+        self._pending: deque[tuple[int, Future]] = deque()
         self._reserved = 0
 
     def words(self, n: int) -> np.ndarray:
@@ -179,7 +186,12 @@ class SystemNoise(NoiseSource):
         with self._lock:
             while n and (self._ready or self._pending):
                 if not self._ready:
-                    self._ready.append(self._pending.popleft().result())
+                    size, future = self._pending.popleft()
+                    try:
+                        self._ready.append(future.result())
+                    except BaseException:
+                        self._reserved -= size
+                        raise
                 head = self._ready.popleft()
                 if len(head) > n:
                     self._ready.appendleft(head[n:])
@@ -197,7 +209,7 @@ class SystemNoise(NoiseSource):
             reader = self._executor("_reader", 1) if count > 0 else None
             for start in range(0, max(count, 0), _PREFETCH_PIECE):
                 size = min(_PREFETCH_PIECE, count - start)
-                self._pending.append(reader.submit(_urandom_words, size))
+                self._pending.append((size, reader.submit(_urandom_words, size)))
                 self._reserved += size
 
     def _parallel(self, size: int, fill) -> None:
@@ -226,6 +238,19 @@ def _share(scale: float | np.ndarray, *where) -> float | np.ndarray:
 
 def _urandom_words(n: int) -> np.ndarray:
     return np.frombuffer(os.urandom(8 * n), dtype=np.uint64)
+
+
+_SYSTEM_SOURCES: weakref.WeakSet[SystemNoise] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    SystemNoise._pool = SystemNoise._reader = None
+    SystemNoise._pool_lock = threading.Lock()
+    for source in list(_SYSTEM_SOURCES):
+        source._forget_read_ahead()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class SeededNoise(NoiseSource):

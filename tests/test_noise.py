@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import os
 
 import numpy as np
 import pytest
@@ -235,3 +236,30 @@ def test_prefetch_is_a_hint_seeded_sources_ignore():
         source.prefetch(1000)
         b = source.discrete_laplace(3.0, 50)
     np.testing.assert_array_equal(a, b)
+
+
+def test_a_forked_child_never_hands_out_its_parents_read_ahead_words():
+    """Review finding: a child inherited the reservoir and drew the parent's words."""
+    source = noise.SystemNoise()
+    source.prefetch(1 << 12)
+    source.words(1)  # wait for the read-ahead to arrive, so the child inherits ready words
+    source.prefetch(1 << 22)  # and a read still pending at the fork: the child must not wait for it
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            os.write(write, source.words(64).tobytes())
+        finally:
+            os._exit(0)
+    os.close(write)
+    child = b""
+    while len(child) < 64 * 8:
+        piece = os.read(read, 64 * 8)
+        if not piece:
+            break
+        child += piece
+    os.waitpid(pid, 0)
+    os.close(read)
+    parent = source.words(64)
+    assert len(child) == 64 * 8
+    assert not set(np.frombuffer(child, dtype=np.uint64).tolist()) & set(parent.tolist())

@@ -220,3 +220,25 @@ def test_draws_ahead_are_the_draws_the_next_chunk_makes(consistency):
         ahead, before = machine.draws_ahead(), source.drawn
         machine.feed(np.ones(min(machine.chunk_rows, machine.n - machine._rows)))
         assert source.drawn - before == ahead > 0
+
+
+@pytest.mark.parametrize("smoother", ["recent", "mean", "moving", "exponential", "median", "none"])
+def test_every_smoother_accepts_pieces_that_complete_no_block(smoother):
+    """The online contract: feeding row by row (most pieces complete no block) gives the
+    release fed whole; and a batched chunk shorter than a block works (review finding)."""
+    values = np.linspace(0.0, 10.0, 700)
+    with dpsql.testing.seeded(8) as source:
+        machine = HierarchyStream(700, epsilon=0.5, upper=10.0, r=512, fanout=4, depth=2, smoother=smoother,
+                                  noise=source)
+        whole = np.concatenate([machine.feed(values), machine.close()])
+    with dpsql.testing.seeded(8) as source:
+        machine = HierarchyStream(700, epsilon=0.5, upper=10.0, r=512, fanout=4, depth=2, smoother=smoother,
+                                  noise=source)
+        pieces = np.concatenate([*(machine.feed(values[i:i + 1]) for i in range(700)), machine.close()])
+    np.testing.assert_allclose(pieces, whole, rtol=1e-9, atol=1e-9)
+    offsets = np.arange(0, 5 * 20_000 + 1, 20_000)
+    rng = np.random.default_rng(0)
+    with dpsql.testing.seeded(9):
+        release = dpsql.api.publish("tops", rng.uniform(0, 1000, offsets[-1]), partition_offsets=offsets,
+                                    epsilon=0.01, upper=1000.0, smoother=smoother, r=5000)
+    assert len(release.values) == offsets[-1]
