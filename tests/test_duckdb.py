@@ -414,7 +414,17 @@ def test_keys_are_checked_across_batch_boundaries(con, budget, monkeypatch):
     assert isinstance(error, InvalidTimeKey) and str(error).startswith("order column 'ts' has duplicate value 9;")
     error = _refusal(con, base.format("nullpart", ", partition_by := 'g'"))
     assert isinstance(error, InvalidTimeKey) and "partition column 'g' contains NULL" in str(error)
+    con.execute("CREATE TABLE pdup AS SELECT range % 5 AS ts, range // 5 AS g, 1.0 AS v FROM range(20) "
+                "UNION ALL SELECT 4, 2, 2.0")
+    error = _refusal(con, base.format("pdup", ", partition_by := 'g'"))
+    assert str(error).startswith("order column 'ts' has duplicate value 4 within a partition of 'g'")
     assert budget.history().height == 0
+    # the same time key ending one partition and starting the next, in two batches: fine
+    con.execute("CREATE TABLE pedge AS SELECT CASE WHEN range < 5 THEN range ELSE range - 1 END AS ts, "
+                "range // 5 AS g, 1.0 AS v FROM range(10)")
+    with dpsql.testing.seeded(0):
+        out = con.sql(base.format("pedge", ", partition_by := 'g'")).pl()
+    assert out["ts"].to_list() == [0, 1, 2, 3, 4, 4, 5, 6, 7, 8]
 
 
 def test_partitions_are_split_correctly_across_batches(con, monkeypatch):

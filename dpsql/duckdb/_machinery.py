@@ -493,47 +493,56 @@ def read_ordered(context: Context, plan: Plan) -> Ordered:
 
 
 class _KeyChecker:
-    """Validates sorted key batches, remembering the previous batch's last keys."""
+    """Validates sorted key batches with Arrow compute (no per-row Python, no boolean
+    arrays unpacked to numpy), remembering the previous batch's last keys."""
 
     def __init__(self, order_col: str | None, partition_by: str | None):
         self.order_col = order_col
         self.partition_by = partition_by
         self.last: dict[str, pa.Scalar] = {}
 
-    def _changes(self, batch: pa.RecordBatch, column: str) -> np.ndarray:
-        """Per row: does ``column`` differ from the row before? The first row of the
-        stream has no row before and counts as unchanged."""
-        current = batch.column(column)
+    def _continues(self, column: str, current: pa.Array) -> bool | None:
+        """Does the batch's first row repeat the previous batch's last value of ``column``?
+        None at the start of the stream. Remembers this batch's last value."""
         previous = self.last.get(column)
         self.last[column] = current[len(current) - 1]
-        inner = pc.not_equal(current.slice(1), current.slice(0, len(current) - 1)).to_numpy(zero_copy_only=False)
-        first = previous is not None and previous != current[0]
-        return np.concatenate([[first], inner])
+        return None if previous is None else previous == current[0]
 
     def check(self, batch: pa.RecordBatch) -> np.ndarray:
         """Validate one batch; return the in-batch row indices where a new partition starts."""
-        if batch.num_rows == 0:
-            return np.zeros(0, dtype=np.int64)
-        new_partition = np.zeros(batch.num_rows, dtype=bool)
+        n = batch.num_rows
+        starts = np.zeros(0, dtype=np.int64)
+        if n == 0:
+            return starts
+        same_partition, first_in_partition = None, False
         if self.partition_by is not None:
-            if batch.column(self.partition_by).null_count:
+            keys = batch.column(self.partition_by)
+            if keys.null_count:
                 raise InvalidTimeKey(f"partition column {self.partition_by!r} contains NULL values; "
                                      "every row needs a partition key")
-            new_partition = self._changes(batch, self.partition_by)
+            same_partition = pc.equal(keys.slice(1), keys.slice(0, n - 1))
+            starts = pc.indices_nonzero(pc.invert(same_partition)).to_numpy().astype(np.int64) + 1
+            if self._continues(self.partition_by, keys) is False:
+                starts = np.concatenate([[0], starts])
+                first_in_partition = True
         if self.order_col is not None:
-            nulls = batch.column(self.order_col).null_count
+            times = batch.column(self.order_col)
+            nulls = times.null_count
             if nulls:
                 raise InvalidTimeKey(f"order column {self.order_col!r} contains {nulls} NULL value(s)"
                                      f"{self._where()}; every row needs a time key")
-            first_of_stream = self.order_col not in self.last
-            duplicated = ~self._changes(batch, self.order_col) & ~new_partition
-            duplicated[0] &= not first_of_stream
-            if duplicated.any():
-                row = int(np.flatnonzero(duplicated)[0])
-                raise InvalidTimeKey(f"order column {self.order_col!r} has duplicate value "
-                                     f"{batch.column(self.order_col)[row].as_py()!r}{self._where()}; time keys "
-                                     "must be unique within a partition")
-        return np.flatnonzero(new_partition)
+            repeats = pc.equal(times.slice(1), times.slice(0, n - 1))
+            if same_partition is not None:
+                repeats = pc.and_(repeats, same_partition)
+            if self._continues(self.order_col, times) and not first_in_partition:
+                self._duplicate(times, 0)
+            if n > 1 and pc.any(repeats).as_py():
+                self._duplicate(times, pc.indices_nonzero(repeats)[0].as_py() + 1)
+        return starts
+
+    def _duplicate(self, times: pa.Array, row: int):
+        raise InvalidTimeKey(f"order column {self.order_col!r} has duplicate value {times[row].as_py()!r}"
+                             f"{self._where()}; time keys must be unique within a partition")
 
     def _where(self) -> str:
         return f" within a partition of {self.partition_by!r}" if self.partition_by else ""
