@@ -91,14 +91,6 @@ def machine_for(method: str, n: int, source: noise.NoiseSource, params: dict) ->
     return factory(n, noise=source, **params)
 
 
-def rows_independent(method: str) -> bool:
-    """Whether ``method`` releases every row on its own (one noise draw per row, see
-    :attr:`dpsql.release.StreamMachine.rows_independent`); False for unknown methods."""
-    from dpsql import streams  # noqa: F401  (registers the methods)
-
-    return bool(getattr(METHODS.get(method), "rows_independent", False))
-
-
 def publish(method: str, values, *, budget: Budget | None = None, column: str = "values",
             partition_offsets: Sequence[int] | None = None, partition_levels: Sequence[int] | None = None,
             note: str | None = None, **params) -> Release | PartitionedRelease:

@@ -470,13 +470,8 @@ def read_ordered(context: Context, plan: Plan) -> Ordered:
         chunks: dict[str, list] = {c: [] for c in [*key_cols, plan.value_col]}
         boundaries = [np.zeros(1, dtype=np.int64)]
         checker = _KeyChecker(plan.order_col, plan.partition_by)
-        # A method drawing one word per row gets them read on the other core while DuckDB
-        # still exports the sorted rows (the sort itself keeps both cores busy).
-        read_ahead = api.rows_independent(plan.method)
         seen = 0
         for batch in reader:
-            if read_ahead:
-                noise.current().prefetch(batch.num_rows)
             for c in chunks:
                 chunks[c].append(batch.column(c))
             boundaries.append(checker.check(batch) + seen)
