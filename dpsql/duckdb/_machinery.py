@@ -83,6 +83,8 @@ NUMERIC_TYPES = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYIN
 #: Rows per Arrow batch of the ordered scan: large enough that per-batch Python work
 #: is negligible, small enough to keep the validation in cache-friendly pieces.
 BATCH_ROWS = 1 << 20
+#: Rows per batch of a result stream handed to DuckDB.
+SCAN_BATCH_ROWS = 1 << 16
 #: How many releases' error models a connection keeps (bounded memory).
 KEEP_ERROR_MODELS = 32
 #: Result sources registered per connection (``dp__result_0`` ...): the most dpsql macro
@@ -337,7 +339,11 @@ class ResultSlot:
     def __arrow_c_stream__(self, requested_schema=None):
         if self._run is None:
             raise InvalidParameter(f"{self.name} holds the results of dpsql's table macros; call a dp_ macro")
-        return self._run().__arrow_c_stream__(requested_schema)
+        table = self._run()
+        # DuckDB scans a stream on one thread; batches of 2^16 rows (zero-copy slices) scan
+        # about 10 % faster than the 2^20-row batches of the ordered read.
+        return pa.RecordBatchReader.from_batches(table.schema, table.to_batches(max_chunksize=SCAN_BATCH_ROWS)
+                                                 ).__arrow_c_stream__(requested_schema)
 
 
 def install_result_slots(context: Context) -> None:
