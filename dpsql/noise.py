@@ -47,6 +47,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from dpsql.errors import InvalidParameter
+
 _TWO_POW_M53 = 2.0**-53
 _MASK53 = np.uint64((1 << 53) - 1)
 # Uniforms below 2^-20 (53-bit grid values below 2^33) get 53 more bits; see the module docstring.
@@ -55,6 +57,10 @@ _SIGN_BIT = np.uint64(1 << 63)
 #: Every uniform the discrete Laplace draw inverts is at least ``2^-106`` (a refined
 #: one's smallest value), so every draw has ``|Z| <= scale * MAX_NEG_LOG_UNIFORM``.
 MAX_NEG_LOG_UNIFORM = 106 * math.log(2)
+#: The largest scale :meth:`NoiseSource.discrete_laplace` accepts: up to it every integer
+#: magnitude is reachable (see "Resolution of U" above); beyond it, which outputs are
+#: unreachable would depend on the input the noise is added to.
+MAX_SCALE = 2.0**33
 # Words drawn per os.urandom call: large enough to amortise the syscall, small enough
 # that the piece and its temporaries stay in L2 cache while it is turned into noise
 # (2^18 words ran twice as slow: every temporary went through memory).
@@ -93,11 +99,12 @@ class NoiseSource:
         ``scale = 0`` returns zeros. ``scale`` may also be an array of ``size`` scales, one
         per draw (partitions with their own lattices in one call): draw ``i`` then has scale
         ``scale[i]``, from the same words and arithmetic (elementwise) as a scalar scale.
+        Scales above :data:`MAX_SCALE` are refused (:class:`~dpsql.errors.InvalidParameter`).
         """
         if np.ndim(scale):
             scale = np.asarray(scale, dtype=np.float64)
-            if scale.shape != (size,) or not np.all((scale >= 0) & np.isfinite(scale)):
-                raise ValueError(f"discrete_laplace scales must be {size} non-negative finite values")
+            if scale.shape != (size,) or not np.all((scale >= 0) & (scale <= MAX_SCALE)):
+                raise InvalidParameter(f"discrete_laplace scales must be {size} values in [0, 2**33]")
             positive = scale > 0
             if not positive.all():
                 out = np.zeros(size, dtype=np.int64)
@@ -105,8 +112,9 @@ class NoiseSource:
                 return out
         elif scale == 0:
             return np.zeros(size, dtype=np.int64)
-        elif not (scale > 0 and np.isfinite(scale)):
-            raise ValueError(f"discrete_laplace scale must be positive and finite, got {scale!r}")
+        elif not 0 < scale <= MAX_SCALE:
+            raise InvalidParameter(f"discrete_laplace scale must be in (0, 2**33] (the sampler's resolution "
+                                   f"limit), got {scale!r}")
         out = np.empty(size, dtype=np.int64)
         self._parallel(size, lambda a, b: self._discrete_laplace_into(_share(scale, a, b), out[a:b]))
         return out

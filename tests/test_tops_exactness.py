@@ -55,9 +55,9 @@ def test_contenders_keep_every_score_that_an_extreme_draw_can_lift_to_a_tie():
     assert far.tolist() == [1, 2]
 
 
-def test_contenders_keep_everything_when_noisy_scores_would_round():
-    assert contenders(np.array([2.0**53, 0.0, -(2.0**60)]), 1.0).tolist() == [0, 1, 2]
-    assert contenders(np.array([np.nan, 0.0, -1e9]), 1.0).tolist() == [0, 1, 2]
+def test_contenders_prune_int64_units_exactly_at_any_magnitude():
+    top = 2**60 + 1  # beyond 2**53 a float could not tell it from 2**60
+    assert contenders(np.array([top, 2**60, top - 148, top - 149], dtype=np.int64), 1.0).tolist() == [0, 1, 2]
     assert contenders(np.array([5.0, 5.0, -1e9]), 0.0).tolist() == [0, 1]  # no noise: the maxima
 
 

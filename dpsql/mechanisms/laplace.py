@@ -13,6 +13,13 @@ neighbouring values by at most ``gamma / 2``, so ``|k - k'| <= ceil(s / gamma) +
 The price of rounding is a noise scale larger by the factor ``s_units * gamma / s``,
 at most ``1 + 2**(1 - LATTICE_BITS)`` (0.05 %), and a deterministic rounding error of
 at most ``gamma / 2`` per value.
+
+Limits (refused with :class:`~dpsql.errors.InvalidParameter`, before anything is drawn or
+charged): a scale above ``2**33`` units (:data:`dpsql.noise.MAX_SCALE`, the sampler's
+resolution limit), i.e. ``epsilon < s_units * 2**-33`` (about ``4.8e-7`` per unit of
+sensitivity); and a release of values so large that ``|k| + b >= 2**53``, ``b`` the
+largest possible draw, where ``gamma * (k + Z)`` would no longer be the exact lattice
+point in float64.
 """
 
 from __future__ import annotations
@@ -24,9 +31,30 @@ from fractions import Fraction
 
 import numpy as np
 
-from dpsql.noise import MAX_NEG_LOG_UNIFORM, NoiseSource
+from dpsql.errors import InvalidParameter
+from dpsql.noise import MAX_NEG_LOG_UNIFORM, MAX_SCALE, NoiseSource
 
 LATTICE_BITS = 12
+# Relative slack on the draw bound: covers the rounding of log, of MAX_NEG_LOG_UNIFORM and
+# of the product (a few ulps, ~1e-15) many times over.
+_BOUND_SLACK = 1.0 + 2.0**-40
+
+
+def draw_bound(scale_units: float) -> int:
+    """An integer ``b`` with ``|Z| <= b`` for every draw of
+    :meth:`~dpsql.noise.NoiseSource.discrete_laplace` at ``scale_units``:
+    ``scale_units * MAX_NEG_LOG_UNIFORM`` (:mod:`dpsql.noise`) rounded up with a relative slack.
+
+    >>> draw_bound(1.0), draw_bound(0.0)
+    (74, 0)
+    """
+    return math.ceil(scale_units * MAX_NEG_LOG_UNIFORM * _BOUND_SLACK)
+
+
+def largest_magnitude(units: np.ndarray) -> float:
+    """``max |units|`` (0 for no units, NaN if one is NaN): while it stays below
+    ``2**53 - draw_bound(scale)``, every ``units + Z`` is an exact float64."""
+    return float(max(units.max(), -units.min())) if units.size else 0.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +91,11 @@ class LaplaceLattice:
             units = sensitivity_units / self.epsilon
             if Fraction(units) * Fraction(self.epsilon) < sensitivity_units:
                 units = math.nextafter(units, math.inf)  # the scale must never round below s_units / eps
+            if not units <= MAX_SCALE:
+                raise InvalidParameter(
+                    f"epsilon={self.epsilon!r} is too small for sensitivity {self.sensitivity!r}: the noise scale "
+                    f"would exceed 2**33 lattice units, beyond which the sampler cannot reach every value; the "
+                    f"smallest epsilon allowed for this sensitivity is {sensitivity_units / MAX_SCALE!r}")
         else:
             gamma, units = 1.0, 0.0
         object.__setattr__(self, "granularity", gamma)
@@ -97,16 +130,21 @@ class LaplaceLattice:
         """``values`` plus independent noise, each on the lattice: ``eps``-DP per
         coordinate for sensitivity ``s`` in that coordinate.
 
-        Bit-identical to ``from_units(to_units(values) + noise_units(noise, size))``, but
-        computed in float64 in place when every possible draw is an exact float: then
-        ``rint(values / gamma)`` is an integral float ``k``, adding the draw ``z`` rounds
-        the exact integer ``k + z`` once to nearest, as the int64 path's conversion back
-        to float does, and multiplying by the power of two ``gamma`` is exact in both.
-        A draw of :meth:`~dpsql.noise.NoiseSource.discrete_laplace` has
-        ``|z| <= scale * MAX_NEG_LOG_UNIFORM`` (``106 ln 2``, see :mod:`dpsql.noise`); the
-        float path is taken while that bound stays below ``2**52`` (a factor 2 of margin
-        over ``2**53`` for the rounding of the bound itself), i.e. unless epsilon is
-        below about 1e-10.
+        Equal to ``from_units(to_units(values) + noise_units(noise, size))``, computed in
+        float64 in place: ``rint(values / gamma)`` is an integral float ``k``, and while
+        ``|k| + b < 2**53`` for the largest possible draw ``b`` (:func:`draw_bound`) the
+        sum ``k + z`` is an exact float and multiplying it by the power of two ``gamma``
+        is exact. Values beyond that are refused (:class:`~dpsql.errors.InvalidParameter`,
+        naming the magnitude): no float64 result could be the exact lattice point.
+
+        Examples
+        --------
+        >>> import dpsql
+        >>> lap = LaplaceLattice(sensitivity=1.0, epsilon=1.0)
+        >>> lap.release(np.array([2.0**41]), dpsql.noise.SeededNoise(0))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        dpsql.errors.InvalidParameter: values of magnitude 2**53.0 lattice units ...
         """
         units = np.rint(np.asarray(values, dtype=np.float64) / self.granularity)
         draws = self.noise_units(noise, units.size).reshape(units.shape)
@@ -164,10 +202,14 @@ class LatticeBatch:
 
 
 def _add_draws(units: np.ndarray, draws: np.ndarray, gamma, largest_scale_units: float) -> np.ndarray:
-    """``gamma * (units + draws)`` for integral float ``units`` (overwritten), in float64 when
-    every possible draw keeps the sum exact (see :meth:`LaplaceLattice.release`), else via int64."""
-    if largest_scale_units * MAX_NEG_LOG_UNIFORM >= 2.0**52:
-        return (units.astype(np.int64) + draws).astype(np.float64) * gamma
+    """``gamma * (units + draws)`` for integral float ``units`` (overwritten), exact in float64;
+    refused where it could not be (see :meth:`LaplaceLattice.release`)."""
+    largest = largest_magnitude(units)
+    if not largest + draw_bound(largest_scale_units) < 2.0**53:
+        raise InvalidParameter(
+            f"values of magnitude 2**{math.log2(largest):.1f} lattice units cannot carry lattice noise exactly in "
+            f"float64 (values plus noise must stay below 2**53 units): shift the data closer to 0 (subtract a "
+            f"public offset, then pass lower and upper for the shifted values)")
     units += draws
     units *= gamma
     return units

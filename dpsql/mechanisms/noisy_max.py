@@ -4,6 +4,12 @@ Privacy cost: ``epsilon``-DP (pure) for scores whose sensitivity is ``sensitivit
 When every score moves in the same direction on a neighbouring input
 (``monotonic=True``) the noise scale is ``sensitivity / epsilon``; otherwise it is
 ``2 * sensitivity / epsilon`` (Dwork & Roth, Claim 3.9). Only the index is released.
+
+Exactness: the argmax is taken over int64 lattice units ``k_i + Z_i`` (no float rounding
+at any magnitude). Float scores given by a caller are refused when they reach ``2**53``
+lattice units with the noise: beyond that their own float rounding may move a score by
+more than its sensitivity. ToPS's scores are formed in lattice units directly, exactly
+(see :func:`nm_score_units`), so they have no such limit.
 """
 
 from __future__ import annotations
@@ -13,12 +19,9 @@ import math
 
 import numpy as np
 
-from dpsql.mechanisms.laplace import LaplaceLattice
-from dpsql.noise import MAX_NEG_LOG_UNIFORM, NoiseSource
-
-# Relative slack on the draw bound: covers the rounding of log, of MAX_NEG_LOG_UNIFORM and
-# of the product (a few ulps, ~1e-15) many times over.
-_BOUND_SLACK = 1.0 + 2.0**-40
+from dpsql.errors import InvalidParameter
+from dpsql.mechanisms.laplace import LaplaceLattice, draw_bound, largest_magnitude
+from dpsql.noise import NoiseSource
 
 
 def report_noisy_max(scores: np.ndarray, *, epsilon: float, noise: NoiseSource,
@@ -49,7 +52,9 @@ def report_noisy_max_rows(scores: np.ndarray, *, epsilon: float, noise: NoiseSou
 
     Each row's index has exactly the distribution :func:`report_noisy_max` gives it alone
     (same lattice, same contenders, i.i.d. draws); the draws of all rows' contenders come
-    from one sampler call, row after row. Scores must not be NaN.
+    from one sampler call, row after row. Scores must be finite and, with the largest
+    possible draw, below ``2**53`` lattice units in magnitude
+    (:class:`~dpsql.errors.InvalidParameter` otherwise; see the module docstring).
 
     Examples
     --------
@@ -59,8 +64,17 @@ def report_noisy_max_rows(scores: np.ndarray, *, epsilon: float, noise: NoiseSou
     array([1, 0])
     """
     lap = noisy_max_lattice(epsilon, sensitivity=sensitivity, monotonic=monotonic)
-    alive, alive_units = _lattice_contenders(scores, lap)
-    return _noisy_argmax(alive_units, alive, np.shape(scores), lap, noise)
+    units = np.rint(np.asarray(scores, dtype=np.float64) / lap.granularity)
+    largest = largest_magnitude(units)
+    if not largest + draw_bound(lap.scale_units) < 2.0**53:
+        raise InvalidParameter(
+            f"report_noisy_max scores must be finite and, noise included, below 2**53 lattice units "
+            f"({2.0**53 * lap.granularity:g} at sensitivity {sensitivity!r}), got magnitude "
+            f"{largest * lap.granularity:g}: beyond that float scores cannot keep their sensitivity; subtract a "
+            f"common public offset")
+    units = units.astype(np.int64)
+    alive = contenders(units, lap.scale_units)
+    return _noisy_argmax(units.ravel()[alive], alive, units.shape, lap, noise)
 
 
 def noisy_max_lattice(epsilon: float, *, sensitivity: float = 1.0, monotonic: bool = True) -> LaplaceLattice:
@@ -70,24 +84,14 @@ def noisy_max_lattice(epsilon: float, *, sensitivity: float = 1.0, monotonic: bo
     return LaplaceLattice(sensitivity=sensitivity, epsilon=epsilon if monotonic else epsilon / 2)
 
 
-def _lattice_contenders(scores: np.ndarray, lap: LaplaceLattice) -> tuple[np.ndarray, np.ndarray]:
-    """The :func:`contenders` of every row of the 2-D ``scores`` (flat indices) and their
-    scores on ``lap``'s lattice."""
-    units = np.rint(np.asarray(scores, dtype=np.float64) / lap.granularity)
-    alive = contenders(units, lap.scale_units)
-    return alive, units.ravel()[alive]
-
-
 def _noisy_argmax(alive_units: np.ndarray, alive: np.ndarray, shape: tuple[int, int], lap: LaplaceLattice,
                   noise: NoiseSource) -> np.ndarray:
     """Per row of a ``shape`` array of scores, the index of the first largest noisy score among
     the contenders ``alive`` (flat, row-major, each row's maximum among them) whose scores on
-    the lattice are ``alive_units``: one sampler call for all rows. The draws are those
-    ``lap.release`` adds to the contenders' scores (``alive_units * gamma`` is a lattice
-    point, which it rounds back to ``alive_units`` exactly)."""
-    noisy = lap.release(alive_units * lap.granularity, noise)
-    if np.isnan(noisy).any():
-        raise ValueError("report_noisy_max scores must not be NaN")
+    the lattice are the int64 ``alive_units`` (magnitudes below ``2**62``): one sampler call
+    for all rows, drawn as ``lap.release`` draws them. ``alive_units + Z`` is exact in int64
+    (``|Z| < 2**40`` at the largest scale allowed)."""
+    noisy = alive_units + lap.noise_units(noise, alive.size)
     row_starts = np.arange(shape[0]) * shape[1]
     starts = np.searchsorted(alive, row_starts)
     return alive[_first_argmax(noisy, starts)] - row_starts
@@ -104,12 +108,10 @@ def _first_argmax(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
 def contenders(units: np.ndarray, scale_units: float) -> np.ndarray:
     """Indices of the scores that can be Report-Noisy-Max's answer, in increasing order.
 
-    ``units`` are the scores rounded to the lattice (integral floats), the values
-    :meth:`~dpsql.mechanisms.laplace.LaplaceLattice.release` adds integer draws to, and
-    ``scale_units`` the draws' scale. Every draw of
-    :meth:`~dpsql.noise.NoiseSource.discrete_laplace` satisfies
-    ``|Z| <= b = scale_units * MAX_NEG_LOG_UNIFORM`` (:mod:`dpsql.noise`); ``bound`` below is
-    ``b`` rounded up with a relative slack. If ``k_i < max_j k_j - 2 bound`` then
+    ``units`` are the scores in lattice units (integers: int64, or integral floats below
+    ``2**53``), the values integer draws are added to, and ``scale_units`` the draws' scale.
+    Every draw of :meth:`~dpsql.noise.NoiseSource.discrete_laplace` satisfies
+    ``|Z| <= bound`` (:func:`~dpsql.mechanisms.laplace.draw_bound`). If ``k_i < max_j k_j - 2 bound`` then
     ``k_i + Z_i <= k_i + bound < k_max - bound <= k_max + Z_max`` for *every* outcome of the
     noise: candidate ``i`` is strictly below another one, so it is never the (first) argmax.
     The argmax over the others, taken in their original order (so ties still go to the first
@@ -117,27 +119,24 @@ def contenders(units: np.ndarray, scale_units: float) -> np.ndarray:
     depends only on the others' draws, which are i.i.d. exactly as before: drawing noise for
     the contenders only leaves the output distribution unchanged, exactly.
 
-    The argument needs every noisy value ``k_i + Z_i`` exact in float64 (no rounding that
-    could turn a strict inequality into a tie): when ``max |k| + bound`` reaches ``2**53``
-    (or a score is not finite) every index is returned. A 2-D ``units`` holds independent
-    rows (one per partition): each row is pruned on its own and the flat (row-major)
-    indices are returned.
+    The argument needs every noisy value ``k_i + Z_i`` computed exactly (no rounding that
+    could turn a strict inequality into a tie), as :func:`report_noisy_max_rows` computes
+    them (int64). A 2-D ``units`` holds independent rows (one per partition): each row is
+    pruned on its own and the flat (row-major) indices are returned.
 
     Examples
     --------
-    >>> contenders(np.array([0.0, 1000.0, 990.0, 700.0]), 1.0)  # bound 74: keep >= 1000 - 148
+    >>> contenders(np.array([0, 1000, 990, 700]), 1.0)  # bound 74: keep >= 1000 - 148
     array([1, 2])
-    >>> contenders(np.array([0.0, 1000.0]), 10.0)  # bound 735: both can win
+    >>> contenders(np.array([0, 1000]), 10.0)  # bound 735: both can win
     array([0, 1])
-    >>> contenders(np.array([[0.0, 1000.0, 990.0, 700.0], [5.0, 0.0, 0.0, 0.0]]), 1.0)
+    >>> contenders(np.array([[0, 1000, 990, 700], [5, 0, 0, 0]]), 1.0)
     array([1, 2, 4, 5, 6, 7])
     """
-    bound = math.ceil(scale_units * MAX_NEG_LOG_UNIFORM * _BOUND_SLACK)
     if not units.size:
         return np.arange(units.size)
     top = units.max(axis=-1, keepdims=True)
-    exact = np.maximum(top, -units.min(axis=-1, keepdims=True)) + bound < 2.0**53  # max |units|, one pass fewer
-    return np.flatnonzero((units >= top - 2 * bound) | ~exact)
+    return np.flatnonzero(units >= top - 2 * draw_bound(scale_units))
 
 
 #: ``levels_for_nm`` choices: the paper's ``log_fanout(r)`` or the reference code's ``int(log_fanout r) + 1``.
@@ -213,6 +212,49 @@ def nm_scores(holdout: np.ndarray, candidates: np.ndarray, slope: float, *,
     if increasing is None:
         increasing = not np.any(candidates[1:] < candidates[:-1])
     return -slope * candidates - _count_above(holdout, candidates, increasing=increasing, is_sorted=is_sorted)
+
+
+def nm_score_units(holdout: np.ndarray, candidates: np.ndarray, slope: float, lap: LaplaceLattice, *,
+                   is_sorted: bool = True) -> np.ndarray:
+    """The Eq. 6 scores of increasing ``candidates`` in the lattice units of ``lap`` (the
+    sensitivity-1 :func:`noisy_max_lattice`), exactly (int64):
+    ``rint(-slope * theta / gamma) - m_theta / gamma``, less a public constant.
+
+    The public part ``-slope * theta`` does not depend on the data, so rounding it to the
+    lattice first is a public change of the scoring function; the private part
+    ``m_theta / gamma`` is an exact integer (``1 / gamma`` is a power of two). Replacing one
+    value moves every score by at most ``1 / gamma`` units, all in the same direction: the
+    sensitivity is exactly 1 (``1 / gamma`` units, within the ``1 / gamma + 1`` units
+    ``lap``'s scale is calibrated for) and the scores are monotone, at any magnitude. Report-Noisy-Max over these units
+    has exactly the distribution of the ideal mechanism on the rounded scores, at the same
+    privacy cost. For ordinary magnitudes (scores below ``2**53`` units) they are the
+    float scores of :func:`nm_scores` rounded to the lattice, but for double rounding at
+    exact ties, and the noisy argmax is the same.
+
+    The public parts are taken relative to the largest one (a constant shift, which no
+    argmax sees) and raised to at most ``m / gamma + 2 b + 1`` units below it (``m`` the
+    hold-out length, ``b`` the largest draw): a candidate that low scores below
+    ``-m / gamma - 2 b`` whatever the data, where the candidate with the largest public part
+    scores at least ``-m / gamma``, so it is never a :func:`contenders` member either way.
+    All units therefore stay small whatever ``slope`` and ``upper``, and int64 is exact.
+
+    >>> lap = noisy_max_lattice(1.0)  # 4096 units per score unit
+    >>> nm_score_units(np.array([1., 1, 2, 2, 3, 3, 4, 5, 9, 20]), np.array([3., 4, 5, 6, 9]), 0.5, lap) / 4096
+    array([-4. , -3.5, -3. , -3.5, -4. ])
+    >>> nm_scores(np.array([1., 1, 2, 2, 3, 3, 4, 5, 9, 20]), np.array([3., 4, 5, 6, 9]), 0.5) + 0.5 * 3
+    array([-4. , -3.5, -3. , -3.5, -4. ])
+    """
+    inverse_gamma = round(1.0 / lap.granularity)
+    public = np.rint(-slope * candidates / lap.granularity)
+    if not np.isfinite(public[0]):
+        raise InvalidParameter(f"ToPS scores overflow for candidates up to {candidates[-1]!r} at slope {slope!r}")
+    public -= public.max()
+    reach = holdout.shape[-1] * inverse_gamma + 2 * draw_bound(lap.scale_units) + 1
+    np.maximum(public, -reach, out=public)
+    units = _count_above(holdout, candidates, increasing=True, is_sorted=is_sorted)
+    units *= -inverse_gamma
+    units += public.astype(np.int64)
+    return units
 
 
 def _count_above(holdout: np.ndarray, candidates: np.ndarray, *, increasing: bool, is_sorted: bool) -> np.ndarray:
@@ -306,7 +348,8 @@ def nm_thresholds(holdouts: np.ndarray, *, epsilon: float, upper: float, epsilon
     Rows are scored in groups of about ``2**18`` scores (cache-sized), so memory stays
     proportional to the hold-outs and the contenders; all rows' contenders are drawn for in
     one sampler call, from words the source may read ahead while later groups are scored
-    (:meth:`~dpsql.noise.NoiseSource.prefetch`).
+    (:meth:`~dpsql.noise.NoiseSource.prefetch`). Scores are formed in lattice units exactly
+    (:func:`nm_score_units`), so the noisy argmax is exact for any ``upper`` and epsilon.
     """
     candidates = candidate_grid(upper, default_step(upper) if step is None else step)
     slope = nm_slope(holdouts.shape[1], epsilon_perturber=epsilon_perturber, r=r, fanout=fanout, c=c,
@@ -315,11 +358,11 @@ def nm_thresholds(holdouts: np.ndarray, *, epsilon: float, upper: float, epsilon
     group = max(1, _SCORES_AT_ONCE // len(candidates))
     alive, alive_units = [], []
     for a in range(0, len(holdouts), group):
-        scores = nm_scores(holdouts[a:a + group], candidates, slope, increasing=True, is_sorted=is_sorted)
-        index, units = _lattice_contenders(scores, lap)
+        units = nm_score_units(holdouts[a:a + group], candidates, slope, lap, is_sorted=is_sorted)
+        index = contenders(units, lap.scale_units)
         noise.prefetch(len(index))  # their words are read while the next group is scored
         alive.append(index + a * len(candidates))
-        alive_units.append(units)
+        alive_units.append(units.ravel()[index])
     chosen = _noisy_argmax(np.concatenate(alive_units), np.concatenate(alive), (len(holdouts), len(candidates)),
                            lap, noise)
     return candidates[chosen]

@@ -32,7 +32,7 @@ import numpy as np
 
 from dpsql import _validate
 from dpsql.errors import InvalidData, InvalidParameter
-from dpsql.noise import NoiseSource
+from dpsql.noise import MAX_SCALE, NoiseSource
 
 # The threshold is released as gamma * integer; gamma is chosen from public quantities so
 # that the integer noise scale stays at most 2**28 + 2**8 / a units even when SS = upper.
@@ -48,6 +48,9 @@ _THRESHOLD_LATTICE_BITS = 28
 # discrete and continuous Laplace agree closely (see pak_threshold's notes), while adding
 # at most 2**-19 * kappa * upper / a**2 of scale in data units.
 _SENSITIVITY_FLOOR_UNITS = 2.0**8
+# The noise scale is at most 2**28 + 2**8 / a units whatever the data (see pak_threshold's
+# notes); with 2**8 / a <= 2**32 it stays below the sampler's limit (noise.MAX_SCALE).
+_SMALLEST_EPSILON = 2 * _SENSITIVITY_FLOOR_UNITS / (MAX_SCALE / 2)
 
 
 def smooth_sensitivity_quantile(sorted_values, rank: int, *, b: float, upper: float, lower: float = 0.0) -> float:
@@ -196,6 +199,10 @@ def check_pak_threshold(*, epsilon, delta, upper, tail_p, lam, beta_lt, rho) -> 
     dpsql.errors.InvalidParameter: PAK kappa is undefined: ...
     """
     epsilon = _validate.epsilon(epsilon)
+    if epsilon < _SMALLEST_EPSILON:
+        raise InvalidParameter(f"epsilon={epsilon!r} is too small for the PAK threshold: its noise scale could "
+                               f"exceed 2**33 lattice units, the sampler's resolution limit; the smallest epsilon "
+                               f"allowed is {_SMALLEST_EPSILON!r}")
     delta = _validate.delta(delta, pure=False, method="pak")
     if delta == 0:
         raise InvalidParameter("delta must be > 0 for the PAK threshold (smooth sensitivity is (epsilon, delta)-DP)")
@@ -271,7 +278,8 @@ def pak_threshold(holdout_sorted, *, epsilon: float, delta: float, upper: float,
     exponential factor, and their normalising constants (``tanh(1 / 2s)`` against
     ``1 / 2s``) differ by a relative ``1 / (12 s**2)``, below ``a**2 2**-19`` at the scales
     used (``s >= 2**8 / a`` units); their tails differ by a factor below ``1 + a 2**-9``.
-    The scale stays below ``2**28 + 2**8 / a`` units, so the 53-bit geometric sampler of
+    The scale stays below ``2**28 + 2**8 / a`` units (below ``2**33``, the sampler's limit, for
+    the epsilons allowed, ``>= 2**-23``), so the 53-bit geometric sampler of
     :mod:`dpsql.noise` reaches every integer except in tails of mass below ``s / 2**53``.
     The NRS07 Laplace argument therefore carries over up to these factors; this is an
     approximation argument, not a separate proof. Relative float error in computing ``SS``

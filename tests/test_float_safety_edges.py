@@ -1,0 +1,143 @@
+"""Float-safety edges a privacy review found: Noisy-Max scores beyond ``2**53`` lattice units,
+noise scales beyond the sampler's resolution limit (``2**33`` units), and values too large to
+carry lattice noise exactly in float64. Refused calls charge nothing."""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import numpy as np
+import pytest
+
+import dpsql
+from dpsql import api, noise
+from dpsql.errors import InvalidParameter
+from dpsql.mechanisms import LaplaceLattice, report_noisy_max
+from dpsql.mechanisms.laplace import LatticeBatch, draw_bound
+from dpsql.mechanisms.noisy_max import candidate_grid, default_step, nm_slope, nm_thresholds, noisy_max_lattice
+from dpsql.mechanisms.smooth_sensitivity import pak_threshold
+
+# The reviewer's case: ToPS scores -slope * theta - m_theta reach 2**53 lattice units and beyond.
+UPPER, EPSILON, HOLDOUT, RANGE = 1e11, 0.01, 4096, 2**12
+SMALLEST_EPSILON_AT_SENSITIVITY_1 = 4097 / 2**33  # (ceil(1 / 2**-12) + 1) units / 2**33
+
+
+class ForcedDraws(noise.NoiseSource):
+    """Hands out the given discrete Laplace draws and records every request's size."""
+
+    def __init__(self, draws):
+        self._draws = np.asarray(draws, dtype=np.int64)
+        self.requests = []
+
+    def discrete_laplace(self, scale, size):
+        self.requests.append(size)
+        assert size == len(self._draws), "asked for draws for candidates that cannot win"
+        return self._draws
+
+
+def exact_score_units(holdout_sorted, candidates, slope, lap):
+    """Eq. 6 scores in lattice units as Python integers: the public part rounded to the lattice,
+    the count times ``1 / gamma`` exactly."""
+    public = [int(p) for p in np.rint(-slope * candidates / lap.granularity)]
+    values = holdout_sorted.tolist()
+    counts = [len(values) - bisect.bisect_right(values, float(theta)) for theta in candidates]
+    return [p - round(1 / lap.granularity) * c for p, c in zip(public, counts)]
+
+
+def re_float(x: float) -> str:
+    """``repr(x)`` as a regular expression."""
+    return repr(x).replace(".", r"\.").replace("+", r"\+")
+
+
+def budget_untouched(budget):
+    return budget.remaining == (1.0, 0.0) and budget.history().height == 0
+
+
+@pytest.mark.parametrize("pattern", ["contenders_low", "first_low", "alternating"])
+def test_tops_threshold_beyond_2_53_units_is_the_exact_integer_argmax(pattern):
+    rng = np.random.default_rng(5)
+    holdouts = np.sort(np.round(rng.uniform(0, UPPER, (3, HOLDOUT)) * rng.uniform(0, 1, (3, 1))), axis=1)
+    candidates = candidate_grid(UPPER, default_step(UPPER))
+    slope = nm_slope(HOLDOUT, epsilon_perturber=EPSILON, r=RANGE)
+    lap = noisy_max_lattice(EPSILON)
+    assert slope * UPPER / lap.granularity > 2 * 2.0**53  # the regime the review found
+    largest = math.floor(lap.scale_units * noise.MAX_NEG_LOG_UNIFORM)  # the sampler's most extreme draw
+    bound = draw_bound(lap.scale_units)
+    forced, expected = [], []
+    for holdout in holdouts:
+        units = exact_score_units(holdout, candidates, slope, lap)
+        alive = [i for i, u in enumerate(units) if u >= max(units) - 2 * bound]
+        draws = [largest] * len(units)  # candidates that get no draw: as high as a draw could lift them
+        for rank, i in enumerate(alive):
+            low = {"contenders_low": True, "first_low": rank == 0, "alternating": rank % 2 == 0}[pattern]
+            draws[i] = -largest if low else largest
+        forced += [draws[i] for i in alive]
+        noisy = [u + z for u, z in zip(units, draws)]
+        expected.append(candidates[noisy.index(max(noisy))])
+    source = ForcedDraws(forced)
+    chosen = nm_thresholds(holdouts, epsilon=EPSILON, upper=UPPER, epsilon_perturber=EPSILON, r=RANGE,
+                           noise=source)
+    np.testing.assert_array_equal(chosen, expected)
+    assert source.requests == [len(forced)]
+
+
+def test_report_noisy_max_refuses_float_scores_beyond_2_53_units():
+    with pytest.raises(InvalidParameter, match=r"below 2\*\*53 lattice units"):
+        report_noisy_max(np.array([2.0**41, 0.0]), epsilon=1.0, noise=noise.SeededNoise(0))  # 2**53 units
+    with pytest.raises(InvalidParameter, match="finite"):
+        report_noisy_max(np.array([np.nan, 0.0]), epsilon=1.0, noise=noise.SeededNoise(0))
+    # just inside the limit the argmax is taken, exactly
+    below = 2.0**41 - 2.0**-12 * (draw_bound(noisy_max_lattice(1.0).scale_units) + 1)
+    assert report_noisy_max(np.array([0.0, below]), epsilon=1.0, noise=noise.SeededNoise(0)) == 1
+
+
+@pytest.mark.parametrize("epsilon", [1e-15, 1e-7])
+def test_noise_scales_beyond_2_33_units_are_refused_and_charge_nothing(epsilon):
+    message = rf"epsilon={epsilon!r} is too small.*smallest epsilon allowed for this sensitivity is " + \
+        re_float(SMALLEST_EPSILON_AT_SENSITIVITY_1)
+    with pytest.raises(InvalidParameter, match=message):
+        LaplaceLattice(sensitivity=1.0, epsilon=epsilon)
+    with pytest.raises(InvalidParameter, match=message):
+        LatticeBatch(np.array([1.0, 1.0]), epsilon)
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    values = np.linspace(0, 1, 1000)
+    for method in ("laplace", "binary_tree", "tops"):
+        with dpsql.testing.seeded(0), pytest.raises(InvalidParameter, match="too small"):
+            api.publish(method, values, epsilon=epsilon, upper=1.0, budget=budget)
+    assert budget_untouched(budget)
+
+
+def test_the_smallest_epsilon_allowed_is_the_largest_scale_the_sampler_reaches():
+    assert LaplaceLattice(sensitivity=1.0, epsilon=SMALLEST_EPSILON_AT_SENSITIVITY_1).scale_units == 2.0**33
+    with pytest.raises(InvalidParameter):
+        LaplaceLattice(sensitivity=1.0, epsilon=math.nextafter(SMALLEST_EPSILON_AT_SENSITIVITY_1, 0))
+    with pytest.raises(InvalidParameter, match=r"2\*\*33"):
+        noise.SeededNoise(0).discrete_laplace(2.0**33 * (1 + 2.0**-52), 3)
+    with pytest.raises(InvalidParameter, match=r"2\*\*33"):
+        noise.SeededNoise(0).discrete_laplace(np.array([1.0, 2.0**34]), 2)
+    assert noise.SeededNoise(0).discrete_laplace(2.0**33, 3).dtype == np.int64
+
+
+def test_pak_threshold_refuses_epsilons_whose_scale_could_pass_the_sampler_limit():
+    holdout = np.sort(np.arange(2000.0) % 97)
+    with pytest.raises(InvalidParameter, match=r"smallest epsilon allowed is 1\.19"):
+        pak_threshold(holdout, epsilon=1e-7, delta=1e-6, upper=100.0, noise=noise.SeededNoise(0))
+    # at the smallest epsilon allowed the largest scale the threshold can draw at stays within the limit
+    epsilon = 2.0**-23
+    assert 2.0**28 + 2.0**8 / (epsilon / 2) < 2.0**33
+    assert 0 <= pak_threshold(holdout, epsilon=epsilon, delta=1e-6, upper=100.0, noise=noise.SeededNoise(0)) <= 100
+
+
+def test_values_of_2_60_lattice_units_are_refused_and_charge_nothing():
+    lap = LaplaceLattice(sensitivity=1.0, epsilon=1.0)  # 2**12 units per unit: 2**48 is 2**60 units
+    for release in (lap.release, LatticeBatch(np.array([1.0]), 1.0).release):
+        with pytest.raises(InvalidParameter, match=r"2\*\*60\.0 lattice units.*shift the data closer to 0"):
+            release(np.array([[0.0, -(2.0**48)]]), noise.SeededNoise(0))
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    with dpsql.testing.seeded(0), pytest.raises(InvalidParameter, match="shift the data closer to 0"):
+        api.publish("laplace", np.full(10, 2.0**48), epsilon=1.0, lower=2.0**48 - 1, upper=2.0**48, budget=budget)
+    assert budget_untouched(budget)
+    # the same data shifted by a public offset is released exactly
+    shifted = api.publish("laplace", np.full(10, 1.0), epsilon=1.0, lower=0.0, upper=1.0).values
+    assert np.all(np.mod(shifted, lap.granularity) == 0)
