@@ -39,6 +39,22 @@ def write_section(name: str, title: str, body: str, command: str | None = None) 
     BENCHMARKS.write_text(text)
 
 
+def interleaved(runs: dict, repeat: int, *, warm_up: bool = False) -> dict[str, list[float]]:
+    """Seconds of ``repeat`` rounds of every run of ``runs`` (name -> callable), taking
+    turns within each round so that a change in the machine's load hits them alike;
+    ``warm_up`` runs each once first, untimed."""
+    if warm_up:
+        for run in runs.values():
+            run()
+    times = {name: [] for name in runs}
+    for _ in range(repeat):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     """A GitHub markdown table; floats in compact scientific notation."""
     def fmt(x):

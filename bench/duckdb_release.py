@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import duckdb
@@ -32,7 +31,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _report import markdown_table, write_section
+from _report import interleaved, markdown_table, write_section
 
 import dpsql
 import dpsql.duckdb
@@ -52,19 +51,6 @@ def _table(rows: int, partitions: int = 0) -> pa.Table:
         columns = {"g": (np.arange(rows) % partitions)[shuffle], "ts": np.arange(rows)[shuffle] // partitions,
                    "volume": values[shuffle]}
     return pa.table(columns)
-
-
-def _timings(runs: dict[str, callable], repeat: int) -> dict[str, list[float]]:
-    """Seconds of ``repeat`` interleaved runs of each entry (one warm-up round first)."""
-    for run in runs.values():
-        run()
-    times = {name: [] for name in runs}
-    for _ in range(repeat):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def main() -> None:
@@ -110,7 +96,7 @@ def main() -> None:
         "core_laplace_1000": lambda: api.publish("laplace", grouped["volume"], partition_offsets=offsets,
                                                  epsilon=1.0, upper=UPPER),
     }
-    times = _timings(runs, args.repeat)
+    times = interleaved(runs, args.repeat, warm_up=True)
     load_after = os.getloadavg()[0]
     best = {name: min(t) for name, t in times.items()}
     median = {name: float(np.median(t)) for name, t in times.items()}

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,22 +18,16 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _report import markdown_table, write_section
+from _report import interleaved, markdown_table, write_section
 
 import dpsql
 import dpsql.polars
 
 
 def best_of(repeat: int, *works) -> list[float]:
-    """Fastest time of each work; the works take turns in every round, so a change in
-    the machine's load hits them alike."""
-    times = [[] for _ in works]
-    for _ in range(repeat):
-        for work, spent in zip(works, times):
-            start = time.perf_counter()
-            work()
-            spent.append(time.perf_counter() - start)
-    return [min(spent) for spent in times]
+    """Fastest time of each work, the works taking turns in every round."""
+    times = interleaved(dict(enumerate(works)), repeat)
+    return [min(times[k]) for k in range(len(works))]
 
 
 def frame(rows: int, partitions: int, seed: int, regular: bool = True) -> pl.DataFrame:

@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 import tracemalloc
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _report import markdown_table, write_section
+from _report import interleaved, markdown_table, write_section
 
 import dpsql
 
@@ -51,13 +50,8 @@ def main():
     def tops():
         return dpsql.tops(values, epsilon=EPSILON, upper=UPPER)
 
-    best = {"numpy": np.inf, "tops": np.inf}
     load_before = os.getloadavg()[0]
-    for _ in range(args.repeat):
-        for name, run in (("numpy", numpy_pass), ("tops", tops)):
-            start = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - start)
+    best = {name: min(t) for name, t in interleaved({"numpy": numpy_pass, "tops": tops}, args.repeat).items()}
     load_after = os.getloadavg()[0]
 
     tracemalloc.start()
