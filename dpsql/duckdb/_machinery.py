@@ -44,7 +44,8 @@ Consequences, documented in the user-facing docstrings:
 * Each execution of a query is one release, charged once; two macro calls in one
   query are two releases, charged twice (a common table expression that DuckDB reads
   twice scans its slot once: one release). One query may hold up to
-  :data:`RESULT_SLOTS` dpsql macro calls. Nothing is charged when the run fails
+  :data:`RESULT_SLOTS` dpsql macro calls (a further call would share the first one's
+  slot: not detected, because binding gives no statement boundary to count from). Nothing is charged when the run fails
   (bad argument, bad data, budget exhausted, an error raised while the source is
   read). Once a release is charged, later failures of the surrounding query are not
   refunded: their errors may depend on the private values.
