@@ -249,7 +249,7 @@ class Context:
     def __init__(self, con: duckdb.DuckDBPyConnection, budget: Budget):
         self.con = con
         self.budget = budget
-        self.slots = [ResultSlot(self, f"dp__result_{i}") for i in range(RESULT_SLOTS)]
+        self.slots = [ResultSlot(f"dp__result_{i}") for i in range(RESULT_SLOTS)]
         self._next_slot = itertools.cycle(self.slots)
         self.recent_errors: _Bounded = _Bounded(32)
         self._held: _Bounded = _Bounded(KEEP_ERROR_MODELS)
@@ -326,7 +326,7 @@ class ResultSlot:
     #: What an unassigned slot offers (a registered source needs a column).
     UNASSIGNED = pa.schema([("dp__unassigned", pa.int8())])
 
-    def __init__(self, context: Context, name: str):
+    def __init__(self, name: str):
         self.name = name
         self._schema = self.UNASSIGNED
         self._run: Callable[[], pa.Table] | None = None
