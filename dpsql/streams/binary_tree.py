@@ -96,7 +96,9 @@ class BinaryTreeStream(StreamMachine):
     def feed(self, chunk: np.ndarray) -> np.ndarray:
         if not len(chunk):
             return np.empty(0)
-        units = self._lap.to_units(np.clip(chunk, self.lower, self.upper))
+        # Units of the values shifted by the public lower bound: small however far the data lie
+        # from 0 (adding the bound back below is post-processing of the noisy units).
+        units = self._lap.to_units(np.clip(chunk, self.lower, self.upper) - self.lower)
         prefix = np.arange(self._rows + 1, self._rows + len(chunk) + 1, dtype=np.int64)
         prefix_noise = self._top_level_noise(prefix >> (self.levels - 1))
         shifted, bit, node = (np.empty_like(prefix) for _ in range(3))  # reused by every level
@@ -117,7 +119,9 @@ class BinaryTreeStream(StreamMachine):
         units += np.diff(prefix_noise, prepend=self._previous_prefix_noise)
         self._previous_prefix_noise = int(prefix_noise[-1])
         self._rows += len(chunk)
-        return self._lap.from_units(units)
+        released = self._lap.from_units(units)
+        released += self.lower
+        return released
 
     def _top_level_noise(self, top_nodes: np.ndarray) -> np.ndarray:
         """Noise of the first ``top_nodes`` (0, 1 or 2) top-level nodes, per prefix."""

@@ -43,7 +43,15 @@ class LaplaceStream(StreamMachine):
         self._noise = noise
 
     def feed(self, chunk: np.ndarray) -> np.ndarray:
-        return self._lap.release(np.clip(chunk, self.lower, self.upper), self._noise)
+        if not self.lower:
+            return self._lap.release(np.clip(chunk, 0.0, self.upper), self._noise)
+        # Shifted by the public lower bound, so that the lattice units stay small however far
+        # the data lie from 0; adding it back is post-processing of the noisy units.
+        shifted = np.clip(chunk, self.lower, self.upper)
+        shifted -= self.lower
+        released = self._lap.release(shifted, self._noise)
+        released += self.lower
+        return released
 
     def close(self) -> np.ndarray:
         return np.empty(0)
