@@ -34,10 +34,7 @@ key), so a partition owns a contiguous range and consecutive rows of a stream ha
 consecutive handles. A connection's first handle is a random multiple of 2^32 below
 2^62, so handles saved from another connection are refused, not misread. The handle
 alone finds the release, the partition and the row within it (:class:`RowIndex`);
-the context keeps the error models of its last
-:data:`KEEP_ERROR_MODELS` releases. (Handing the block over as a numpy
-``arange`` list was measured cheaper than generating it in SQL from ``range`` or
-``generate_subscripts``.)
+the context keeps the error models of its last :data:`KEEP_ERROR_MODELS` releases.
 
 Consequences, documented in the user-facing docstrings:
 
@@ -45,9 +42,9 @@ Consequences, documented in the user-facing docstrings:
   query are two releases, charged twice (a common table expression that DuckDB reads
   twice scans its slot once: one release). One query may hold up to
   :data:`RESULT_SLOTS` dpsql macro calls (a further call would share the first one's
-  slot: not detected, because binding gives no statement boundary to count from). Nothing is charged when the run fails
-  (bad argument, bad data, budget exhausted, an error raised while the source is
-  read). Once a release is charged, later failures of the surrounding query are not
+  slot: not detected, because binding gives no statement boundary to count from).
+  Nothing is charged when the run fails (bad argument, bad data, budget exhausted, an
+  error raised while the source is read). Once a release is charged, later failures of the surrounding query are not
   refunded: their errors may depend on the private values.
 * The source is read through a second connection, so it must be visible there:
   regular tables and views, files, and Python objects found by name. Temporary tables

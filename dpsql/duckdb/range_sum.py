@@ -156,9 +156,10 @@ def _install_threshold(context: Context) -> None:
         params = parse_params(params_json)
         if method is not None:
             params[ESTIMATOR] = method
-        release = Plan(source=source, value_col=value_col, order_col=None, partition_by=None,
-                       method=THRESHOLD_METHOD, params=params, note=f"duckdb dp_threshold({table!r}, {value_col!r})")
-        return context.result_query(THRESHOLD_SCHEMA, functools.partial(run, release))
+        threshold_plan = Plan(source=source, value_col=value_col, order_col=None, partition_by=None,
+                              method=THRESHOLD_METHOD, params=params,
+                              note=f"duckdb dp_threshold({table!r}, {value_col!r})")
+        return context.result_query(THRESHOLD_SCHEMA, functools.partial(run, threshold_plan))
 
     def run(plan: Plan) -> pa.Table:
         release = publish_ordered(context, plan, read_ordered(context, plan))
