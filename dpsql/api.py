@@ -22,7 +22,7 @@ import numpy as np
 from dpsql import _validate, noise
 from dpsql.accountant import Budget
 from dpsql.errors import InvalidParameter
-from dpsql.release import Release, StreamMachine, as_release, chunks_of, release_batched, release_from, run_machine
+from dpsql.release import Descriptions, Parts, Release, StreamMachine, chunks_of, release_batched, run_machine
 
 #: name -> machine factory ``(n, *, noise, **params) -> StreamMachine``. Algorithm
 #: modules add themselves in :mod:`dpsql.streams`.
@@ -39,12 +39,13 @@ class PartitionedRelease:
 
     ``values`` are all partitions' values, concatenated in partition order;
     ``offsets[k]:offsets[k+1]`` are partition ``k``'s rows and ``parts[k]`` its
-    :class:`Release` (error bars within a partition come from there).
+    :class:`Release` (error bars within a partition come from there; each is made when
+    first looked at, see :class:`~dpsql.release.Parts`).
     """
 
     values: np.ndarray
     offsets: np.ndarray
-    parts: tuple[Release, ...]
+    parts: Parts
     method: str
     epsilon: float
     delta: float
@@ -149,15 +150,15 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
                                    notion=first.notion, w=first.w, private=source.private, note=note)
     if partition_offsets is None:
         return parts[0].with_id(release_id) if release_id else parts[0]
-    parts = tuple(p.with_id(release_id) if release_id else p for p in parts)
+    parts = parts.with_id(release_id) if release_id else parts
     return PartitionedRelease(values=values, offsets=offsets, parts=parts,
                               method=parts[0].method, epsilon=epsilon, delta=delta, private=source.private,
                               release_id=release_id)
 
 
 def _run_partitions(method: str, templates: dict[int, StreamMachine], data: np.ndarray, offsets: np.ndarray,
-                    source: noise.NoiseSource, params: dict) -> tuple[list[Release], np.ndarray]:
-    """One :class:`Release` per partition, and all their values in one array.
+                    source: noise.NoiseSource, params: dict) -> tuple[Parts, np.ndarray]:
+    """One :class:`Release` per partition (made when looked at), and all their values in one array.
 
     ``templates`` holds one unfed machine per partition length. Machines whose rows are
     independent release all partitions in one run of one machine (cut at the offsets), so
@@ -167,42 +168,45 @@ def _run_partitions(method: str, templates: dict[int, StreamMachine], data: np.n
     """
     lengths = np.diff(offsets)
     first = templates[int(lengths[0])]
+    spans = list(itertools.pairwise(offsets.tolist()))
     if len(lengths) > 1 and first.rows_independent:
         values = run_machine(machine_for(method, len(data), source, params), chunks_of(data), len(data))
-        parts = [as_release(templates[int(b - a)], values[a:b], private=source.private)
-                 for a, b in itertools.pairwise(offsets)]
-        return parts, values
-    if first.batchable and len(lengths) > 1:
+        sources = [(templates[b - a], None) for a, b in spans]
+    elif first.batchable and len(lengths) > 1:
         values = np.empty(len(data))
-        parts: list[Release | None] = [None] * len(lengths)
+        sources: list = [None] * len(lengths)
         for n, template in templates.items():
             group = np.flatnonzero(lengths == n)
-            for j, part in zip(group, _release_group(template, data, values, offsets[group], n, source.private)):
-                parts[j] = part
-        return parts, values
-    unused = dict(templates)
-    parts = [release_from(unused.pop(int(b - a), None) or machine_for(method, int(b - a), source, params),
-                          chunks_of(data[a:b]), int(b - a), private=source.private)
-             for a, b in itertools.pairwise(offsets)]
-    return parts, (parts[0].values if len(parts) == 1 else np.concatenate([p.values for p in parts]))
+            for j, released in zip(group.tolist(), _release_group(template, data, values, offsets[group], n)):
+                sources[j] = released
+    else:
+        unused = dict(templates)
+        machines = [unused.pop(b - a, None) or machine_for(method, b - a, source, params) for a, b in spans]
+        pieces = [run_machine(m, chunks_of(data[a:b]), b - a) for m, (a, b) in zip(machines, spans)]
+        values = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        sources = [(m, None) for m in machines]
+    parts = Parts(Descriptions(sources), [values[a:b] for a, b in spans], private=source.private)
+    return parts, values
 
 
-def _release_group(machine: StreamMachine, data: np.ndarray, values: np.ndarray, starts: np.ndarray, n: int,
-                   private: bool) -> list[Release]:
+def _release_group(machine: StreamMachine, data: np.ndarray, values: np.ndarray, starts: np.ndarray,
+                   n: int) -> list[tuple[StreamMachine, int | None]]:
     """Release the partitions of length ``n`` starting at ``starts`` with the batchable
-    ``machine`` (unfed), writing their values into ``values``."""
+    ``machine`` (unfed), writing their values into ``values``; returns what describes each
+    (see :class:`~dpsql.release.Descriptions`)."""
     if len(starts) == 1:
-        part = release_from(machine, chunks_of(data[starts[0]:starts[0] + n]), n, private=private)
-        values[starts[0]:starts[0] + n] = part.values
-        return [part]
+        span = slice(starts[0], starts[0] + n)
+        values[span] = run_machine(machine, chunks_of(data[span]), n)
+        return [(machine, None)]
     if starts[-1] - starts[0] == (len(starts) - 1) * n:  # adjacent partitions: views, no copies
         span = slice(starts[0], starts[0] + len(starts) * n)
-        return release_batched(machine, data[span].reshape(-1, n), values[span].reshape(-1, n), private=private)
-    rows = starts[:, None] + np.arange(n)
-    out = np.empty(rows.shape)
-    parts = release_batched(machine, data[rows], out, private=private)
-    values[rows] = out
-    return parts
+        batch = release_batched(machine, data[span].reshape(-1, n), values[span].reshape(-1, n))
+    else:
+        rows = starts[:, None] + np.arange(n)
+        out = np.empty(rows.shape)
+        batch = release_batched(machine, data[rows], out)
+        values[rows] = out
+    return [(batch, j) for j in range(len(starts))]
 
 
 def _compose(costs: list[float], levels: list[int]) -> float:

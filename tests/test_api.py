@@ -199,3 +199,25 @@ def test_composed_level_costs_are_never_recorded_below_their_exact_sum():
     assert Fraction(cost) >= Fraction(1.1) + Fraction(0.45)
     assert cost == pytest.approx(1.55, abs=1e-15)
     assert api._compose([0.5, 0.25], [0, 1]) == 0.75  # exact sums stay exact
+
+
+def test_partitions_are_described_when_looked_at_and_error_models_do_not_hold_values():
+    import gc
+    import weakref
+
+    offsets = np.arange(0, 40_001, 4000)
+    values = np.tile(np.arange(4000.0), 10)
+    with dpsql.testing.seeded(1):
+        release = api.publish("tops", values, partition_offsets=offsets, epsilon=1.0, upper=4000.0)
+    described = release.parts.descriptions
+    assert sum(d is not None for d in described._described) <= 1  # at most the one the ledger record needs
+    third = release.part(3)
+    assert release.part(3) is third and third.threshold is not None
+    np.testing.assert_array_equal(third.values, release.values[12_000:16_000])
+    errors = release.parts.errors
+    assert errors[3] is third.error and len(errors) == 10
+    held = weakref.ref(release.values)
+    del release, third
+    gc.collect()
+    assert held() is None  # error models alone keep no released values alive
+    assert errors[7].range_variance(np.array([0]), np.array([4000]))[0] > 0

@@ -22,7 +22,7 @@ from dpsql.mechanisms.laplace import LaplaceLattice, LatticeBatch
 from dpsql.mechanisms.noisy_max import nm_threshold, nm_thresholds, report_noisy_max, report_noisy_max_rows
 from dpsql.mechanisms.smoothers import SMOOTHERS
 from dpsql.noise import NoiseSource, SeededNoise
-from dpsql.release import release_batched
+from dpsql.release import Descriptions, Parts, release_batched
 from dpsql.streams.tops import HierarchyStream
 
 
@@ -38,6 +38,12 @@ def _rows(k, n, seed=0):
     rng = np.random.default_rng(seed)
     # partitions with different spreads, so that their thresholds (and lattices) differ
     return rng.gamma(2.0, 1.0, (k, n)) * rng.uniform(50.0, 1500.0, (k, 1))
+
+
+def _batched(template, rows, out):
+    """The releases of ``rows`` (``(k, n)``) as one batched run of ``template``."""
+    batch = release_batched(template, rows, out)
+    return Parts(Descriptions([(batch, j) for j in range(len(rows))]), list(out), private=False)
 
 
 def _single(method, values, source, **params):
@@ -65,7 +71,7 @@ def test_batched_partitions_equal_their_single_streams(method, smoother):
     source = ScaleKeyedNoise()
     template = api.machine_for(method, n, source, params)
     out = np.empty((k, n))
-    parts = release_batched(template, rows, out, private=False)
+    parts = _batched(template, rows, out)
     for j in range(k):
         _assert_same_release(parts[j], _single(method, rows[j], source, **params), n)
     if method == "tops":
@@ -90,8 +96,8 @@ def test_one_partition_is_the_single_stream_with_the_same_draws():
     values = _rows(1, 20_000, 5)[0]
     params = dict(epsilon=0.5, upper=4000.0, r=3000, smoother="exponential")
     single = _single("tops", values, SeededNoise(9), **params)
-    batched = release_batched(api.machine_for("tops", len(values), SeededNoise(9), params), values[None],
-                              np.empty((1, len(values))), private=False)[0]
+    batched = _batched(api.machine_for("tops", len(values), SeededNoise(9), params), values[None],
+                       np.empty((1, len(values))))[0]
     _assert_same_release(batched, single, len(values))
 
 
@@ -114,8 +120,8 @@ def test_batched_and_per_partition_releases_agree_in_distribution(method):
     params = dict(epsilon=0.3, upper=8000.0, r=1000)
     batched, single = [], []
     for seed in range(seeds):
-        parts = release_batched(api.machine_for(method, n, SeededNoise(seed), params), np.tile(row, (k, 1)),
-                                np.empty((k, n)), private=False)
+        parts = _batched(api.machine_for(method, n, SeededNoise(seed), params), np.tile(row, (k, 1)),
+                         np.empty((k, n)))
         batched += [(p.threshold or 0.0, p.range_sum(1200, 3900)) for p in parts]
         source = SeededNoise(1000 + seed)
         single += [(p.threshold or 0.0, p.range_sum(1200, 3900))
@@ -199,7 +205,7 @@ def test_median_smoother_keeps_one_history_per_partition():
     rows = _rows(k, n, 8)
     params = dict(epsilon=1.0, upper=3000.0, smoother="median", r=500)
     source = ScaleKeyedNoise()
-    parts = release_batched(api.machine_for("hierarchy", n, source, params), rows, np.empty((k, n)), private=False)
+    parts = _batched(api.machine_for("hierarchy", n, source, params), rows, np.empty((k, n)))
     for j in range(k):
         _assert_same_release(parts[j], _single("hierarchy", rows[j], source, **params), n)
 

@@ -63,7 +63,7 @@ import itertools
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import duckdb
@@ -145,12 +145,12 @@ class Plan:
 class HeldRelease:
     """What error bars need of one release: its ledger id, its block of row handles
     (partition ``k`` is ``first_row + offsets[k] .. first_row + offsets[k + 1] - 1``)
-    and each partition's :class:`ErrorModel`."""
+    and its partitions' :class:`ErrorModel` (described when error bars first ask)."""
 
     release_id: str
     first_row: int
     offsets: np.ndarray
-    models: tuple[ErrorModel, ...]
+    errors: Sequence[ErrorModel]
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ class RowIndex:
     stops: np.ndarray
     releases: tuple[HeldRelease, ...]
     release_of: np.ndarray
-    models: tuple[ErrorModel, ...]
+    part_of: np.ndarray
     first: int
     issued: int
 
@@ -175,8 +175,13 @@ class RowIndex:
         return cls(starts=np.concatenate([empty, *(r.first_row + r.offsets[:-1] for r in held)]),
                    stops=np.concatenate([empty, *(r.first_row + r.offsets[1:] for r in held)]),
                    releases=held,
-                   release_of=np.repeat(np.arange(len(held)), [len(r.models) for r in held]),
-                   models=tuple(model for r in held for model in r.models), first=first, issued=issued)
+                   release_of=np.repeat(np.arange(len(held)), [len(r.errors) for r in held]),
+                   part_of=np.concatenate([empty, *(np.arange(len(r.errors)) for r in held)]),
+                   first=first, issued=issued)
+
+    def model(self, p: int) -> ErrorModel:
+        """The error model of held partition ``p`` (an index into :attr:`starts`)."""
+        return self.releases[self.release_of[p]].errors[self.part_of[p]]
 
     def partitions(self, rows: np.ndarray) -> np.ndarray:
         """Index (into :attr:`starts`) of the held partition owning each handle; refuses
@@ -222,7 +227,7 @@ class RowIndex:
         bounds = np.flatnonzero(np.diff(part[order])) + 1
         for positions in np.split(order, bounds):
             p = part[positions[0]]
-            yield positions, self.models[p], starts[positions] - self.starts[p], stops[positions] - self.starts[p]
+            yield positions, self.model(p), starts[positions] - self.starts[p], stops[positions] - self.starts[p]
 
 
 @dataclass
@@ -268,12 +273,11 @@ class Context:
         (forgetting the oldest release beyond :data:`KEEP_ERROR_MODELS`); returns the
         block's first handle."""
         offsets = release_offsets(release)
-        parts = release.parts if isinstance(release, api.PartitionedRelease) else (release,)
+        errors = release.parts.errors if isinstance(release, api.PartitionedRelease) else (release.error,)
         with self._lock:
             first_row = self._rows_issued
             self._rows_issued += int(offsets[-1])
-            self._held[first_row] = HeldRelease(release.release_id, first_row, offsets,
-                                                tuple(p.error for p in parts))
+            self._held[first_row] = HeldRelease(release.release_id, first_row, offsets, errors)
             self.row_index = RowIndex.of(self._held.values(), self._first_row, self._rows_issued)
         return first_row
 
