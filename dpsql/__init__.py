@@ -9,6 +9,7 @@ from dpsql import duckdb, ldp, polars, testing
 from dpsql.accountant import Budget
 from dpsql.api import (
     PartitionedRelease,
+    Publication,
     binary_tree,
     hierarchy,
     laplace_stream,
@@ -40,6 +41,7 @@ __all__ = [
     "NonPrivateRelease",
     "NotionMismatch",
     "PartitionedRelease",
+    "Publication",
     "Release",
     "binary_tree",
     "count_stream",

@@ -221,3 +221,47 @@ def test_partitions_are_described_when_looked_at_and_error_models_do_not_hold_va
     gc.collect()
     assert held() is None  # error models alone keep no released values alive
     assert errors[7].range_variance(np.array([0]), np.array([4000]))[0] > 0
+
+
+def test_publication_releases_pieces_and_charges_once_at_the_maximum():
+    budget = dpsql.Budget.in_memory(epsilon=2.0)
+    values = np.arange(30.0)
+    with dpsql.testing.seeded(4):
+        whole = api.publish("laplace", values, partition_offsets=[0, 10, 25, 30], epsilon=0.5, upper=40.0)
+    with dpsql.testing.seeded(4):
+        publication = api.Publication("laplace", budget=budget, epsilon=0.5, upper=40.0, note="pieces")
+        publication.add(values[:10])
+        publication.add(values[10:30], [0, 15, 20])
+        assert budget.spent == (0.0, 0.0)  # nothing charged before finish
+        release = publication.finish()
+    assert budget.spent == (0.5, 0.0) and len(budget.history()) == 1
+    assert budget.history()["partitions"].to_list() == [3]
+    np.testing.assert_array_equal(release.offsets, [0, 10, 25, 30])
+    np.testing.assert_array_equal(release.values, whole.values)  # same draws, in the same order
+    assert [len(p) for p in release.parts] == [10, 15, 5]
+    assert release.part(1).release_id == release.release_id
+    with pytest.raises(InvalidParameter, match="finished"):
+        publication.add(values[:3])
+    with pytest.raises(InvalidParameter, match="finished"):
+        publication.finish()
+
+
+def test_publication_levels_add_up_across_pieces():
+    publication = api.Publication("laplace", epsilon=0.25, upper=1.0)
+    publication.add(np.ones(4), [0, 2, 4], levels=[0, 0])
+    publication.add(np.ones(3), [0, 3], levels=[1])
+    assert publication.finish().epsilon == 0.5
+
+
+def test_publication_refuses_early_and_charges_nothing_for_a_failed_piece():
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    publication = api.Publication("laplace", budget=budget, epsilon=0.5, upper=1.0)
+    publication.add(np.ones(5))
+    with pytest.raises(InvalidData, match=r"column 'values' contains NaN values .*first at row 7"):
+        publication.add(np.array([0.0, 1.0, np.nan]))
+    greedy = api.Publication("laplace", budget=budget, epsilon=1.5, upper=1.0)
+    with pytest.raises(BudgetExhausted):
+        greedy.add(np.ones(5))  # refused before any noise is drawn
+    with pytest.raises(InvalidData, match="empty"):
+        api.Publication("laplace", epsilon=1.0, upper=1.0).finish()
+    assert budget.spent == (0.0, 0.0)
