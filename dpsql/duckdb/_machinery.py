@@ -74,7 +74,7 @@ import pyarrow.compute as pc
 from dpsql import api, noise
 from dpsql.accountant import Budget
 from dpsql.errors import DPError, InvalidData, InvalidParameter, InvalidTimeKey
-from dpsql.release import ErrorModel
+from dpsql.release import ErrorModel, Release
 
 NUMERIC_TYPES = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER",
                  "UBIGINT", "UHUGEINT", "FLOAT", "DOUBLE", "DECIMAL")
@@ -228,19 +228,6 @@ class RowIndex:
         for positions in np.split(order, bounds):
             p = part[positions[0]]
             yield positions, self.model(p), starts[positions] - self.starts[p], stops[positions] - self.starts[p]
-
-
-@dataclass
-class Ordered:
-    """An ordered, validated read of a source: the Arrow key columns and the value
-    column as read (chunked; publish validates the values) and the partition offsets."""
-
-    keys: dict[str, pa.ChunkedArray]
-    values: pa.ChunkedArray
-    offsets: np.ndarray | None
-
-    def __len__(self) -> int:
-        return len(self.values)
 
 
 class Context:
@@ -461,12 +448,15 @@ def arrow_fields(context: Context, source: Source, names: Iterable[str]) -> list
 
 # -- execution time ----------------------------------------------------------------------
 
-def read_ordered(context: Context, plan: Plan) -> Ordered:
-    """Scan ``plan.source`` ordered by partition then order key, in Arrow batches.
+def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedArray],
+                                                          Release | api.PartitionedRelease]:
+    """Scan ``plan.source`` ordered by partition then order key, in Arrow batches, and
+    release its values with :func:`dpsql.api.publish` (the one charge of the release);
+    returns the key columns as read and the release.
 
     Refuses NULL or duplicate order keys within a partition and NULL partition keys
-    (:class:`InvalidTimeKey`, naming the column). Values are not converted here:
-    :func:`dpsql.api.publish` validates them and names the column.
+    (:class:`InvalidTimeKey`, naming the column); the core validates the values and names
+    the column.
     """
     key_cols = [c for c in (plan.partition_by, plan.order_col) if c is not None]
     select = [quote_ident(c) for c in [*key_cols, plan.value_col]]
@@ -476,23 +466,22 @@ def read_ordered(context: Context, plan: Plan) -> Ordered:
         query = f"SELECT {', '.join(select)} FROM {plan.source.sql}{order}"
         reader = cur.sql(query).to_arrow_reader(BATCH_ROWS)
         chunks: dict[str, list] = {c: [] for c in [*key_cols, plan.value_col]}
-        boundaries = [np.zeros(1, dtype=np.int64)]
+        starts = [np.zeros(1, dtype=np.int64)]
         checker = _KeyChecker(plan.order_col, plan.partition_by)
         seen = 0
         for batch in reader:
             for c in chunks:
                 chunks[c].append(batch.column(c))
-            boundaries.append(checker.check(batch) + seen)
+            starts.append(checker.check(batch) + seen)
             seen += batch.num_rows
     finally:
         cur.close()
     schema = reader.schema
     keys = {c: pa.chunked_array(chunks[c], type=schema.field(c).type) for c in key_cols}
     values = pa.chunked_array(chunks[plan.value_col], type=schema.field(plan.value_col).type)
-    offsets = None
-    if plan.partition_by is not None:
-        offsets = np.concatenate([*boundaries, [seen]]) if seen else None
-    return Ordered(keys=keys, values=values, offsets=offsets)
+    offsets = np.concatenate([*starts, [seen]]) if plan.partition_by is not None and seen else None
+    return keys, api.publish(plan.method, values, budget=context.budget, column=plan.value_col,
+                             partition_offsets=offsets, note=plan.note, **plan.params)
 
 
 class _KeyChecker:
@@ -549,12 +538,6 @@ class _KeyChecker:
 
     def _where(self) -> str:
         return f" within a partition of {self.partition_by!r}" if self.partition_by else ""
-
-
-def publish_ordered(context: Context, plan: Plan, ordered: Ordered):
-    """:func:`dpsql.api.publish` on an ordered read: the one charge of the release."""
-    return api.publish(plan.method, ordered.values, budget=context.budget, column=plan.value_col,
-                       partition_offsets=ordered.offsets, note=plan.note, **plan.params)
 
 
 def release_offsets(release) -> np.ndarray:
@@ -676,9 +659,9 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
         return context.result_query(schema, functools.partial(run, stream, schema))
 
     def run(stream: Plan, schema: pa.Schema) -> pa.Table:
-        ordered = read_ordered(context, stream)
-        release = publish_ordered(context, stream, ordered)
-        columns = [*ordered.keys.values(), pa.array(release.values), row_handles(context, release)]
+        keys, release = release_ordered(context, stream)
+        values = release.value_chunks if isinstance(release, api.PartitionedRelease) else [release.values]
+        columns = [*keys.values(), pa.chunked_array(values, type=pa.float64()), row_handles(context, release)]
         if extra_outputs:
             computed = extra_outputs[1](release)
             columns += [computed[name] for name in extra_names]

@@ -66,9 +66,8 @@ from dpsql.duckdb._machinery import (
     install_stream_release,
     params_struct,
     parse_params,
-    publish_ordered,
     quote_ident,
-    read_ordered,
+    release_ordered,
     require_columns,
     require_numeric,
     resolve_source,
@@ -162,7 +161,7 @@ def _install_threshold(context: Context) -> None:
         return context.result_query(THRESHOLD_SCHEMA, functools.partial(run, threshold_plan))
 
     def run(plan: Plan) -> pa.Table:
-        release = publish_ordered(context, plan, read_ordered(context, plan))
+        _, release = release_ordered(context, plan)
         threshold = release.threshold if release.threshold is not None else float(release.values[0])
         return pa.Table.from_pylist([{"threshold": threshold, "epsilon": release.epsilon, "delta": release.delta,
                                       RELEASE_COLUMN: release.release_id}], schema=THRESHOLD_SCHEMA)
