@@ -12,7 +12,7 @@ import dpsql
 from dpsql import streams
 from dpsql.mechanisms import LaplaceLattice, report_noisy_max
 from dpsql.mechanisms.hierarchy import BlockStreamNoise, Forest, leaf_interval_variance
-from dpsql.mechanisms.noisy_max import _places, candidate_grid, contenders, nm_scores
+from dpsql.mechanisms.noisy_max import _is_power_of_two_grid, _places, candidate_grid, contenders, nm_scores
 from dpsql.noise import MAX_NEG_LOG_UNIFORM, NoiseSource, SeededNoise
 
 
@@ -145,6 +145,24 @@ def test_placing_values_is_exact_for_any_increasing_candidates():
         np.testing.assert_array_equal(_places(candidates, values), np.searchsorted(candidates, values, side="left"))
         holdout = np.sort(rng.uniform(0, 100, max(1, len(candidates) // 2)))
         assert_counts_exact(holdout, candidates)
+
+
+@pytest.mark.parametrize("step", [1.0, 0.25, 2.0**-20, 64.0])
+def test_power_of_two_grids_place_values_by_division_alone(step):
+    candidates = step * np.arange(1, 5001)
+    assert _is_power_of_two_grid(candidates)
+    rng = np.random.default_rng(7)
+    values = np.r_[candidates, np.nextafter(candidates, -np.inf), np.nextafter(candidates, np.inf),
+                   rng.uniform(-step, 5002 * step, 5000), 0.0, -0.0, 5e-324, -1.0, step / 3, 3e4 * step,
+                   2.0**53 * step, 2.0**60 * step, np.nextafter(2.0**53 * step, 0)]
+    np.testing.assert_array_equal(_places(candidates, values), np.searchsorted(candidates, values, side="left"))
+
+
+def test_only_exact_power_of_two_grids_skip_the_check():
+    assert _is_power_of_two_grid(candidate_grid(8000.0, 1.0)) and _is_power_of_two_grid(candidate_grid(1.0, 2**-10))
+    assert not _is_power_of_two_grid(candidate_grid(10.5, 1.0))  # the last candidate is capped at upper
+    assert not _is_power_of_two_grid(candidate_grid(3.0, 0.1)) and not _is_power_of_two_grid(np.array([3.0, 6.0]))
+    assert not _is_power_of_two_grid(np.array([1.0, 2.0, 3.5]))
 
 
 def test_counts_for_unsorted_candidates_and_long_holdouts():

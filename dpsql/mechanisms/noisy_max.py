@@ -251,43 +251,53 @@ def nm_score_units(holdout: np.ndarray, candidates: np.ndarray, slope: float, la
     public -= public.max()
     reach = holdout.shape[-1] * inverse_gamma + 2 * draw_bound(lap.scale_units) + 1
     np.maximum(public, -reach, out=public)
-    units = _count_above(holdout, candidates, increasing=True, is_sorted=is_sorted)
-    units *= -inverse_gamma
-    units += public.astype(np.int64)
+    # -m_theta / gamma = (#{v <= theta} - m) / gamma: the hold-out length joins the public part
+    units = _count_not_above(holdout, candidates, increasing=True, is_sorted=is_sorted)
+    units *= inverse_gamma
+    units += public.astype(np.int64) - holdout.shape[-1] * inverse_gamma
     return units
 
 
 def _count_above(holdout: np.ndarray, candidates: np.ndarray, *, increasing: bool, is_sorted: bool) -> np.ndarray:
-    """``#{v > theta}`` for every candidate (and every row of a 2-D ``holdout``), by placing
+    """``#{v > theta}`` for every candidate (and every row of a 2-D ``holdout``)."""
+    return holdout.shape[-1] - _count_not_above(holdout, candidates, increasing=increasing, is_sorted=is_sorted)
+
+
+def _count_not_above(holdout: np.ndarray, candidates: np.ndarray, *, increasing: bool,
+                     is_sorted: bool) -> np.ndarray:
+    """``#{v <= theta}`` for every candidate (and every row of a 2-D ``holdout``), by placing
     the shorter array in the longer.
 
     For increasing candidates and fewer hold-out values than candidates (ToPS on short
     partitions: thousands of values, 8,000 grid points), each value ``v`` is placed among the
-    candidates instead: it is above exactly the ``#{theta < v}`` first ones, so the counts are
-    suffix sums of how many values land at each place (no sort needed; the rows of a 2-D
-    hold-out land in disjoint ranges of one count). Both ways count the same set.
+    candidates instead: it is at or below exactly the candidates after the ``#{theta < v}``
+    first ones, so the counts are prefix sums of how many values land at each place (no sort
+    needed; the rows of a 2-D hold-out land in disjoint ranges of one count). Both ways count
+    the same set.
     """
     rows = holdout.reshape(-1, holdout.shape[-1])
     (k, m), size = rows.shape, len(candidates)
     if m >= size or not increasing:
         if not is_sorted:
             rows = np.sort(rows, axis=1)
-        counts = m - np.stack([np.searchsorted(row, candidates, side="right") for row in rows])
+        counts = np.stack([np.searchsorted(row, candidates, side="right") for row in rows])
     else:
         places = _places(candidates, rows.ravel()).reshape(k, m)
         places += (size + 1) * np.arange(k)[:, None]
         landed = np.bincount(places.ravel(), minlength=k * (size + 1)).reshape(k, size + 1)
-        counts = m - np.cumsum(landed[:, :-1], axis=1)
+        counts = np.cumsum(landed[:, :-1], axis=1)
     return counts.reshape((*holdout.shape[:-1], size))
 
 
 def _places(candidates: np.ndarray, values: np.ndarray) -> np.ndarray:
     """``np.searchsorted(candidates, values, side="left")`` (``#{theta < v}``) for increasing candidates.
 
-    The place of each value is guessed as if the candidates were evenly spaced like their
-    first two (ToPS's grid, where the guess is off only where division rounds), checked
-    against the candidates on both sides, and searched for where the check fails: exact for
-    any increasing candidates, and faster than a search per value when the guess holds.
+    On a grid ``s, 2 s, ..., K s`` with ``s`` a power of two (ToPS's default integer grid,
+    ``s = 1``) the place is ``ceil(v / s) - 1`` clipped to ``[0, K]``, exactly: dividing by a
+    power of two and ``ceil`` do not round. Otherwise the place of each value is guessed as if
+    the candidates were evenly spaced like their first two, checked against the candidates on
+    both sides, and searched for where the check fails: exact for any increasing candidates,
+    and faster than a search per value when the guess holds.
     """
     k = len(candidates)
     if k < 2 or not candidates[1] > candidates[0]:
@@ -297,12 +307,27 @@ def _places(candidates: np.ndarray, values: np.ndarray) -> np.ndarray:
     np.ceil(guess, out=guess)
     np.clip(guess, 0, k, out=guess)
     places = guess.astype(np.intp)
+    if _is_power_of_two_grid(candidates):
+        return places
     wrong = (places > 0) & (np.take(candidates, places - 1, mode="clip") >= values)
     wrong |= (places < k) & (np.take(candidates, places, mode="clip") < values)
     misplaced = np.flatnonzero(wrong)
     if misplaced.size:
         places[misplaced] = np.searchsorted(candidates, values[misplaced], side="left")
     return places
+
+
+def _is_power_of_two_grid(candidates: np.ndarray) -> bool:
+    """Are the candidates exactly ``s, 2 s, ..., K s`` with ``s`` a positive power of two?
+
+    Then :func:`_places`'s guess ``ceil((v - s) / s)`` is the place: with ``x = v / s``
+    (exact), ``v - s = s (x - 1)`` is exact for ``1 <= x < 2**53`` (``x - 1`` is a multiple of
+    the ulp of ``x``), and rounding elsewhere only moves a guess that the clip to ``[0, K]``
+    sets right anyway (below ``s`` the place is 0, beyond ``2**53 s`` it is ``K``)."""
+    step = float(candidates[0])
+    if not (step > 0 and math.frexp(step)[0] == 0.5):
+        return False
+    return bool(np.array_equal(candidates, step * np.arange(1, len(candidates) + 1)))
 
 
 #: Scores (partitions x candidates) computed at once: bounds the memory of many partitions,
