@@ -128,7 +128,9 @@ def test_holdout_total_is_unbiased():
         errors.append(rel.range_sum(0, 1000) - np.minimum(values[:1000], rel.threshold).sum())
     sd = LaplaceLattice(10.0, 0.15 * 0.5).variance ** 0.5
     assert abs(np.mean(errors)) < 4 * sd / 300**0.5
-    assert np.std(errors) <= 1.05 * sd  # threshold <= 10, so never noisier than at theta = 10
+    # threshold <= 10, so never noisier than at theta = 10; a Laplace sample's standard deviation
+    # has a relative standard error of sqrt((excess kurtosis 3 + 2) / (4 n)): 4 of them allowed
+    assert np.std(errors) <= (1 + 4 * (5 / (4 * 300)) ** 0.5) * sd
 
 
 def test_tops_is_online():
