@@ -9,7 +9,6 @@ from dpsql import duckdb, ldp, polars, testing
 from dpsql.accountant import Budget
 from dpsql.api import (
     PartitionedRelease,
-    Publication,
     binary_tree,
     hierarchy,
     laplace_stream,
@@ -41,7 +40,6 @@ __all__ = [
     "NonPrivateRelease",
     "NotionMismatch",
     "PartitionedRelease",
-    "Publication",
     "Release",
     "binary_tree",
     "count_stream",

@@ -96,9 +96,8 @@ def holdout(m, n: int, *, default: int) -> int:
     return m
 
 
-def values(data, column: str = "values", *, first_row: int = 0) -> np.ndarray:
-    """A non-empty, 1-D, finite float64 array; the message names ``column`` (and rows
-    counted from ``first_row``, for data handed over in pieces).
+def values(data, column: str = "values") -> np.ndarray:
+    """A non-empty, 1-D, finite float64 array; the message names ``column``.
 
     Accepts numpy arrays, sequences, pyarrow arrays and polars Series. Nulls (None,
     Arrow or Polars nulls), NaN and infinities are refused, each with its own message.
@@ -135,5 +134,5 @@ def values(data, column: str = "values", *, first_row: int = 0) -> np.ndarray:
         bad = np.flatnonzero(~finite)
         kind = "NaN" if np.isnan(arr[bad[0]]) else "infinite"
         raise InvalidData(f"column {column!r} contains {kind} values ({bad.size} non-finite, first at row "
-                          f"{first_row + bad[0]}); clean them before a private release")
+                          f"{bad[0]}); clean them before a private release")
     return arr

@@ -1,9 +1,8 @@
 """The single charging path.
 
-:func:`publish` (through :meth:`Publication.finish`, which it calls) is the only path in
-dpsql that hands private values to a caller. It validates everything, runs the pure
-algorithm with the noise source in force, charges the ledger once (one transaction,
-durable) and only then returns the release.
+:func:`publish` is the only function in dpsql that hands private values to a caller.
+It validates everything, runs the pure algorithm with the noise source in force,
+charges the ledger once (one transaction, durable) and only then returns the release.
 Python wrappers, the DuckDB and the Polars front ends all call it; none of them
 charges or adds noise by itself.
 """
@@ -22,7 +21,7 @@ import numpy as np
 
 from dpsql import _validate, noise
 from dpsql.accountant import Budget
-from dpsql.errors import InvalidData, InvalidParameter
+from dpsql.errors import InvalidParameter
 from dpsql.release import Descriptions, Parts, Release, StreamMachine, chunks_of, release_batched, run_machine
 
 #: name -> machine factory ``(n, *, noise, **params) -> StreamMachine``. Algorithm
@@ -38,15 +37,13 @@ def register_method(name: str, factory: Callable[..., StreamMachine]) -> None:
 class PartitionedRelease:
     """One release over disjoint partitions (parallel composition: charged once, at the max).
 
-    ``values`` are all partitions' values, concatenated in partition order (made from
-    ``value_chunks``, the pieces they were released in, when first asked for: a caller that
-    can take the pieces, like an Arrow column, need not copy them);
+    ``values`` are all partitions' values, concatenated in partition order;
     ``offsets[k]:offsets[k+1]`` are partition ``k``'s rows and ``parts[k]`` its
     :class:`Release` (error bars within a partition come from there; each is made when
     first looked at, see :class:`~dpsql.release.Parts`).
     """
 
-    value_chunks: tuple[np.ndarray, ...]
+    values: np.ndarray
     offsets: np.ndarray
     parts: Parts
     method: str
@@ -55,18 +52,14 @@ class PartitionedRelease:
     private: bool
     release_id: str | None
 
-    @functools.cached_property
-    def values(self) -> np.ndarray:
-        return self.value_chunks[0] if len(self.value_chunks) == 1 else np.concatenate(self.value_chunks)
-
     def part(self, k: int) -> Release:
         return self.parts[k]
 
     def __len__(self) -> int:
-        return int(self.offsets[-1])
+        return len(self.values)
 
     def __repr__(self) -> str:
-        return (f"PartitionedRelease({self.method}, partitions={len(self.parts)}, n={len(self)}, "
+        return (f"PartitionedRelease({self.method}, partitions={len(self.parts)}, n={len(self.values)}, "
                 f"epsilon={self.epsilon:g}, delta={self.delta:g})")
 
 
@@ -127,137 +120,45 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
     **params
         The method's parameters (``epsilon``, ``upper``, ...).
     """
-    publication = Publication(method, budget=budget, column=column, note=note, **params)
-    publication.add(values, partition_offsets, levels=partition_levels)
-    release = publication.finish()
-    return release.part(0) if partition_offsets is None else release
-
-
-class Publication:
-    """One release over disjoint partitions handed over in pieces, charged once.
-
-    For callers that receive rows over time (an engine sending ordered batches):
-    :meth:`add` releases complete partitions as soon as they arrive (noise is drawn, and
-    nothing is returned), so that work overlaps the arrival of later rows;
-    :meth:`finish` charges the ledger once for all of them and only then returns the
-    :class:`PartitionedRelease`. Its cost is that of one :func:`publish` call over all
-    partitions (the maximum within a level, levels added up). A publication that is never
-    finished, or whose :meth:`add` or :meth:`finish` raised, charges nothing and releases
-    nothing. Before any noise is drawn, each :meth:`add` checks that the budget can still
-    pay the cost so far (:class:`~dpsql.errors.BudgetExhausted` early instead of after the
-    work); :meth:`finish` checks again atomically as it charges.
-
-    Examples
-    --------
-    >>> import numpy as np, dpsql
-    >>> budget = dpsql.Budget.in_memory(epsilon=1.0)
-    >>> publication = Publication("laplace", budget=budget, epsilon=0.5, upper=10.0)
-    >>> publication.add(np.array([1.0, 2.0, 3.0]), [0, 2, 3])
-    >>> publication.add(np.array([4.0, 5.0]), [0, 2])
-    >>> release = publication.finish()
-    >>> len(release.parts), release.epsilon, budget.remaining[0]
-    (3, 0.5, 0.5)
-    """
-
-    def __init__(self, method: str, *, budget: Budget | None = None, column: str = "values",
-                 note: str | None = None, **params):
-        if budget is not None and not isinstance(budget, Budget):
-            raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
-        self.method, self.budget, self.column, self.note, self.params = method, budget, column, note, params
-        self._source = noise.current()
-        self._costs: list[tuple[float, float]] = []
-        self._levels: list[int] = []
-        self._checked = (0.0, 0.0)
-        self._first: StreamMachine | None = None
-        self._sources: list[tuple[StreamMachine, int | None]] = []
-        self._chunks: list[np.ndarray] = []
-        self._offsets: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
-        self._rows = 0
-        self._finished = False
-
-    def add(self, values, partition_offsets: Sequence[int] | None = None, *,
-            levels: Sequence[int] | None = None) -> None:
-        """Release the complete partitions ``values`` (``partition_offsets`` as in
-        :func:`publish`, relative to ``values``; default: one partition), each with its
-        ``levels``; nothing is returned until :meth:`finish`. Errors name the column and
-        count rows from the publication's first row."""
-        if self._finished:
-            raise InvalidParameter("this publication is finished; start a new one")
-        data = _validate.values(values, self.column, first_row=self._rows)
-        offsets = _offsets(partition_offsets, len(data))
-        # One machine per partition length: machines of one length (and these parameters)
-        # are identical until fed, and cost the same.
-        lengths = np.diff(offsets).tolist()
-        templates: dict[int, StreamMachine] = {}
-        for n in lengths:
-            if n not in templates:
-                templates[n] = machine_for(self.method, n, self._source, self.params)
-        levels = [0] * len(lengths) if levels is None else list(levels)
-        if len(levels) != len(lengths):
-            raise InvalidParameter(f"partition_levels must give one level per partition ({len(lengths)}), "
-                                   f"got {len(levels)}")
-        self._first = self._first or templates[lengths[0]]
-        costs = self._costs + [templates[n].cost for n in lengths]
-        cost = self._cost(costs, self._levels + levels)
-        if self.budget is not None and cost != self._checked:
-            first = self._first
-            self.budget.check(epsilon=cost[0], delta=cost[1], notion=first.notion, w=first.w,
-                              private=self._source.private)
-            self._checked = cost
-        sources, released = _run_partitions(self.method, templates, data, offsets, self._source, self.params)
-        self._costs, self._levels = costs, self._levels + levels
-        self._sources += sources
-        self._chunks.append(released)
-        self._offsets.append(offsets[1:] + self._rows)
-        self._rows += len(data)
-
-    def finish(self) -> PartitionedRelease:
-        """Charge the budget once for every partition added and return the release."""
-        if self._finished:
-            raise InvalidParameter("this publication is finished; start a new one")
-        if not self._chunks:
-            raise InvalidData(f"column {self.column!r} is empty: nothing to release")
-        epsilon, delta = self._cost(self._costs, self._levels)
-        offsets = np.concatenate(self._offsets)
-        parts = Parts(Descriptions(self._sources), _partition_values(self._chunks, offsets), private=self.private)
-        release_id = None
-        if self.budget is not None:
-            first = self._first
-            release_id = self.budget.charge(method=parts[0].method, epsilon=epsilon, delta=delta, rows=self._rows,
-                                            partitions=len(parts), params=dict(parts[0].params),
-                                            neighbour=first.neighbour, notion=first.notion, w=first.w,
-                                            private=self.private, note=self.note)
-            parts = parts.with_id(release_id)
-        self._finished = True
-        return PartitionedRelease(value_chunks=tuple(self._chunks), offsets=offsets, parts=parts,
-                                  method=parts[0].method, epsilon=epsilon, delta=delta, private=self.private,
-                                  release_id=release_id)
-
-    @property
-    def private(self) -> bool:
-        return self._source.private
-
-    @staticmethod
-    def _cost(costs: list[tuple[float, float]], levels: list[int]) -> tuple[float, float]:
-        return _compose([c[0] for c in costs], levels), _compose([c[1] for c in costs], levels)
-
-
-def _partition_values(chunks: list[np.ndarray], offsets: np.ndarray) -> list[np.ndarray]:
-    """Each partition's values: views of the chunk it was released in."""
-    views, start = [], 0
-    for chunk in chunks:
-        stop = start + len(chunk)
-        first, last = np.searchsorted(offsets, [start, stop])
-        views += [chunk[a - start:b - start] for a, b in itertools.pairwise(offsets[first:last + 1].tolist())]
-        start = stop
-    return views
+    if budget is not None and not isinstance(budget, Budget):
+        raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
+    data = _validate.values(values, column)
+    offsets = _offsets(partition_offsets, len(data))
+    source = noise.current()
+    # One machine per partition length: machines of one length (and these parameters) are
+    # identical until fed, and cost the same.
+    lengths = np.diff(offsets).tolist()
+    templates: dict[int, StreamMachine] = {}
+    for n in lengths:
+        if n not in templates:
+            templates[n] = machine_for(method, n, source, params)
+    machines = [templates[n] for n in lengths]
+    levels = [0] * len(machines) if partition_levels is None else list(partition_levels)
+    if len(levels) != len(machines):
+        raise InvalidParameter(f"partition_levels must give one level per partition ({len(machines)}), "
+                               f"got {len(levels)}")
+    epsilon = _compose([m.cost[0] for m in machines], levels)
+    delta = _compose([m.cost[1] for m in machines], levels)
+    first = machines[0]
+    if budget is not None:
+        budget.check(epsilon=epsilon, delta=delta, notion=first.notion, w=first.w, private=source.private)
+    parts, values = _run_partitions(method, templates, data, offsets, source, params)
+    release_id = None
+    if budget is not None:
+        release_id = budget.charge(method=parts[0].method, epsilon=epsilon, delta=delta, rows=len(data),
+                                   partitions=len(parts), params=dict(parts[0].params), neighbour=first.neighbour,
+                                   notion=first.notion, w=first.w, private=source.private, note=note)
+    if partition_offsets is None:
+        return parts[0].with_id(release_id) if release_id else parts[0]
+    parts = parts.with_id(release_id) if release_id else parts
+    return PartitionedRelease(values=values, offsets=offsets, parts=parts,
+                              method=parts[0].method, epsilon=epsilon, delta=delta, private=source.private,
+                              release_id=release_id)
 
 
 def _run_partitions(method: str, templates: dict[int, StreamMachine], data: np.ndarray, offsets: np.ndarray,
-                    source: noise.NoiseSource, params: dict) -> tuple[list[tuple[StreamMachine, int | None]],
-                                                                      np.ndarray]:
-    """Release every partition of ``data``: what describes each (see
-    :class:`~dpsql.release.Descriptions`) and all their values in one array.
+                    source: noise.NoiseSource, params: dict) -> tuple[Parts, np.ndarray]:
+    """One :class:`Release` per partition (made when looked at), and all their values in one array.
 
     ``templates`` holds one unfed machine per partition length. Machines whose rows are
     independent release all partitions in one run of one machine (cut at the offsets), so
@@ -284,7 +185,11 @@ def _run_partitions(method: str, templates: dict[int, StreamMachine], data: np.n
         pieces = [run_machine(m, chunks_of(data[a:b]), b - a) for m, (a, b) in zip(machines, spans)]
         values = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         sources = [(m, None) for m in machines]
-    return sources, values
+    # a partition's outputs: one per row, or the machine's fixed number (a threshold: one)
+    outputs = np.cumsum([0] + [templates[b - a].n_outputs or b - a for a, b in spans]).tolist()
+    parts = Parts(Descriptions(sources), [values[a:b] for a, b in itertools.pairwise(outputs)],
+                  private=source.private)
+    return parts, values
 
 
 def _release_group(machine: StreamMachine, data: np.ndarray, values: np.ndarray, starts: np.ndarray,

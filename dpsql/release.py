@@ -251,7 +251,9 @@ class StreamMachine(ABC):
     #: length at once: fed ``(k, rows)`` chunks, returning ``(k, outputs)``, with
     #: ``describe_partition(j)`` for partition ``j``. Every partition's release has exactly
     #: the distribution (and public record) this machine's own release has; only the order of
-    #: the draws in the noise stream changes. This machine is the case ``k = 1``.
+    #: the draws in the noise stream changes. This machine is the case ``k = 1``. A batched
+    #: machine is kept after ``close`` to describe its partitions when asked, so ``close``
+    #: must drop every secret it holds (noise drawn, sums not released).
     batchable: bool = False
 
     @abstractmethod
@@ -288,17 +290,8 @@ def run_machine(machine: StreamMachine, chunks, n: int, out: np.ndarray | None =
 
 def release_from(machine: StreamMachine, chunks, n: int, *, private: bool) -> Release:
     """Drive ``machine`` over ``chunks`` of ``n`` rows and wrap its outputs as a :class:`Release`."""
-    return as_release(machine, run_machine(machine, chunks, n), private=private)
-
-
-def as_release(machine: StreamMachine, values: np.ndarray, *, private: bool,
-               description: dict | None = None) -> Release:
-    """``values`` released by ``machine`` (already driven, or with independent rows), as a
-    :class:`Release`; ``description`` replaces ``machine.describe()`` (a batched machine's
-    partition)."""
-    return Release(values=values, epsilon=machine.cost[0], delta=machine.cost[1], private=private,
-                   neighbour=machine.neighbour, notion=machine.notion,
-                   **(machine.describe() if description is None else description))
+    values = run_machine(machine, chunks, n)
+    return Release(values=values, private=private, **_described(machine, machine.describe()))
 
 
 #: Values per chunk of a batched run (all partitions' columns together): a step's fixed cost
@@ -318,47 +311,62 @@ def release_batched(machine: StreamMachine, rows: np.ndarray, out: np.ndarray) -
 
 class Descriptions(Sequence):
     """What :meth:`StreamMachine.describe` says of each partition of a partitioned release,
-    asked of its driven machine the first time it is needed and kept: a release of many
-    partitions does not spend its time describing partitions nobody looks at (1,000 ToPS
-    partitions: about 15 ms of a 120 ms release). Holds the machines, not the values.
+    with the machine's cost, neighbour relation and notion: a :class:`Release`'s arguments
+    but its values, ``private`` and ``release_id``.
 
-    ``sources[k]`` is ``(machine, j)``: partition ``j`` of a batched machine, or ``(machine,
-    None)`` for a machine of its own.
+    ``sources[k]`` is ``(machine, None)`` for a partition released by a machine of its own,
+    described at once (the machine is not kept), or ``(batch, j)`` for partition ``j`` of a
+    batched run, described from the driven batch machine the first time it is needed and
+    kept: a release of many partitions does not spend its time describing partitions nobody
+    looks at (1,000 ToPS partitions: about 15 ms of a 120 ms release). A closed batched
+    machine holds no secret state (see :attr:`StreamMachine.batchable`), so keeping it
+    reveals nothing the release does not.
     """
 
     def __init__(self, sources: Sequence[tuple[StreamMachine, int | None]]):
-        self.sources = sources
-        self._described: list[dict | None] = [None] * len(sources)
+        self._batches = [None if j is None else (machine, j) for machine, j in sources]
+        self._described = [_described(machine, machine.describe()) if j is None else None for machine, j in sources]
 
     def __len__(self) -> int:
-        return len(self.sources)
+        return len(self._described)
 
     def __getitem__(self, k: int) -> dict:
         description = self._described[k]
         if description is None:  # two threads at once would both describe, equally
-            machine, j = self.sources[k]
-            description = machine.describe() if j is None else machine.describe_partition(j)
-            self._described[k] = description
+            machine, j = self._batches[k]
+            description = self._described[k] = _described(machine, machine.describe_partition(j))
         return description
 
 
+def _described(machine: StreamMachine, description: dict) -> dict:
+    return dict(epsilon=machine.cost[0], delta=machine.cost[1], neighbour=machine.neighbour, notion=machine.notion,
+                **description)
+
+
 class ErrorModels(Sequence):
-    """The :class:`ErrorModel` of each partition (from its :class:`Descriptions`)."""
+    """The :class:`ErrorModel` of each partition (from its :class:`Descriptions`), holding
+    nothing else of the release: neither its values nor its other descriptions (local-DP
+    reports can be larger than the values)."""
 
     def __init__(self, descriptions: Descriptions):
-        self._descriptions = descriptions
+        self._errors = [None if d is None else d["error"] for d in descriptions._described]
+        self._descriptions = descriptions if any(e is None for e in self._errors) else None
 
     def __len__(self) -> int:
-        return len(self._descriptions)
+        return len(self._errors)
 
     def __getitem__(self, k: int) -> ErrorModel:
-        return self._descriptions[k]["error"]
+        error = self._errors[k]
+        if error is None:
+            error = self._errors[k] = self._descriptions[k]["error"]
+        return error
 
 
 class Parts(Sequence):
     """The per-partition :class:`Release` objects of a partitioned release, each made the
     first time it is looked at (see :class:`Descriptions`); ``values[k]`` are partition
-    ``k``'s released values and, with ``release_id``, every part carries that ledger id."""
+    ``k``'s released values and, with ``release_id``, every part carries that ledger id.
+    Pickled as a tuple of its releases (the machines it describes from hold a noise source)."""
 
     def __init__(self, descriptions: Descriptions, values: Sequence[np.ndarray], *, private: bool,
                  release_id: str | None = None):
@@ -382,15 +390,19 @@ class Parts(Sequence):
 
     def __getitem__(self, k):
         if isinstance(k, slice):
-            return [self[i] for i in range(*k.indices(len(self)))]
+            return tuple(self[i] for i in range(*k.indices(len(self))))
         release = self._made[k]
         if release is None:
-            machine = self.descriptions.sources[k][0]
-            release = as_release(machine, self._values[k], private=self._private, description=self.descriptions[k])
-            if self._release_id is not None:
-                release = release.with_id(self._release_id)
+            release = Release(values=self._values[k], private=self._private, release_id=self._release_id,
+                              **self.descriptions[k])
             self._made[k] = release
         return release
+
+    def __reduce__(self):
+        return tuple, (tuple(self),)
+
+    def __repr__(self) -> str:
+        return f"Parts({len(self)} partitions)"
 
 
 def chunks_of(values: np.ndarray, size: int = 1 << 20):

@@ -223,45 +223,73 @@ def test_partitions_are_described_when_looked_at_and_error_models_do_not_hold_va
     assert errors[7].range_variance(np.array([0]), np.array([4000]))[0] > 0
 
 
-def test_publication_releases_pieces_and_charges_once_at_the_maximum():
-    budget = dpsql.Budget.in_memory(epsilon=2.0)
-    values = np.arange(30.0)
-    with dpsql.testing.seeded(4):
-        whole = api.publish("laplace", values, partition_offsets=[0, 10, 25, 30], epsilon=0.5, upper=40.0)
-    with dpsql.testing.seeded(4):
-        publication = api.Publication("laplace", budget=budget, epsilon=0.5, upper=40.0, note="pieces")
-        publication.add(values[:10])
-        publication.add(values[10:30], [0, 15, 20])
-        assert budget.spent == (0.0, 0.0)  # nothing charged before finish
-        release = publication.finish()
-    assert budget.spent == (0.5, 0.0) and len(budget.history()) == 1
-    assert budget.history()["partitions"].to_list() == [3]
-    np.testing.assert_array_equal(release.offsets, [0, 10, 25, 30])
-    np.testing.assert_array_equal(release.values, whole.values)  # same draws, in the same order
-    assert [len(p) for p in release.parts] == [10, 15, 5]
-    assert release.part(1).release_id == release.release_id
-    with pytest.raises(InvalidParameter, match="finished"):
-        publication.add(values[:3])
-    with pytest.raises(InvalidParameter, match="finished"):
-        publication.finish()
+def _reachable_arrays(root):
+    """Every numpy array reachable from ``root`` through object references."""
+    import gc
+    import types
+
+    seen, stack, arrays = set(), [root], []
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, np.ndarray):
+            arrays.append(obj)
+        stack.extend(gc.get_referents(obj))
+    return arrays
 
 
-def test_publication_levels_add_up_across_pieces():
-    publication = api.Publication("laplace", epsilon=0.25, upper=1.0)
-    publication.add(np.ones(4), [0, 2, 4], levels=[0, 0])
-    publication.add(np.ones(3), [0, 3], levels=[1])
-    assert publication.finish().epsilon == 0.5
+@pytest.mark.parametrize("method, params, most_bytes", [
+    # blocks of one row (large epsilon, depth 0): leaf noise as large as the values
+    ("tops", dict(epsilon=100.0, upper=4000.0), 0.02),
+    ("hierarchy", dict(epsilon=0.1, upper=4000.0, depth=0), 0.02),
+    ("binary_tree", dict(epsilon=1.0, upper=4000.0), 0.02),
+    # a local-DP error model keeps each report's start and variance (two arrays of a row's size),
+    # its description also the public reports (a third)
+    ("pp_s", dict(epsilon=1.0, w=10, lower=0.0, upper=4000.0), 3.05),
+])
+def test_error_models_hold_neither_noise_nor_values(method, params, most_bytes):
+    """What a release keeps to describe its partitions later (and the DuckDB front end keeps
+    for error bars) must not reveal more than the release: no noise (released values minus
+    noise would be the clipped data), no values, and little memory."""
+    values = np.random.default_rng(3).uniform(0, 4000, 40_000)
+    offsets = np.arange(0, 40_001, 5000)
+    with dpsql.testing.seeded(2):
+        release = api.publish(method, values, partition_offsets=offsets, **params)
+    errors = release.parts.errors  # before any partition is described, as DuckDB takes them
+    parts = [release.part(k).values.copy() for k in range(len(release.parts))]
+    descriptions = release.parts.descriptions
+    del release
+    for kept in (errors, descriptions):
+        held = _reachable_arrays(kept)
+        assert sum(a.nbytes for a in held) <= most_bytes * values.nbytes
+        for part in parts:
+            assert not any(a.shape == part.shape and np.array_equal(a, part) for a in held)
+    assert errors[3] is descriptions[3]["error"]
 
 
-def test_publication_refuses_early_and_charges_nothing_for_a_failed_piece():
-    budget = dpsql.Budget.in_memory(epsilon=1.0)
-    publication = api.Publication("laplace", budget=budget, epsilon=0.5, upper=1.0)
-    publication.add(np.ones(5))
-    with pytest.raises(InvalidData, match=r"column 'values' contains NaN values .*first at row 7"):
-        publication.add(np.array([0.0, 1.0, np.nan]))
-    greedy = api.Publication("laplace", budget=budget, epsilon=1.5, upper=1.0)
-    with pytest.raises(BudgetExhausted):
-        greedy.add(np.ones(5))  # refused before any noise is drawn
-    with pytest.raises(InvalidData, match="empty"):
-        api.Publication("laplace", epsilon=1.0, upper=1.0).finish()
-    assert budget.spent == (0.0, 0.0)
+def test_partitioned_release_pickles_as_its_parts():
+    import pickle
+
+    with dpsql.testing.seeded(5):
+        release = api.publish("tops", np.arange(20_000.0) % 700, partition_offsets=[0, 8000, 16_000, 20_000],
+                              epsilon=1.0, upper=1000.0)
+    copy = pickle.loads(pickle.dumps(release))
+    np.testing.assert_array_equal(copy.values, release.values)
+    assert [p.threshold for p in copy.parts] == [p.threshold for p in release.parts]
+    assert copy.part(2).range_variance(0, 4000) == release.part(2).range_variance(0, 4000)
+
+
+def test_partitioned_thresholds_have_one_output_per_partition():
+    budget = dpsql.Budget.in_memory(epsilon=5.0)
+    values = np.r_[np.full(10, 3.0), np.full(20, 30.0)]
+    with dpsql.testing.seeded(1):
+        release = api.publish("threshold", values, partition_offsets=[0, 10, 30], epsilon=1.0, upper=40.0)
+    assert len(release.parts) == 2 and len(release) == 2
+    assert [p.values.tolist() for p in release.parts] == [[p.threshold] for p in release.parts]
+    np.testing.assert_array_equal(release.values, [p.threshold for p in release.parts])
+    with dpsql.testing.seeded(1):
+        charged = api.publish("threshold", values, partition_offsets=[0, 10, 30], epsilon=1.0, upper=40.0,
+                              budget=budget)
+    assert budget.history()["partitions"].to_list() == [2] and charged.part(1).release_id == charged.release_id

@@ -59,7 +59,7 @@ def test_sql_release_equals_per_user_releases_and_is_charged_once(frame, method,
     expected = per_user_releases(frame, method, **params)
     assert np.array_equal(out["v"].to_numpy(), np.concatenate([r.values for r in expected]))
     reports, index = du.report_view(dpsql.api.PartitionedRelease(
-        value_chunks=(), offsets=None, parts=tuple(expected), method=method, epsilon=1.0, delta=0.0, private=False,
+        values=None, offsets=None, parts=tuple(expected), method=method, epsilon=1.0, delta=0.0, private=False,
         release_id=None))
     assert np.array_equal(out["report"].to_numpy(), reports)
     assert np.array_equal(out["dp_report"].to_numpy(), index)

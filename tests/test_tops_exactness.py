@@ -163,6 +163,9 @@ def test_only_exact_power_of_two_grids_skip_the_check():
     assert not _is_power_of_two_grid(candidate_grid(10.5, 1.0))  # the last candidate is capped at upper
     assert not _is_power_of_two_grid(candidate_grid(3.0, 0.1)) and not _is_power_of_two_grid(np.array([3.0, 6.0]))
     assert not _is_power_of_two_grid(np.array([1.0, 2.0, 3.5]))
+    with np.errstate(over="ignore"):
+        overflowed = 2.0**1023 * np.arange(1, 4)
+    assert not _is_power_of_two_grid(overflowed)  # its last candidate is inf: no exact division
 
 
 def test_counts_for_unsorted_candidates_and_long_holdouts():

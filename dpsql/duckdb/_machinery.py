@@ -660,8 +660,7 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
 
     def run(stream: Plan, schema: pa.Schema) -> pa.Table:
         keys, release = release_ordered(context, stream)
-        values = release.value_chunks if isinstance(release, api.PartitionedRelease) else [release.values]
-        columns = [*keys.values(), pa.chunked_array(values, type=pa.float64()), row_handles(context, release)]
+        columns = [*keys.values(), pa.array(release.values), row_handles(context, release)]
         if extra_outputs:
             computed = extra_outputs[1](release)
             columns += [computed[name] for name in extra_names]

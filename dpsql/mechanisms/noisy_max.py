@@ -325,7 +325,7 @@ def _is_power_of_two_grid(candidates: np.ndarray) -> bool:
     the ulp of ``x``), and rounding elsewhere only moves a guess that the clip to ``[0, K]``
     sets right anyway (below ``s`` the place is 0, beyond ``2**53 s`` it is ``K``)."""
     step = float(candidates[0])
-    if not (step > 0 and math.frexp(step)[0] == 0.5):
+    if not (step > 0 and math.frexp(step)[0] == 0.5 and math.isfinite(step * len(candidates))):
         return False
     return bool(np.array_equal(candidates, step * np.arange(1, len(candidates) + 1)))
 

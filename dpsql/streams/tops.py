@@ -169,6 +169,9 @@ class HierarchyStream(StreamMachine):
         return out.reshape((*self._lead, -1))
 
     def close(self) -> np.ndarray:
+        # The machine may be kept to describe its partitions (StreamMachine.batchable): the
+        # leaf noise, with the released block sums, would give the exact clipped sums.
+        self._leaf_noise = self._partial_units = None
         # outputs are shaped like the inputs: (partitions, rows) chunks or one stream's rows
         return np.empty((*self._lead, 0))
 
