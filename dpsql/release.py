@@ -255,6 +255,12 @@ class StreamMachine(ABC):
     #: machine is kept after ``close`` to describe its partitions when asked, so ``close``
     #: must drop every secret it holds (noise drawn, sums not released).
     batchable: bool = False
+    #: True when ``feed(chunk, out=...)`` may write its outputs into ``out``, the caller's
+    #: buffer for all the outputs still to come (shaped like them, ``(partitions, room)`` or
+    #: ``(room,)``): it returns a view of ``out``'s first columns where it wrote in place
+    #: (:func:`written_in_place`), and the caller need not copy them; a stream's values are
+    #: then written once.
+    writes_out: bool = False
 
     @abstractmethod
     def feed(self, chunk: np.ndarray) -> np.ndarray:
@@ -277,8 +283,10 @@ def run_machine(machine: StreamMachine, chunks, n: int, out: np.ndarray | None =
     out = np.empty(n, dtype=np.float64) if out is None else out
     filled = 0
     for chunk in chunks:
-        piece = machine.feed(chunk)
-        out[..., filled:filled + piece.shape[-1]] = piece
+        target = out[..., filled:]
+        piece = machine.feed(chunk, out=target) if machine.writes_out else machine.feed(chunk)
+        if not written_in_place(piece, target):
+            out[..., filled:filled + piece.shape[-1]] = piece
         filled += piece.shape[-1]
     piece = machine.close()
     out[..., filled:filled + piece.shape[-1]] = piece
@@ -286,6 +294,18 @@ def run_machine(machine: StreamMachine, chunks, n: int, out: np.ndarray | None =
     if filled != n:
         raise AssertionError(f"{type(machine).__name__} produced {filled} outputs, expected {n}")
     return out
+
+
+def written_in_place(piece: np.ndarray, target: np.ndarray) -> bool:
+    """Was ``piece`` written in place, as the first columns of ``target``? (A machine that
+    :attr:`~StreamMachine.writes_out` returns a view of ``out`` laid out as ``out``.)"""
+    return piece.size > 0 and piece.__array_interface__["data"][0] == target.__array_interface__["data"][0]
+
+
+def leading_columns(out: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """The first ``shape[1]`` columns of ``out`` as a ``shape`` view (``out`` is
+    ``(partitions, room)``, or ``(room,)`` for one stream)."""
+    return out.reshape(shape[0], -1)[:, :shape[1]]
 
 
 def release_from(machine: StreamMachine, chunks, n: int, *, private: bool) -> Release:

@@ -248,3 +248,37 @@ def test_every_smoother_accepts_pieces_that_complete_no_block(smoother):
         release = dpsql.api.publish("tops", rng.uniform(0, 1000, offsets[-1]), partition_offsets=offsets,
                                     epsilon=0.01, upper=1000.0, smoother=smoother, r=5000)
     assert len(release.values) == offsets[-1]
+
+
+@pytest.mark.parametrize("method, smoother", [("tops", "recent"), ("tops", "none"), ("hierarchy", "median"),
+                                              ("pak", None)])
+def test_machines_writing_into_the_callers_buffer_release_the_same_values(method, smoother):
+    """``feed(chunk, out=...)`` (``writes_out``) writes the outputs in place where it can and
+    gives the same values as feeding without a buffer, chunk by chunk, for one stream and
+    for a batch of partitions."""
+    from dpsql.release import run_machine, written_in_place
+
+    params = dict(epsilon=0.8, upper=6000.0, lower=-5.0)
+    if method != "pak":
+        params.update(r=700, smoother=smoother)
+    rows = _rows(3, 5000, 8)
+    for k, data in ((1, rows[0]), (3, rows))[: 1 if method == "pak" else 2]:  # PAK is not batchable
+        template = api.machine_for(method, 5000, SeededNoise(4), params)
+        machine = template if k == 1 else template.batched(3)
+        plain = api.machine_for(method, 5000, SeededNoise(4), params)
+        plain = plain if k == 1 else plain.batched(3)
+        assert machine.writes_out
+        out = np.full(data.shape, np.nan)
+        filled, in_place = 0, []
+        for start in range(0, 5000, 1700):
+            chunk = data[..., start:start + 1700]
+            piece = machine.feed(chunk, out=out[..., filled:])
+            in_place.append(written_in_place(piece, out[..., filled:]))
+            expected = plain.feed(chunk)
+            np.testing.assert_array_equal(piece, expected)
+            out[..., filled:filled + piece.shape[-1]] = piece
+            filled += piece.shape[-1]
+        assert filled + machine.close().shape[-1] == 5000 and plain.close().shape[-1] == 5000 - filled
+        if method == "tops" and smoother == "recent":
+            assert all(in_place[1:])  # once the hold-out is released, every piece is written in place
+    assert run_machine(api.machine_for(method, 5000, SeededNoise(4), params), iter([rows[0]]), 5000).shape == (5000,)

@@ -33,7 +33,7 @@ from dpsql import _validate
 from dpsql.accountant import largest_share
 from dpsql.mechanisms.laplace import LatticeBatch
 from dpsql.noise import NoiseSource
-from dpsql.release import SegmentedNoise, SharedTotalNoise, StreamMachine
+from dpsql.release import SegmentedNoise, SharedTotalNoise, StreamMachine, written_in_place
 
 #: The ToPS paper's hold-out length; by default capped at a quarter of the stream.
 PAPER_HOLDOUT = 65_536
@@ -64,6 +64,7 @@ class ThresholdedStream(StreamMachine):
 
     method: str
     threshold_delta: float = 0.0
+    writes_out = True
 
     def __init__(self, n: int, *, epsilon: float, upper: float, lower: float = 0.0, m: int | None = None,
                  holdout_share: float = 0.15, noise: NoiseSource):
@@ -114,7 +115,7 @@ class ThresholdedStream(StreamMachine):
     def _method_params(self) -> dict:
         """Method-specific public parameters for the release record (the same for every partition)."""
 
-    def feed(self, chunk: np.ndarray) -> np.ndarray:
+    def feed(self, chunk: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         self._lead = chunk.shape[:-1]
         rows = chunk.reshape(self.partitions, -1)
         holdout = None
@@ -125,16 +126,29 @@ class ThresholdedStream(StreamMachine):
             rows = rows[:, take.shape[1]:]
             if self._held_rows == self.m:
                 holdout = self._release_holdout()
-        rest = self._stream.feed(self._shift(rows.reshape((*self._lead, -1)))) if rows.shape[1] else None
-        if holdout is None:
-            out = np.empty((self.partitions, 0)) if rest is None else self._shift_back(rest)
-        else:  # every hold-out row carries its share: written into the chunk's outputs, not repeated
-            stream_rows = 0 if rest is None else rest.shape[-1]
-            out = np.empty((self.partitions, self.m + stream_rows))
-            out[:, :self.m] = holdout[:, None]
-            if rest is not None:
-                out[:, self.m:] = self._shift_back(rest).reshape(self.partitions, -1)
-        return out.reshape((*self._lead, -1))
+        # every hold-out row carries its share, then come the stream phase's rows: one buffer,
+        # the caller's when given (all its room: a stream phase may emit rows held back before),
+        # which a stream phase that writes in place fills directly
+        held = 0 if holdout is None else self.m
+        room = None if out is None else out.reshape(self.partitions, -1)
+        rest = None
+        if rows.shape[1]:
+            stream_rows = self._shift(rows.reshape((*self._lead, -1)))
+            if room is not None and self._stream.writes_out:
+                rest = self._stream.feed(stream_rows, out=room[:, held:])
+            else:
+                rest = self._stream.feed(stream_rows)
+        emitted = 0 if rest is None else rest.shape[-1]
+        buffer = np.empty((self.partitions, held + emitted)) if room is None else room[:, :held + emitted]
+        if holdout is not None:
+            buffer[:, :held] = holdout[:, None]
+        if emitted:
+            stream_part = buffer[:, held:]
+            if not written_in_place(rest, stream_part):
+                stream_part[:] = rest.reshape(self.partitions, -1)
+            if self.lower:
+                stream_part += self.lower
+        return buffer.reshape((*self._lead, -1))
 
     def close(self) -> np.ndarray:
         return self._shift_back(self._stream.close())

@@ -41,7 +41,7 @@ from dpsql.mechanisms.laplace import LatticeBatch
 from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_thresholds
 from dpsql.mechanisms.smoothers import MIN_ALPHA, SMOOTHERS, make_smoother
 from dpsql.noise import NoiseSource
-from dpsql.release import StreamMachine
+from dpsql.release import StreamMachine, leading_columns
 from dpsql.streams.holdout import ThresholdedStream
 
 #: The paper's largest query range and chunk length.
@@ -95,6 +95,7 @@ class HierarchyStream(StreamMachine):
     """
 
     batchable = True
+    writes_out = True
 
     def __init__(self, n: int, *, epsilon: float, upper: float, lower: float = 0.0, r: int | None = None,
                  fanout: int = 16, consistency: bool = True, smoother: str = "recent", window: int = 8,
@@ -147,11 +148,15 @@ class HierarchyStream(StreamMachine):
         self._prediction = self._smoother.first_prediction
         self._lead = ()
 
-    def feed(self, chunk: np.ndarray) -> np.ndarray:
+    def feed(self, chunk: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         rows = chunk.reshape(len(self._uppers), -1)
         count = rows.shape[1]
-        # predictive smoothers emit one output per row: write them straight into one buffer
-        out = np.empty(rows.shape) if self._smoother.predictive else None
+        # predictive smoothers emit one output per row: written straight into one buffer (the
+        # caller's, given one)
+        if self._smoother.predictive:
+            out = np.empty(rows.shape) if out is None else leading_columns(out, rows.shape)
+        else:
+            out = None
         pieces = []
         start = 0
         while start < count:
