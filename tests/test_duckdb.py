@@ -500,3 +500,20 @@ def test_threshold_macro_is_one_charged_row(con, budget):
         (pak,) = con.sql("SELECT * FROM dp_threshold('t', 'v', method := 'pak', epsilon := 1, upper := 10, "
                          "delta := 1e-6)").fetchall()
     assert pak[2] == 1e-6 and budget.spent == (2.0, 1e-6)
+
+
+def test_keys_of_other_types_are_checked_too(con, budget, monkeypatch):
+    """Text partition keys and date order keys (compared with Arrow compute, not in place)."""
+    monkeypatch.setattr(_machinery, "BATCH_ROWS", 7)
+    con.execute("CREATE TABLE typed AS SELECT 'p' || (range // 10)::VARCHAR AS g, "
+                "DATE '2024-01-01' + (range % 10)::INTEGER AS d, 1.0 AS v FROM range(40)")
+    base = ("SELECT * FROM dp_range_sum('{}', 'd', 'v', method := 'laplace', epsilon := 1, upper := 1, "
+            "partition_by := 'g')")
+    with dpsql.testing.seeded(0):
+        out = con.sql(base.format("typed")).pl()
+    assert out.height == 40 and out["g"].n_unique() == 4
+    con.execute("CREATE TABLE typed_dup AS SELECT * FROM typed UNION ALL SELECT 'p2', DATE '2024-01-04', 2.0")
+    error = _refusal(con, base.format("typed_dup"))
+    assert isinstance(error, InvalidTimeKey)
+    assert str(error).startswith("order column 'd' has duplicate value datetime.date(2024, 1, 4) within a partition")
+    assert budget.history().height == 1  # the good release only

@@ -484,9 +484,20 @@ def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedA
                              partition_offsets=offsets, note=plan.note, **plan.params)
 
 
+def _repeats_previous(column: pa.Array) -> np.ndarray:
+    """``column[i] == column[i - 1]`` for ``i = 1 .. n - 1`` (a column without NULLs), as numpy
+    booleans: compared in place for fixed-width numbers and timestamps (a zero-copy view),
+    with Arrow compute for any other type."""
+    kind = column.type
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_timestamp(kind):
+        values = column.to_numpy(zero_copy_only=True)
+        return values[1:] == values[:-1]
+    return pc.equal(column.slice(1), column.slice(0, len(column) - 1)).to_numpy(zero_copy_only=False)
+
+
 class _KeyChecker:
-    """Validates sorted key batches with Arrow compute (no per-row Python, no boolean
-    arrays unpacked to numpy), remembering the previous batch's last keys."""
+    """Validates sorted key batches (vectorised, no per-row Python), remembering the
+    previous batch's last keys."""
 
     def __init__(self, order_col: str | None, partition_by: str | None):
         self.order_col = order_col
@@ -512,8 +523,8 @@ class _KeyChecker:
             if keys.null_count:
                 raise InvalidTimeKey(f"partition column {self.partition_by!r} contains NULL values; "
                                      "every row needs a partition key")
-            same_partition = pc.equal(keys.slice(1), keys.slice(0, n - 1))
-            starts = pc.indices_nonzero(pc.invert(same_partition)).to_numpy().astype(np.int64) + 1
+            same_partition = _repeats_previous(keys)
+            starts = np.flatnonzero(~same_partition) + 1
             if self._continues(self.partition_by, keys) is False:
                 starts = np.concatenate([[0], starts])
                 first_in_partition = True
@@ -523,13 +534,13 @@ class _KeyChecker:
             if nulls:
                 raise InvalidTimeKey(f"order column {self.order_col!r} contains {nulls} NULL value(s)"
                                      f"{self._where()}; every row needs a time key")
-            repeats = pc.equal(times.slice(1), times.slice(0, n - 1))
+            repeats = _repeats_previous(times)
             if same_partition is not None:
-                repeats = pc.and_(repeats, same_partition)
+                repeats &= same_partition
             if self._continues(self.order_col, times) and not first_in_partition:
                 self._duplicate(times, 0)
-            if n > 1 and pc.any(repeats).as_py():
-                self._duplicate(times, pc.indices_nonzero(repeats)[0].as_py() + 1)
+            if repeats.any():
+                self._duplicate(times, int(np.flatnonzero(repeats)[0]) + 1)
         return starts
 
     def _duplicate(self, times: pa.Array, row: int):
