@@ -517,3 +517,17 @@ def test_keys_of_other_types_are_checked_too(con, budget, monkeypatch):
     assert isinstance(error, InvalidTimeKey)
     assert str(error).startswith("order column 'd' has duplicate value datetime.date(2024, 1, 4) within a partition")
     assert budget.history().height == 1  # the good release only
+
+
+def test_nan_keys_are_refused(con, budget):
+    con.execute("CREATE TABLE nants AS SELECT CASE WHEN range IN (3, 7) THEN 'nan'::DOUBLE ELSE range::DOUBLE END "
+                "AS ts, range % 2 AS g, 1.0 AS v FROM range(20)")
+    base = "SELECT * FROM dp_range_sum('nants', '{}', 'v', method := 'laplace', epsilon := 1, upper := 1{})"
+    error = _refusal(con, base.format("ts", ""))
+    assert isinstance(error, InvalidTimeKey) and "order column 'ts' contains NaN" in str(error)
+    con.execute("CREATE TABLE nanpart AS SELECT range AS ts, CASE WHEN range = 4 THEN 'nan'::DOUBLE ELSE 1 END AS g, "
+                "1.0 AS v FROM range(20)")
+    error = _refusal(con, "SELECT * FROM dp_range_sum('nanpart', 'ts', 'v', method := 'laplace', epsilon := 1, "
+                          "upper := 1, partition_by := 'g')")
+    assert isinstance(error, InvalidTimeKey) and "partition column 'g' contains NaN" in str(error)
+    assert budget.history().height == 0

@@ -454,9 +454,9 @@ def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedA
     release its values with :func:`dpsql.api.publish` (the one charge of the release);
     returns the key columns as read and the release.
 
-    Refuses NULL or duplicate order keys within a partition and NULL partition keys
-    (:class:`InvalidTimeKey`, naming the column); the core validates the values and names
-    the column.
+    Refuses NULL, NaN or duplicate order keys within a partition and NULL or NaN partition
+    keys (:class:`InvalidTimeKey`, naming the column); the core validates the values and
+    names the column.
     """
     key_cols = [c for c in (plan.partition_by, plan.order_col) if c is not None]
     select = [quote_ident(c) for c in [*key_cols, plan.value_col]]
@@ -495,6 +495,12 @@ def _repeats_previous(column: pa.Array) -> np.ndarray:
     return pc.equal(column.slice(1), column.slice(0, len(column) - 1)).to_numpy(zero_copy_only=False)
 
 
+def _refuse_nan(column: pa.Array, what: str) -> None:
+    """NaN keys neither order nor compare equal: refused (:class:`InvalidTimeKey`)."""
+    if pa.types.is_floating(column.type) and np.isnan(column.to_numpy(zero_copy_only=True)).any():
+        raise InvalidTimeKey(f"{what} contains NaN; keys must be comparable values")
+
+
 class _KeyChecker:
     """Validates sorted key batches (vectorised, no per-row Python), remembering the
     previous batch's last keys."""
@@ -523,6 +529,7 @@ class _KeyChecker:
             if keys.null_count:
                 raise InvalidTimeKey(f"partition column {self.partition_by!r} contains NULL values; "
                                      "every row needs a partition key")
+            _refuse_nan(keys, f"partition column {self.partition_by!r}")
             same_partition = _repeats_previous(keys)
             starts = np.flatnonzero(~same_partition) + 1
             if self._continues(self.partition_by, keys) is False:
@@ -534,6 +541,7 @@ class _KeyChecker:
             if nulls:
                 raise InvalidTimeKey(f"order column {self.order_col!r} contains {nulls} NULL value(s)"
                                      f"{self._where()}; every row needs a time key")
+            _refuse_nan(times, f"order column {self.order_col!r}")
             repeats = _repeats_previous(times)
             if same_partition is not None:
                 repeats &= same_partition
