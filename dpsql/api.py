@@ -22,7 +22,16 @@ import numpy as np
 from dpsql import _validate, noise
 from dpsql.accountant import Budget
 from dpsql.errors import InvalidParameter
-from dpsql.release import Descriptions, Parts, Release, StreamMachine, chunks_of, release_batched, run_machine
+from dpsql.release import (
+    Descriptions,
+    Parts,
+    Release,
+    StreamMachine,
+    chunks_of,
+    release_batched,
+    released_values,
+    run_machine,
+)
 
 #: name -> machine factory ``(n, *, noise, **params) -> StreamMachine``. Algorithm
 #: modules add themselves in :mod:`dpsql.streams`.
@@ -173,7 +182,7 @@ def _run_partitions(method: str, templates: dict[int, StreamMachine], data: np.n
         values = run_machine(machine_for(method, len(data), source, params), chunks_of(data), len(data))
         sources = [(templates[b - a], None) for a, b in spans]
     elif first.batchable and len(lengths) > 1:
-        values = np.empty(len(data))
+        values = released_values(len(data))
         sources: list = [None] * len(lengths)
         for n, template in templates.items():
             group = np.flatnonzero(lengths == n)

@@ -570,7 +570,20 @@ def row_handles(context: Context, release) -> pa.Array:
     """The ``dp_row`` column of ``release``: its block of row handles, one per row in
     output order (partition, then order key); its error models are kept for error bars."""
     first_row = context.remember_release(release)
-    return pa.array(np.arange(first_row, first_row + len(release), dtype=np.int64))
+    n = len(release)
+    # Allocated from Arrow's memory pool, which keeps freed blocks for the next release (a
+    # fresh numpy array would be faulted in again, page by page, at every release), and
+    # filled in cache-sized pieces without a temporary of the column's size.
+    buffer = pa.allocate_buffer(8 * n)
+    handles = np.frombuffer(buffer, dtype=np.int64)
+    steps = np.arange(min(n, _HANDLE_PIECE), dtype=np.int64)
+    for start in range(0, n, _HANDLE_PIECE):
+        piece = handles[start:start + _HANDLE_PIECE]
+        np.add(steps[:len(piece)], first_row + start, out=piece)
+    return pa.Array.from_buffers(pa.int64(), n, [None, buffer])
+
+
+_HANDLE_PIECE = 1 << 16
 
 
 def typed_error(error: BaseException) -> BaseException:
