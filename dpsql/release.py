@@ -260,7 +260,8 @@ class StreamMachine(ABC):
     #: buffer for all the outputs still to come (shaped like them, ``(partitions, room)`` or
     #: ``(room,)``): it returns a view of ``out``'s first columns where it wrote in place
     #: (:func:`written_in_place`), and the caller need not copy them; a stream's values are
-    #: then written once.
+    #: then written once. Such a view must be written in full: output buffers come from a
+    #: pool that hands back freed memory as it was (:func:`released_values`).
     writes_out: bool = False
 
     @abstractmethod

@@ -531,3 +531,18 @@ def test_nan_keys_are_refused(con, budget):
                           "upper := 1, partition_by := 'g')")
     assert isinstance(error, InvalidTimeKey) and "partition column 'g' contains NaN" in str(error)
     assert budget.history().height == 0
+
+
+def test_the_smallest_timestamp_is_an_ordinary_key(con, budget):
+    """Its raw value is numpy's NaT, which is unequal to itself: keys are compared as integers."""
+    smallest = pa.array([np.iinfo(np.int64).min] * 3 + [5], pa.int64()).view(pa.timestamp("us"))
+    con.from_arrow(pa.table({"g": smallest, "ts": [1, 2, 3, 1], "v": [1.0] * 4})).create("early_parts")
+    with dpsql.testing.seeded(0):
+        con.sql("SELECT * FROM dp_range_sum('early_parts', 'ts', 'v', method := 'laplace', epsilon := 1, "
+                "upper := 1, partition_by := 'g')").to_arrow_table()
+    assert budget.history()["partitions"].to_list() == [2]
+    con.from_arrow(pa.table({"ts": smallest, "v": [1.0] * 4})).create("early_times")
+    error = _refusal(con, "SELECT * FROM dp_range_sum('early_times', 'ts', 'v', method := 'laplace', epsilon := 1, "
+                          "upper := 1)")
+    assert isinstance(error, InvalidTimeKey)
+    assert str(error).startswith("order column 'ts' has duplicate value -9223372036854775808 (raw timestamp[us])")

@@ -489,10 +489,21 @@ def _repeats_previous(column: pa.Array) -> np.ndarray:
     booleans: compared in place for fixed-width numbers and timestamps (a zero-copy view),
     with Arrow compute for any other type."""
     kind = column.type
-    if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_timestamp(kind):
+    if pa.types.is_timestamp(kind):  # as integers: the smallest one would be numpy's NaT, unequal to itself
+        column, kind = column.view(pa.int64()), pa.int64()
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind):
         values = column.to_numpy(zero_copy_only=True)
         return values[1:] == values[:-1]
     return pc.equal(column.slice(1), column.slice(0, len(column) - 1)).to_numpy(zero_copy_only=False)
+
+
+def _shown(column: pa.Array, row: int) -> str:
+    """``column[row]`` for a message; a date or time beyond Python's range as its raw integer."""
+    try:
+        return repr(column[row].as_py())
+    except (OverflowError, ValueError):
+        raw = column.view(pa.int64() if column.type.bit_width == 64 else pa.int32())[row].as_py()
+        return f"{raw} (raw {column.type})"
 
 
 def _refuse_nan(column: pa.Array, what: str) -> None:
@@ -552,7 +563,7 @@ class _KeyChecker:
         return starts
 
     def _duplicate(self, times: pa.Array, row: int):
-        raise InvalidTimeKey(f"order column {self.order_col!r} has duplicate value {times[row].as_py()!r}"
+        raise InvalidTimeKey(f"order column {self.order_col!r} has duplicate value {_shown(times, row)}"
                              f"{self._where()}; time keys must be unique within a partition")
 
     def _where(self) -> str:
