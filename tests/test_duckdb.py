@@ -546,3 +546,11 @@ def test_the_smallest_timestamp_is_an_ordinary_key(con, budget):
                           "upper := 1)")
     assert isinstance(error, InvalidTimeKey)
     assert str(error).startswith("order column 'ts' has duplicate value -9223372036854775808 (raw timestamp[us])")
+
+
+def test_keys_that_cannot_be_compared_are_refused_by_name(con, budget):
+    con.execute("CREATE TABLE intervals AS SELECT to_seconds(range) AS ts, range % 2 AS g, 1.0 AS v FROM range(20)")
+    error = _refusal(con, "SELECT * FROM dp_range_sum('intervals', 'ts', 'v', method := 'laplace', epsilon := 1, "
+                          "upper := 1)")
+    assert isinstance(error, InvalidTimeKey) and str(error).startswith("order column 'ts' has type month_day_nano")
+    assert budget.history().height == 0

@@ -484,17 +484,23 @@ def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedA
                              partition_offsets=offsets, note=plan.note, **plan.params)
 
 
-def _repeats_previous(column: pa.Array) -> np.ndarray:
+def _repeats_previous(column: pa.Array, what: str) -> np.ndarray:
     """``column[i] == column[i - 1]`` for ``i = 1 .. n - 1`` (a column without NULLs), as numpy
     booleans: compared in place for fixed-width numbers and timestamps (a zero-copy view),
-    with Arrow compute for any other type."""
+    with Arrow compute for any other type; a type Arrow cannot compare (an interval, a list)
+    is refused (:class:`InvalidTimeKey` naming the column ``what``)."""
     kind = column.type
     if pa.types.is_timestamp(kind):  # as integers: the smallest one would be numpy's NaT, unequal to itself
         column, kind = column.view(pa.int64()), pa.int64()
     if pa.types.is_integer(kind) or pa.types.is_floating(kind):
         values = column.to_numpy(zero_copy_only=True)
         return values[1:] == values[:-1]
-    return pc.equal(column.slice(1), column.slice(0, len(column) - 1)).to_numpy(zero_copy_only=False)
+    try:
+        equal = pc.equal(column.slice(1), column.slice(0, len(column) - 1))
+    except pa.ArrowNotImplementedError:
+        raise InvalidTimeKey(f"{what} has type {column.type}, which cannot be compared as a key; cast it to a "
+                             "number, date, timestamp or text") from None
+    return equal.to_numpy(zero_copy_only=False)
 
 
 def _shown(column: pa.Array, row: int) -> str:
@@ -541,7 +547,7 @@ class _KeyChecker:
                 raise InvalidTimeKey(f"partition column {self.partition_by!r} contains NULL values; "
                                      "every row needs a partition key")
             _refuse_nan(keys, f"partition column {self.partition_by!r}")
-            same_partition = _repeats_previous(keys)
+            same_partition = _repeats_previous(keys, f"partition column {self.partition_by!r}")
             starts = np.flatnonzero(~same_partition) + 1
             if self._continues(self.partition_by, keys) is False:
                 starts = np.concatenate([[0], starts])
@@ -553,7 +559,7 @@ class _KeyChecker:
                 raise InvalidTimeKey(f"order column {self.order_col!r} contains {nulls} NULL value(s)"
                                      f"{self._where()}; every row needs a time key")
             _refuse_nan(times, f"order column {self.order_col!r}")
-            repeats = _repeats_previous(times)
+            repeats = _repeats_previous(times, f"order column {self.order_col!r}")
             if same_partition is not None:
                 repeats &= same_partition
             if self._continues(self.order_col, times) and not first_in_partition:
