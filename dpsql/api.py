@@ -208,7 +208,7 @@ def _release_group(machine: StreamMachine, data: np.ndarray, values: np.ndarray,
     (see :class:`~dpsql.release.Descriptions`)."""
     if len(starts) == 1:
         span = slice(starts[0], starts[0] + n)
-        values[span] = run_machine(machine, chunks_of(data[span]), n)
+        run_machine(machine, chunks_of(data[span]), n, values[span])
         return [(machine, None)]
     if starts[-1] - starts[0] == (len(starts) - 1) * n:  # adjacent partitions: views, no copies
         span = slice(starts[0], starts[0] + len(starts) * n)

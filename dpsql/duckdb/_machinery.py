@@ -485,15 +485,18 @@ def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedA
 
 
 def _repeats_previous(column: pa.Array, what: str) -> np.ndarray:
-    """``column[i] == column[i - 1]`` for ``i = 1 .. n - 1`` (a column without NULLs), as numpy
-    booleans: compared in place for fixed-width numbers and timestamps (a zero-copy view),
-    with Arrow compute for any other type; a type Arrow cannot compare (an interval, a list)
-    is refused (:class:`InvalidTimeKey` naming the column ``what``)."""
+    """``column[i] == column[i - 1]`` for ``i = 1 .. n - 1`` (a key column without NULLs), as
+    numpy booleans: compared in place for fixed-width numbers and timestamps (a zero-copy
+    view), with Arrow compute for any other type. Keys that cannot be compared are refused
+    (:class:`InvalidTimeKey` naming the column ``what``): NaN, which neither orders nor equals
+    itself, and types Arrow cannot compare (an interval, a list)."""
     kind = column.type
     if pa.types.is_timestamp(kind):  # as integers: the smallest one would be numpy's NaT, unequal to itself
         column, kind = column.view(pa.int64()), pa.int64()
     if pa.types.is_integer(kind) or pa.types.is_floating(kind):
         values = column.to_numpy(zero_copy_only=True)
+        if pa.types.is_floating(kind) and np.isnan(values).any():
+            raise InvalidTimeKey(f"{what} contains NaN; keys must be comparable values")
         return values[1:] == values[:-1]
     try:
         equal = pc.equal(column.slice(1), column.slice(0, len(column) - 1))
@@ -510,12 +513,6 @@ def _shown(column: pa.Array, row: int) -> str:
     except (OverflowError, ValueError):
         raw = column.view(pa.int64() if column.type.bit_width == 64 else pa.int32())[row].as_py()
         return f"{raw} (raw {column.type})"
-
-
-def _refuse_nan(column: pa.Array, what: str) -> None:
-    """NaN keys neither order nor compare equal: refused (:class:`InvalidTimeKey`)."""
-    if pa.types.is_floating(column.type) and np.isnan(column.to_numpy(zero_copy_only=True)).any():
-        raise InvalidTimeKey(f"{what} contains NaN; keys must be comparable values")
 
 
 class _KeyChecker:
@@ -546,7 +543,6 @@ class _KeyChecker:
             if keys.null_count:
                 raise InvalidTimeKey(f"partition column {self.partition_by!r} contains NULL values; "
                                      "every row needs a partition key")
-            _refuse_nan(keys, f"partition column {self.partition_by!r}")
             same_partition = _repeats_previous(keys, f"partition column {self.partition_by!r}")
             starts = np.flatnonzero(~same_partition) + 1
             if self._continues(self.partition_by, keys) is False:
@@ -558,7 +554,6 @@ class _KeyChecker:
             if nulls:
                 raise InvalidTimeKey(f"order column {self.order_col!r} contains {nulls} NULL value(s)"
                                      f"{self._where()}; every row needs a time key")
-            _refuse_nan(times, f"order column {self.order_col!r}")
             repeats = _repeats_previous(times, f"order column {self.order_col!r}")
             if same_partition is not None:
                 repeats &= same_partition

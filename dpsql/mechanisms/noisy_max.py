@@ -211,7 +211,8 @@ def nm_scores(holdout: np.ndarray, candidates: np.ndarray, slope: float, *,
     candidates = np.asarray(candidates, dtype=np.float64)
     if increasing is None:
         increasing = not np.any(candidates[1:] < candidates[:-1])
-    return -slope * candidates - _count_above(holdout, candidates, increasing=increasing, is_sorted=is_sorted)
+    above = holdout.shape[-1] - _count_not_above(holdout, candidates, increasing=increasing, is_sorted=is_sorted)
+    return -slope * candidates - above
 
 
 def nm_score_units(holdout: np.ndarray, candidates: np.ndarray, slope: float, lap: LaplaceLattice, *,
@@ -256,11 +257,6 @@ def nm_score_units(holdout: np.ndarray, candidates: np.ndarray, slope: float, la
     units *= inverse_gamma
     units += public.astype(np.int64) - holdout.shape[-1] * inverse_gamma
     return units
-
-
-def _count_above(holdout: np.ndarray, candidates: np.ndarray, *, increasing: bool, is_sorted: bool) -> np.ndarray:
-    """``#{v > theta}`` for every candidate (and every row of a 2-D ``holdout``)."""
-    return holdout.shape[-1] - _count_not_above(holdout, candidates, increasing=increasing, is_sorted=is_sorted)
 
 
 def _count_not_above(holdout: np.ndarray, candidates: np.ndarray, *, increasing: bool,
