@@ -28,8 +28,8 @@ from dpsql.release import (
     Release,
     StreamMachine,
     chunks_of,
+    pooled_array,
     release_batched,
-    released_values,
     run_machine,
 )
 
@@ -182,7 +182,7 @@ def _run_partitions(method: str, templates: dict[int, StreamMachine], data: np.n
         values = run_machine(machine_for(method, len(data), source, params), chunks_of(data), len(data))
         sources = [(templates[b - a], None) for a, b in spans]
     elif first.batchable and len(lengths) > 1:
-        values = released_values(len(data))
+        values = pooled_array(len(data))
         sources: list = [None] * len(lengths)
         for n, template in templates.items():
             group = np.flatnonzero(lengths == n)

@@ -261,7 +261,7 @@ class StreamMachine(ABC):
     #: ``(room,)``): it returns a view of ``out``'s first columns where it wrote in place
     #: (:func:`written_in_place`), and the caller need not copy them; a stream's values are
     #: then written once. Such a view must be written in full: output buffers come from a
-    #: pool that hands back freed memory as it was (:func:`released_values`).
+    #: pool that hands back freed memory as it was (:func:`pooled_array`).
     writes_out: bool = False
 
     @abstractmethod
@@ -282,7 +282,7 @@ def run_machine(machine: StreamMachine, chunks, n: int, out: np.ndarray | None =
     """Drive ``machine`` over ``chunks`` of ``n`` rows and collect its outputs in order (into
     ``out``, ``(k, n)`` for a batched machine fed ``(k, rows)`` chunks)."""
     n = n if machine.n_outputs is None else machine.n_outputs
-    out = released_values(n) if out is None else out
+    out = pooled_array(n) if out is None else out
     filled = 0
     for chunk in chunks:
         target = out[..., filled:]
@@ -298,12 +298,13 @@ def run_machine(machine: StreamMachine, chunks, n: int, out: np.ndarray | None =
     return out
 
 
-def released_values(n: int) -> np.ndarray:
-    """An empty float64 array for ``n`` released values, allocated from Arrow's memory pool:
-    the pool keeps freed blocks for the next release, where a fresh numpy array of this size
-    would be faulted in again page by page (slow on virtual machines); the values also go to
-    Arrow consumers (DuckDB, Polars) as they are."""
-    return np.frombuffer(pa.allocate_buffer(8 * n), dtype=np.float64)
+def pooled_array(n: int, dtype=np.float64) -> np.ndarray:
+    """An uninitialised 1-D array of ``n`` items from Arrow's memory pool: the pool keeps freed
+    blocks for the next call, where a fresh numpy array of this size would be faulted in and
+    zeroed again page by page (slow on virtual machines). Released values allocated here also
+    go to Arrow consumers (DuckDB, Polars) as they are."""
+    dtype = np.dtype(dtype)
+    return np.frombuffer(pa.allocate_buffer(dtype.itemsize * n), dtype=dtype)
 
 
 def written_in_place(piece: np.ndarray, target: np.ndarray) -> bool:

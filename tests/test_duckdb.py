@@ -43,11 +43,20 @@ def con(budget):
     con.close()
 
 
+@pytest.fixture(params=["numpy", "duckdb"])
+def ordering_path(request, monkeypatch):
+    """Integer-like keys are ordered in numpy (dpsql.ordering); others by DuckDB's ORDER BY,
+    validated batch by batch. Tests taking this fixture run on both paths."""
+    if request.param == "duckdb":
+        monkeypatch.setattr(_machinery, "_integer_like", lambda plan, schema: False)
+    return request.param
+
+
 def _core(method, values, **params):
     return api.publish(method, values, **params)
 
 
-def test_release_equals_the_core_release_in_time_order(con, budget):
+def test_release_equals_the_core_release_in_time_order(con, budget, ordering_path):
     with dpsql.testing.seeded(5):
         out = con.sql(RANGE_SUM).pl()
     with dpsql.testing.seeded(5):
@@ -385,7 +394,7 @@ def test_bad_values_are_refused_naming_the_column(con, budget):
     assert budget.history().height == 0
 
 
-def test_order_keys_must_be_unique_and_present_within_a_partition(con, budget, monkeypatch):
+def test_order_keys_must_be_unique_and_present_within_a_partition(con, budget, monkeypatch, ordering_path):
     monkeypatch.setattr(_machinery, "BATCH_ROWS", 64)
     con.execute("CREATE TABLE dup AS SELECT range // 100 AS ts, range % 100 AS g, 1.0 AS v FROM range(1000) "
                 "UNION ALL SELECT 5, 0, 2.0")
@@ -404,7 +413,7 @@ def test_order_keys_must_be_unique_and_present_within_a_partition(con, budget, m
     assert out.height == 1000 and out["g"].n_unique() == 10
 
 
-def test_keys_are_checked_across_batch_boundaries(con, budget, monkeypatch):
+def test_keys_are_checked_across_batch_boundaries(con, budget, monkeypatch, ordering_path):
     monkeypatch.setattr(_machinery, "BATCH_ROWS", 1)  # every adjacent pair straddles two batches
     con.execute("CREATE TABLE straddle AS SELECT range AS ts, 1.0 AS v FROM range(20) UNION ALL SELECT 9, 2.0")
     con.execute("CREATE TABLE nullpart AS SELECT range AS ts, CASE WHEN range = 3 THEN NULL ELSE 1 END AS g, "
@@ -427,7 +436,7 @@ def test_keys_are_checked_across_batch_boundaries(con, budget, monkeypatch):
     assert out["ts"].to_list() == [0, 1, 2, 3, 4, 4, 5, 6, 7, 8]
 
 
-def test_partitions_are_split_correctly_across_batches(con, monkeypatch):
+def test_partitions_are_split_correctly_across_batches(con, monkeypatch, ordering_path):
     con.execute("CREATE TABLE p AS SELECT range AS ts, range // 10 AS g, 1.0 AS v FROM range(70)")
     for batch_rows in (5, 7):  # partition starts on and off batch boundaries
         monkeypatch.setattr(_machinery, "BATCH_ROWS", batch_rows)
@@ -485,6 +494,42 @@ def test_order_and_partition_key_types_survive(con):
         assert got.select(["name", key]).equals(expected)
 
 
+def test_integer_keys_keep_their_types_on_the_numpy_path(con):
+    con.execute("""CREATE TABLE small AS SELECT (range % 3)::TINYINT AS g8, (range % 3)::UTINYINT AS gu,
+                   range::INTEGER AS i, DATE '2024-01-01' + (range // 3)::INTEGER AS d,
+                   TIMESTAMPTZ '2024-01-01 00:00:00+00' + INTERVAL (range) HOUR AS tz,
+                   TIMESTAMP_NS '2024-01-01' + INTERVAL (range) SECOND AS ns, TIME '00:00:00' + INTERVAL (range) MINUTE
+                   AS tm, 1.0 AS v FROM range(60) ORDER BY hash(range)""")
+    for partition, key in [("g8", "d"), ("gu", "tz"), ("g8", "ns"), ("gu", "tm"), ("g8", "i")]:
+        with dpsql.testing.seeded(0):
+            got = con.sql(f"SELECT * FROM dp_range_sum('small', '{key}', 'v', method := 'laplace', epsilon := 1, "
+                          f"upper := 1, partition_by := '{partition}')").to_arrow_table()
+        expected = con.sql(f"SELECT {partition}, {key} FROM small ORDER BY {partition}, {key}").to_arrow_table()
+        assert got.select([partition, key]).equals(expected)
+
+
+def test_keys_too_sparse_for_numpy_are_sorted_by_duckdb(con, budget, monkeypatch):
+    """Keys read unsorted that do not fit one int64 key go to DuckDB's sort, not read again."""
+    sorted_by_duckdb = []
+    monkeypatch.setattr(_machinery, "_ordered_by_duckdb",
+                        lambda cur, select, plan, _f=_machinery._ordered_by_duckdb: sorted_by_duckdb.append(select)
+                        or _f(cur, select, plan))
+    ts = np.array([0, 2**61, 3, 2**60, 7, 5])  # too sparse to pack six row indices
+    con.from_arrow(pa.table({"ts": ts, "g": [1, 1, 1, 2, 2, 2], "v": np.arange(6.0)})).create("sparse")
+    con.from_arrow(pa.table({"ts": np.arange(6), "g": [0, 0, 0, 10**12, 10**12, 10**12],
+                             "v": np.arange(6.0)})).create("sparse_parts")
+    for table, ordered in [("sparse", [0, 2, 1, 5, 4, 3]), ("sparse_parts", np.arange(6))]:
+        with dpsql.testing.seeded(0):
+            got = con.sql(f"SELECT * FROM dp_range_sum('{table}', 'ts', 'v', method := 'laplace', epsilon := 1, "
+                          "upper := 10, partition_by := 'g')").pl()
+        with dpsql.testing.seeded(0):
+            expected = _core("laplace", np.asarray(ordered, dtype=float), epsilon=1.0, upper=10.0,
+                             partition_offsets=[0, 3, 6])
+        np.testing.assert_array_equal(got["v"].to_numpy(), expected.values)
+        assert got["ts"].to_list() == con.sql(f"SELECT ts FROM {table} ORDER BY g, ts").pl()["ts"].to_list()
+    assert sorted_by_duckdb == [f'SELECT "g", "ts", "v" FROM "{_machinery._UNSORTED}"'] * 2
+
+
 def test_threshold_macro_is_one_charged_row(con, budget):
     with dpsql.testing.seeded(6):
         rows = con.sql("SELECT * FROM dp_threshold('t', 'v', epsilon := 1, upper := 10)").fetchall()
@@ -533,7 +578,7 @@ def test_nan_keys_are_refused(con, budget):
     assert budget.history().height == 0
 
 
-def test_the_smallest_timestamp_is_an_ordinary_key(con, budget):
+def test_the_smallest_timestamp_is_an_ordinary_key(con, budget, ordering_path):
     """Its raw value is numpy's NaT, which is unequal to itself: keys are compared as integers."""
     smallest = pa.array([np.iinfo(np.int64).min] * 3 + [5], pa.int64()).view(pa.timestamp("us"))
     con.from_arrow(pa.table({"g": smallest, "ts": [1, 2, 3, 1], "v": [1.0] * 4})).create("early_parts")

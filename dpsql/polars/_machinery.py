@@ -42,6 +42,7 @@ from dpsql import _validate
 from dpsql.accountant import Budget
 from dpsql.api import METHODS, PartitionedRelease
 from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
+from dpsql.ordering import duplicate_time_message, order_integer_keys
 from dpsql.release import Release
 
 _NAME_PREFIX = "__dpsql_release_"
@@ -126,11 +127,10 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
 
     ``labels`` are the user's names of the order column then the partition columns,
     used in messages. Null partition keys form one partition of their own; partitions
-    come in ascending key order. Integer and temporal time keys become one int64 key
-    (partition id times the time span, plus the time in units of the keys' greatest
-    common step), several times faster to order than Polars' multi-column sort; keys
-    that fill their range densely (a regular time grid) are placed by counting, with no
-    comparison sort at all. Other keys fall back to the multi-column sort.
+    come in ascending key order. Integer and temporal time keys are ordered by
+    :func:`dpsql.ordering.order_integer_keys` (one int64 key per row; a regular time grid
+    is placed by counting, with no comparison sort). Other keys, and keys too sparse
+    for one int64, take Polars' multi-column sort.
     """
     order = frame.get_column(order_name)
     if order.null_count():
@@ -138,97 +138,37 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
                              "needs a time key")
     if order.dtype.is_float() and order.is_nan().any():
         raise InvalidTimeKey(f"order column {labels[0]!r} contains NaN")
-    key = _single_key(frame, order, partition_names)
-    if key is None:
-        rows = _sorted_by_columns(frame, order_name, partition_names, labels)
-        return rows, rows.gather(values)
-    composite, span = key
-    if np.all(composite[1:] > composite[:-1]):
-        permutation = np.arange(len(composite))
-    elif composite.max() < 2 * len(composite):
-        permutation, composite, values = _place_by_key(composite, values, labels, bool(partition_names))
-    else:
-        permutation, composite, values = _sort_by_key(composite, values, labels)
-    if not partition_names:
-        return RowsInTimeOrder(permutation, np.array([0, len(permutation)]), partitioned=False), values
-    partition = composite // span
-    offsets = np.concatenate([[0], np.flatnonzero(partition[1:] != partition[:-1]) + 1, [len(permutation)]])
-    return RowsInTimeOrder(permutation, offsets, partitioned=True), values
+    if (order.dtype.is_integer() or order.dtype.is_temporal()) and order.dtype != pl.UInt64:
+        def refuse(time: int, _partition: int | None):
+            shown = repr(pl.Series([time]).cast(order.to_physical().dtype).cast(order.dtype)[0])
+            raise InvalidTimeKey(duplicate_time_message(labels[0], shown, labels[1:]))
 
-
-def _place_by_key(keys: np.ndarray, values: np.ndarray, labels: Sequence[str], keys_needed: bool):
-    """Order rows by small non-negative int keys without a comparison sort: each row is
-    written into its key's slot (random writes are much cheaper than random reads).
-    Returns the permutation, the keys in order (if ``keys_needed``, else None) and the
-    values in key order."""
-    slot = np.full(int(keys.max()) + 1, -1, dtype=np.int64)
-    slot[keys] = np.arange(len(keys))
-    filled = slot >= 0
-    _refuse_duplicates(len(keys) - int(np.count_nonzero(filled)), labels)
-    placed = np.empty(len(slot), dtype=np.float64)
-    placed[keys] = values
-    return slot[filled], np.flatnonzero(filled) if keys_needed else None, placed[filled]
-
-
-def _sort_by_key(keys: np.ndarray, values: np.ndarray, labels: Sequence[str]):
-    """Same as :func:`_place_by_key` for arbitrary non-negative int64 keys, by sorting.
-
-    When the keys leave room, each row's index is packed into the low bits of its key:
-    a plain sort of one int64 column (about twice as fast as an argsort) then yields
-    both the order and the permutation.
-    """
-    bits = max(int(len(keys) - 1).bit_length(), 1)
-    if int(keys.max()) < 1 << (63 - bits):
-        packed = pl.Series((keys << bits) | np.arange(len(keys))).sort().to_numpy()
-        permutation, keys = packed & ((1 << bits) - 1), packed >> bits
-        values = pl.Series(values).gather(permutation).to_numpy()
-    else:
-        permutation = pl.Series(keys).arg_sort().to_numpy()
-        # Polars gathers both columns in parallel; numpy would take them one after the other
-        ordered = pl.DataFrame({"key": keys, "value": values}).select(pl.all().gather(permutation))
-        keys, values = ordered.get_column("key").to_numpy(), ordered.get_column("value").to_numpy()
-    _refuse_duplicates(int(np.count_nonzero(keys[1:] == keys[:-1])), labels)
-    return permutation, keys, values
-
-
-def _single_key(frame: pl.DataFrame, order: pl.Series, partition_names: Sequence[str]):
-    """``(partition_id * span + time - min_time, span)`` as int64, or None when the time
-    key is not integer-like or the product would overflow."""
-    if not (order.dtype.is_integer() or order.dtype.is_temporal()) or order.dtype == pl.UInt64:
-        return None
-    time = order.to_physical().cast(pl.Int64).to_numpy()
-    if int(time.max()) - int(time.min()) >= 2**62:
-        return None
-    time = time - time.min()
-    step = max(int(np.gcd.reduce(time)), 1)
-    if step > 1:
-        time //= step
-    span = int(time.max()) + 1
-    if not partition_names:
-        return time, span
-    ids = _partition_ids(frame, partition_names)
-    if (int(ids.max()) + 1) * span >= 2**62:
-        return None
-    return ids * span + time, span
+        partition = [_partition_ids(frame, partition_names)] if partition_names else None
+        ordered = order_integer_keys([order.to_physical().to_numpy()], values, partition=partition,
+                                     permutation=True, refuse_duplicate=refuse)
+        if ordered is not None:
+            return RowsInTimeOrder(ordered.permutation, ordered.offsets, bool(partition_names)), ordered.values
+    rows = _sorted_by_columns(frame, order_name, partition_names, labels)
+    return rows, rows.gather(values)
 
 
 def _partition_ids(frame: pl.DataFrame, partition_names: Sequence[str]) -> np.ndarray:
-    """Non-negative int64 partition ids, equal exactly when the partition keys are equal."""
+    """Integer partition ids, equal exactly when the partition keys are equal and ordered as
+    the keys: a single integer key as it is when it spans fewer values than there are rows,
+    else the keys' dense rank."""
     if len(partition_names) == 1:
         column = frame.get_column(partition_names[0])
         if column.dtype.is_integer() and column.dtype != pl.UInt64 and not column.null_count():
-            ids = column.cast(pl.Int64).to_numpy()
-            low = int(ids.min())
-            if int(ids.max()) - low < len(ids):
-                return ids - low
-    ranks = frame.select(pl.struct(partition_names).rank("dense")).to_series()
-    return ranks.cast(pl.Int64).to_numpy() - 1
+            ids = column.to_numpy()
+            if int(ids.max()) - int(ids.min()) < len(ids):
+                return ids
+    return frame.select(pl.struct(partition_names).rank("dense")).to_series().to_numpy()
 
 
 def _sorted_by_columns(frame: pl.DataFrame, order_name: str, partition_names: Sequence[str],
                        labels: Sequence[str]) -> RowsInTimeOrder:
     """The general path of :func:`time_order`: Polars' multi-column sort, for time keys
-    that are not integer-like (floats, strings) or span more than an int64 can pack."""
+    that are not integer-like (floats, strings) or too sparse for one int64."""
     keys = [*partition_names, order_name]
     permutation = frame.select(pl.arg_sort_by(keys, multithreaded=True)).to_series().to_numpy()
     in_order = frame.select(keys)[permutation]
@@ -236,17 +176,12 @@ def _sorted_by_columns(frame: pl.DataFrame, order_name: str, partition_names: Se
     for name in partition_names:
         column = in_order.get_column(name)
         new_partition |= column.slice(1).ne_missing(column.slice(0, len(column) - 1)).to_numpy()
-    time_column = in_order.get_column(order_name).to_numpy()
-    _refuse_duplicates(int(np.count_nonzero(~new_partition & (time_column[1:] == time_column[:-1]))), labels)
+    time_column = in_order.get_column(order_name)
+    repeated = np.flatnonzero(~new_partition & (time_column.to_numpy()[1:] == time_column.to_numpy()[:-1]))
+    if repeated.size:
+        raise InvalidTimeKey(duplicate_time_message(labels[0], repr(time_column[int(repeated[0]) + 1]), labels[1:]))
     offsets = np.concatenate([[0], np.flatnonzero(new_partition) + 1, [len(permutation)]])
     return RowsInTimeOrder(permutation, offsets, partitioned=bool(partition_names))
-
-
-def _refuse_duplicates(repeated: int, labels: Sequence[str]) -> None:
-    if repeated:
-        where = " within a partition" if len(labels) > 1 else ""
-        raise InvalidTimeKey(f"order column {labels[0]!r} has {repeated} duplicate value(s){where}; "
-                             "the time order of a stream must be strict")
 
 
 def numeric_values(series: pl.Series, name: str) -> np.ndarray:
