@@ -88,8 +88,9 @@ def main() -> None:
     body = (f"Method `{args.method}`, rows in random physical order, best of {args.repeat} rounds (the four "
             "timings take turns in each round); the reference is "
             "sorting the same frame by its time key (`df.sort(\"ts\")`, or by `meter, ts` for the partitioned "
-            "frame). Target: release / sort <= 1.5. On a regular time grid the front end places rows by "
-            "counting (no comparison sort); irregular times take a single-key Polars sort. The last column is "
+            "frame). Target: release / sort <= 1.5. Rows are put in time order by `dpsql.ordering` (shared with "
+            "the DuckDB front end): on a regular time grid each row is placed by counting (no comparison sort); "
+            "irregular times are sorted as one packed int64 column (numpy). The last column is "
             "`dpsql.publish` alone on the already ordered values (the stream method and its noise): the front "
             "end's own share is the difference.\n\n"
             + markdown_table(["frame", "sort s", "release s (eager)", "release / sort",

@@ -11,7 +11,9 @@ import numbers
 from collections.abc import Iterable
 
 import numpy as np
+import pyarrow as pa
 
+from dpsql._memory import pooled_array
 from dpsql.errors import InvalidData, InvalidParameter
 
 
@@ -96,6 +98,16 @@ def holdout(m, n: int, *, default: int) -> int:
     return m
 
 
+def _joined(column: pa.ChunkedArray) -> np.ndarray:
+    """A numeric chunked column (no nulls) as one float64 array from the memory pool."""
+    joined = pooled_array(len(column))
+    at = 0
+    for chunk in column.chunks:
+        joined[at:at + len(chunk)] = chunk.to_numpy(zero_copy_only=True)
+        at += len(chunk)
+    return joined
+
+
 def values(data, column: str = "values") -> np.ndarray:
     """A non-empty, 1-D, finite float64 array; the message names ``column``.
 
@@ -108,7 +120,10 @@ def values(data, column: str = "values") -> np.ndarray:
     if null_count:
         raise InvalidData(f"column {column!r} contains {null_count} null value(s); "
                           "drop or impute them before a private release")
-    if hasattr(data, "to_numpy") and not isinstance(data, np.ndarray):
+    if isinstance(data, pa.ChunkedArray) and data.num_chunks > 1 and (
+            pa.types.is_floating(data.type) or pa.types.is_integer(data.type)):
+        data = _joined(data)
+    elif hasattr(data, "to_numpy") and not isinstance(data, np.ndarray):
         try:
             data = data.to_numpy(zero_copy_only=False)
         except TypeError:

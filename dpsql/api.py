@@ -20,6 +20,7 @@ from fractions import Fraction
 import numpy as np
 
 from dpsql import _validate, noise
+from dpsql._memory import pooled_array
 from dpsql.accountant import Budget
 from dpsql.errors import InvalidParameter
 from dpsql.release import (
@@ -28,7 +29,6 @@ from dpsql.release import (
     Release,
     StreamMachine,
     chunks_of,
-    pooled_array,
     release_batched,
     run_machine,
 )

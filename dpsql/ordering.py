@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dpsql.release import pooled_array
+from dpsql._memory import count_into, pooled_array
 
 #: Keys fill at least 1/PLACE_SPARSITY of their range to be placed instead of sorted.
 PLACE_SPARSITY = 2
@@ -67,6 +67,14 @@ class StreamOrder:
     def partition_ids(self) -> np.ndarray:
         """Each partition's id (as given), one per partition."""
         return self.keys[self.offsets[:-1]] // self.span + self.first_partition
+
+    def partition_column(self) -> np.ndarray:
+        """Each position's partition id (as given): :meth:`partition_ids` repeated over the
+        partitions' rows, in a pooled array (``np.repeat`` would take fresh memory)."""
+        column = pooled_array(len(self.keys), np.int64)
+        column.fill(0)
+        column[self.offsets[:-1]] = np.diff(self.partition_ids(), prepend=0)
+        return np.cumsum(column, out=column)
 
 
 def order_integer_keys(time: Sequence[np.ndarray], values: np.ndarray, *,
@@ -189,8 +197,9 @@ def _place(keys: np.ndarray, values: np.ndarray, top: int, permutation: bool, re
         refuse(int(np.argmax(np.bincount(keys) > 1)))
     placed = pooled_array(top + 1, np.float64)
     placed[keys] = values
-    if top + 1 == n:  # every slot filled: the slots are the stream order
-        return (slot if permutation else None), np.arange(n), placed
+    if top + 1 == n:  # every slot filled: the slots are the stream order, and the keys 0 .. n - 1
+        count_into(keys)
+        return (slot if permutation else None), keys, placed
     return (slot[filled] if permutation else None), np.flatnonzero(filled), placed[filled]
 
 

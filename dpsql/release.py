@@ -17,8 +17,8 @@ from statistics import NormalDist
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
+from dpsql._memory import pooled_array
 from dpsql.errors import InvalidParameter
 
 #: Neighbour relations, recorded with every release.
@@ -261,7 +261,7 @@ class StreamMachine(ABC):
     #: ``(room,)``): it returns a view of ``out``'s first columns where it wrote in place
     #: (:func:`written_in_place`), and the caller need not copy them; a stream's values are
     #: then written once. Such a view must be written in full: output buffers come from a
-    #: pool that hands back freed memory as it was (:func:`pooled_array`).
+    #: pool that hands back freed memory as it was (:func:`dpsql._memory.pooled_array`).
     writes_out: bool = False
 
     @abstractmethod
@@ -296,15 +296,6 @@ def run_machine(machine: StreamMachine, chunks, n: int, out: np.ndarray | None =
     if filled != n:
         raise AssertionError(f"{type(machine).__name__} produced {filled} outputs, expected {n}")
     return out
-
-
-def pooled_array(n: int, dtype=np.float64) -> np.ndarray:
-    """An uninitialised 1-D array of ``n`` items from Arrow's memory pool: the pool keeps freed
-    blocks for the next call, where a fresh numpy array of this size would be faulted in and
-    zeroed again page by page (slow on virtual machines). Released values allocated here also
-    go to Arrow consumers (DuckDB, Polars) as they are."""
-    dtype = np.dtype(dtype)
-    return np.frombuffer(pa.allocate_buffer(dtype.itemsize * n), dtype=dtype)
 
 
 def written_in_place(piece: np.ndarray, target: np.ndarray) -> bool:

@@ -48,7 +48,7 @@ def ordering_path(request, monkeypatch):
     """Integer-like keys are ordered in numpy (dpsql.ordering); others by DuckDB's ORDER BY,
     validated batch by batch. Tests taking this fixture run on both paths."""
     if request.param == "duckdb":
-        monkeypatch.setattr(_machinery, "_integer_like", lambda plan, schema: False)
+        monkeypatch.setattr(_machinery, "_ordered_in_numpy", lambda table, plan: None)
     return request.param
 
 

@@ -34,8 +34,8 @@ The reusable pieces live in :mod:`dpsql.duckdb._machinery`:
   sets ``side_effects=True``). At bind time it uses ``resolve_source``, ``describe``,
   ``require_columns``, ``require_numeric`` and ``arrow_fields``, fixes the result's
   Arrow schema and returns ``context.result_query(schema, run)``. ``run()`` is called
-  when the query executes: ``release_ordered`` for the ordered, validated Arrow read and
-  the one charge, ``row_handles`` for the ``dp_row`` column
+  when the query executes: ``release_ordered`` for the read in stream order, with
+  the keys validated, and the one charge, ``row_handles`` for the ``dp_row`` column
   that error bars take; it returns a ``pyarrow.Table`` of that schema.
   ``method_parameters()`` and ``params_struct()`` pass named parameters through to
   publish generically.

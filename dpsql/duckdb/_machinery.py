@@ -18,10 +18,11 @@ all driven by one table macro::
    connection once, by :func:`install_result_slots`. Binding the result query reads a
    slot's schema; executing it asks the slot for its stream, and only then does the
    release run: it reads the source through a second connection (``con.cursor()``) as
-   an ordered Arrow stream in large batches, validates the order and partition keys
-   batch by batch, and calls :func:`dpsql.api.publish` (the single charging path)
-   with the budget bound to the connection.
-3. **Return.** The slot's stream is the key columns as read, the private values and
+   Arrow, puts the rows in stream order and validates the order and partition keys
+   (:func:`release_ordered`: integer-like keys in numpy, others with DuckDB's ``ORDER
+   BY``), and calls :func:`dpsql.api.publish` (the single charging path) with the
+   budget bound to the connection.
+3. **Return.** The slot's stream is the key columns in stream order, the private values and
    the row handles: DuckDB scans them like any Arrow object, no copy through lists
    or UDF results. Every execution of the query asks for a new stream, so each is a
    new release; DuckDB never caches a registered source between executions.
@@ -72,6 +73,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dpsql import _validate, api, noise
+from dpsql._memory import count_into, pooled_array
 from dpsql.accountant import Budget
 from dpsql.errors import DPError, InvalidData, InvalidParameter, InvalidTimeKey
 from dpsql.ordering import duplicate_time_message, order_integer_keys, where_in_partition
@@ -455,11 +457,11 @@ def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedA
     release the values with :func:`dpsql.api.publish` (the one charge of the release);
     returns the key columns in that order and the release.
 
-    Integer-like order keys (integers, dates, timestamps, times) with no partition key or an
-    integer one spanning fewer values than there are rows are read unsorted, as DuckDB scans
-    fastest, and ordered in numpy (:func:`dpsql.ordering.order_integer_keys`: a regular time
-    grid is placed by counting, with no comparison sort); other keys, and keys too sparse to
-    pack into one int64, are sorted by DuckDB (``ORDER BY``) and read in Arrow batches.
+    The columns are read unsorted, as DuckDB scans fastest. Integer-like order keys
+    (integers, dates, timestamps, times) with no partition key or an integer one are put in
+    order in numpy (:func:`dpsql.ordering.order_integer_keys`: a regular time grid is placed
+    by counting, with no comparison sort). Other keys, and keys too sparse for one int64,
+    are sorted by DuckDB (``ORDER BY`` over the rows read) and read back in Arrow batches.
 
     Refuses NULL, NaN or duplicate order keys within a partition and NULL or NaN partition
     keys (:class:`InvalidTimeKey`, naming the column); the core validates the values and
@@ -469,35 +471,24 @@ def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedA
     select = f"SELECT {', '.join(quote_ident(c) for c in [*key_cols, plan.value_col])} FROM "
     cur = plan.source.cursor(context.con)
     try:
+        read = cur.sql(select + plan.source.sql).to_arrow_table()
         if not key_cols:
-            keys, values, offsets = {}, cur.sql(select + plan.source.sql).to_arrow_table().column(plan.value_col), None
-        elif _integer_like(plan, cur.sql(select + plan.source.sql).limit(0).to_arrow_table().schema):
-            unsorted = cur.sql(select + plan.source.sql).to_arrow_table()
-            _refuse_null_keys(unsorted, plan.order_col, plan.partition_by)
-            ordered = _ordered_in_numpy(unsorted, plan) if unsorted.num_rows else None
-            if ordered is None:  # too sparse to pack, or no rows: DuckDB sorts what was read
-                cur.register(_UNSORTED, unsorted)
+            keys, values, offsets = {}, read.column(plan.value_col), None
+        else:
+            _refuse_null_keys(read, plan.order_col, plan.partition_by)
+            ordered = _ordered_in_numpy(read, plan) if read.num_rows else None
+            if ordered is None:  # keys numpy cannot order (or no rows): DuckDB sorts what was read
+                cur.register(_UNSORTED, read)
                 ordered = _ordered_by_duckdb(cur, select + quote_ident(_UNSORTED), plan)
             keys, values, offsets = ordered
-        else:
-            keys, values, offsets = _ordered_by_duckdb(cur, select + plan.source.sql, plan)
     finally:
         cur.close()
     return keys, api.publish(plan.method, values, budget=context.budget, column=plan.value_col,
                              partition_offsets=offsets, note=plan.note, **plan.params)
 
 
-#: The name the rows already read take on the reading cursor when DuckDB has to sort them.
+#: The name the rows already read take on the reading cursor when DuckDB sorts them.
 _UNSORTED = "dp__unsorted"
-
-
-def _integer_like(plan: Plan, schema: pa.Schema) -> bool:
-    """Can numpy order these keys: an integer-like order key and an integer partition key?"""
-    order = _physical_integer(schema.field(plan.order_col).type)
-    if plan.partition_by is None:
-        return order is not None
-    partition = schema.field(plan.partition_by).type
-    return order is not None and pa.types.is_integer(partition) and partition != pa.uint64()
 
 
 def _physical_integer(kind: pa.DataType) -> pa.DataType | None:
@@ -539,7 +530,13 @@ def _partition_labels(partition_by: str | None) -> list[str]:
 
 def _ordered_in_numpy(table: pa.Table, plan: Plan):
     """``(keys, values, offsets)`` in stream order by :func:`dpsql.ordering.order_integer_keys`,
-    or None when the keys are too sparse for it."""
+    or None for keys it cannot order: an order key that is not integer-like (integers, dates,
+    timestamps, times), a partition key that is not an integer, or keys too sparse for it."""
+    partition_type = None if plan.partition_by is None else table.schema.field(plan.partition_by).type
+    integer_partition = partition_type is None or (pa.types.is_integer(partition_type)
+                                                   and partition_type != pa.uint64())
+    if _physical_integer(table.schema.field(plan.order_col).type) is None or not integer_partition:
+        return None
     time_column = table.column(plan.order_col)
     partition_column = None if plan.partition_by is None else table.column(plan.partition_by)
 
@@ -554,8 +551,7 @@ def _ordered_in_numpy(table: pa.Table, plan: Plan):
         return None
     keys = {}
     if partition_column is not None:
-        ids = np.repeat(order.partition_ids(), np.diff(order.offsets))
-        keys[plan.partition_by] = _as_arrow(ids, partition_column.type)
+        keys[plan.partition_by] = _as_arrow(order.partition_column(), partition_column.type)
     keys[plan.order_col] = _as_arrow(order.times(), time_column.type)
     return keys, order.values, (None if partition_column is None else order.offsets)
 
@@ -669,20 +665,9 @@ def row_handles(context: Context, release) -> pa.Array:
     """The ``dp_row`` column of ``release``: its block of row handles, one per row in
     output order (partition, then order key); its error models are kept for error bars."""
     first_row = context.remember_release(release)
-    n = len(release)
-    # Allocated from Arrow's memory pool, which keeps freed blocks for the next release (a
-    # fresh numpy array would be faulted in again, page by page, at every release), and
-    # filled in cache-sized pieces without a temporary of the column's size.
-    buffer = pa.allocate_buffer(8 * n)
-    handles = np.frombuffer(buffer, dtype=np.int64)
-    steps = np.arange(min(n, _HANDLE_PIECE), dtype=np.int64)
-    for start in range(0, n, _HANDLE_PIECE):
-        piece = handles[start:start + _HANDLE_PIECE]
-        np.add(steps[:len(piece)], first_row + start, out=piece)
-    return pa.Array.from_buffers(pa.int64(), n, [None, buffer])
-
-
-_HANDLE_PIECE = 1 << 16
+    # from Arrow's memory pool, which keeps freed blocks for the next release (a fresh numpy
+    # array would be faulted in again, page by page, at every release)
+    return _as_arrow(count_into(pooled_array(len(release), np.int64), first_row), pa.int64())
 
 
 def typed_error(error: BaseException) -> BaseException:
