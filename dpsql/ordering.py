@@ -13,8 +13,10 @@ times cover plus one. Then:
   of meter readings and traffic counts, with or without gaps -- are *placed*: each row is
   written into its key's slot, no comparison at all;
 * sparser keys are sorted as one int64 column, each row's index packed into the low bits
-  (a plain sort, several times faster than an argsort);
-* keys that do not fit give ``None``: the caller sorts by its columns.
+  (a plain sort, several times faster than an argsort; keys too wide for that take two
+  such sorts, one per digit);
+* keys that do not fit one int64 (times or partition ids spanning about 2**62) give
+  ``None``: the caller sorts by its columns.
 
 Every path refuses a time key repeated within a partition (:class:`InvalidTimeKey`).
 Full-length arrays come from Arrow's memory pool and element-wise steps run in pieces
@@ -81,7 +83,8 @@ def order_integer_keys(time: Sequence[np.ndarray], values: np.ndarray, *,
                        partition: Sequence[np.ndarray] | None = None, permutation: bool = False,
                        refuse_duplicate: Callable[[int, int | None], None]) -> StreamOrder | None:
     """Put rows in stream order by integer keys, or return None when the keys do not fit one
-    int64 (the caller then sorts by its own columns).
+    int64 (the number of partition ids times the time steps reaches ``2**62``; the caller
+    then sorts by its own columns).
 
     Parameters
     ----------
@@ -92,7 +95,6 @@ def order_integer_keys(time: Sequence[np.ndarray], values: np.ndarray, *,
         float64, one per row, moved along.
     partition : sequence of numpy.ndarray, optional
         Integer partition ids in the same pieces; partitions come in increasing id order.
-        Ids spanning at least as many values as there are rows give None.
     permutation : bool
         Also give each position's physical row (a front end returning rows in their
         physical order needs it).
@@ -120,16 +122,12 @@ def order_integer_keys(time: Sequence[np.ndarray], values: np.ndarray, *,
         return None
     step = _common_step(time, first_time)
     span = (last_time - first_time) // step + 1
-    first_partition = count = None
+    first_partition = None
     if partition is not None:
         first_partition = min(int(p.min()) for p in partition)
-        count = max(int(p.max()) for p in partition) - first_partition + 1
-        if count > n or count * span >= 2**62:
+        if (max(int(p.max()) for p in partition) - first_partition + 1) * span >= 2**62:
             return None
     keys, top, ascending = _keys(time, partition, first_time, step, span, first_partition, n)
-    bits = max(int(n - 1).bit_length(), 1)
-    if top >= PLACE_SPARSITY * n and top >= 1 << (63 - bits):
-        return None
 
     def refuse(key: int):
         refuse_duplicate(first_time + key % span * step,
@@ -140,7 +138,7 @@ def order_integer_keys(time: Sequence[np.ndarray], values: np.ndarray, *,
     elif top < PLACE_SPARSITY * n:
         rows, keys, values = _place(keys, values, top, permutation, refuse)
     else:
-        rows, keys, values = _sort_packed(keys, values, bits, refuse)
+        rows, keys, values = _sort_packed(keys, values, top, refuse)
     offsets = np.array([0, n]) if partition is None else _partition_offsets(keys, span)
     return StreamOrder(values=values, offsets=offsets, permutation=rows, keys=keys, span=span, step=step,
                        first_time=first_time, first_partition=first_partition)
@@ -203,18 +201,34 @@ def _place(keys: np.ndarray, values: np.ndarray, top: int, permutation: bool, re
     return (slot[filled] if permutation else None), np.flatnonzero(filled), placed[filled]
 
 
-def _sort_packed(keys: np.ndarray, values: np.ndarray, bits: int, refuse: Callable[[int], None]):
-    """Order by keys below ``2**(63 - bits)``: each row's index packed into the low ``bits``
-    bits, one plain int64 sort gives both the order and the permutation."""
-    packed = np.left_shift(keys, bits)
-    packed |= np.arange(len(keys))
-    packed.sort()
-    rows = packed & ((1 << bits) - 1)
-    packed >>= bits
-    repeated = np.flatnonzero(packed[1:] == packed[:-1])
+def _sort_packed(keys: np.ndarray, values: np.ndarray, top: int, refuse: Callable[[int], None]):
+    """Order by non-negative keys up to ``top < 2**62`` with plain int64 sorts.
+
+    Each row's index goes into the low ``bits`` bits of its key (``bits`` enough for the
+    row count), so one sort gives both the order and the permutation, and rows with equal
+    keys keep their order. Keys wider than the ``63 - bits`` bits left are sorted in two
+    such passes, low digit first, then high digit (a least-significant-digit radix sort:
+    the second pass keeps the first one's order among equal high digits).
+    """
+    n = len(keys)
+    bits = max(int(n - 1).bit_length(), 1)
+    digit = 63 - bits
+    two_digits = top >= 1 << digit
+    rows = None
+    for shift in (0, digit) if two_digits else (0,):
+        current = keys if rows is None else keys[rows]
+        packed = np.right_shift(current, shift) if shift else np.bitwise_and(current, (1 << digit) - 1)
+        packed <<= bits
+        packed |= np.arange(n)
+        packed.sort()
+        order = packed & ((1 << bits) - 1)
+        rows = order if rows is None else rows[order]
+    # one pass: the sorted keys are the packed values above the row bits
+    ordered = keys[rows] if two_digits else np.right_shift(packed, bits, out=packed)
+    repeated = np.flatnonzero(ordered[1:] == ordered[:-1])
     if repeated.size:
-        refuse(int(packed[repeated[0]]))
-    return rows, packed, values[rows]
+        refuse(int(ordered[repeated[0]]))
+    return rows, ordered, values[rows]
 
 
 def _partition_offsets(keys: np.ndarray, span: int) -> np.ndarray:

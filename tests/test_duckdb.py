@@ -48,7 +48,7 @@ def ordering_path(request, monkeypatch):
     """Integer-like keys are ordered in numpy (dpsql.ordering); others by DuckDB's ORDER BY,
     validated batch by batch. Tests taking this fixture run on both paths."""
     if request.param == "duckdb":
-        monkeypatch.setattr(_machinery, "_ordered_in_numpy", lambda table, plan: None)
+        monkeypatch.setattr(_machinery, "orders_in_numpy", lambda order_type, partition_type: False)
     return request.param
 
 
@@ -508,26 +508,27 @@ def test_integer_keys_keep_their_types_on_the_numpy_path(con):
         assert got.select([partition, key]).equals(expected)
 
 
-def test_keys_too_sparse_for_numpy_are_sorted_by_duckdb(con, budget, monkeypatch):
-    """Keys read unsorted that do not fit one int64 key go to DuckDB's sort, not read again."""
+def test_sparse_integer_keys_are_ordered_in_numpy_and_only_the_widest_by_duckdb(con, budget, monkeypatch):
     sorted_by_duckdb = []
     monkeypatch.setattr(_machinery, "_ordered_by_duckdb",
                         lambda cur, select, plan, _f=_machinery._ordered_by_duckdb: sorted_by_duckdb.append(select)
                         or _f(cur, select, plan))
-    ts = np.array([0, 2**61, 3, 2**60, 7, 5])  # too sparse to pack six row indices
-    con.from_arrow(pa.table({"ts": ts, "g": [1, 1, 1, 2, 2, 2], "v": np.arange(6.0)})).create("sparse")
-    con.from_arrow(pa.table({"ts": np.arange(6), "g": [0, 0, 0, 10**12, 10**12, 10**12],
-                             "v": np.arange(6.0)})).create("sparse_parts")
-    for table, ordered in [("sparse", [0, 2, 1, 5, 4, 3]), ("sparse_parts", np.arange(6))]:
+    tables = {"sparse": ([0, 2**59, 3, 2**58, 7, 5], [1, 1, 1, 2, 2, 2]),  # two radix digits
+              "sparse_parts": ([0, 1, 2, 0, 1, 2], [0, 0, 0, 10**12, 10**12, 10**12]),
+              "widest": ([-2**62, 2**62, 0, 1, 2, 3], [1, 1, 1, 2, 2, 2])}  # times spanning 2**63
+    for table, (ts, g) in tables.items():
+        con.from_arrow(pa.table({"ts": ts, "g": g, "v": np.arange(6.0)})).create(table)
         with dpsql.testing.seeded(0):
             got = con.sql(f"SELECT * FROM dp_range_sum('{table}', 'ts', 'v', method := 'laplace', epsilon := 1, "
                           "upper := 10, partition_by := 'g')").pl()
+        expected_order = con.sql(f"SELECT ts, g, v FROM {table} ORDER BY g, ts").pl()
         with dpsql.testing.seeded(0):
-            expected = _core("laplace", np.asarray(ordered, dtype=float), epsilon=1.0, upper=10.0,
+            expected = _core("laplace", expected_order["v"].to_numpy(), epsilon=1.0, upper=10.0,
                              partition_offsets=[0, 3, 6])
         np.testing.assert_array_equal(got["v"].to_numpy(), expected.values)
-        assert got["ts"].to_list() == con.sql(f"SELECT ts FROM {table} ORDER BY g, ts").pl()["ts"].to_list()
-    assert sorted_by_duckdb == [f'SELECT "g", "ts", "v" FROM "{_machinery._UNSORTED}"'] * 2
+        assert got.select("g", "ts").equals(expected_order.select("g", "ts"))
+    # the widest keys are read unsorted, then again sorted by DuckDB
+    assert sorted_by_duckdb == ["""SELECT "g", "ts", "v" FROM query_table('widest')"""]
 
 
 def test_threshold_macro_is_one_charged_row(con, budget):

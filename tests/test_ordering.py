@@ -36,6 +36,9 @@ def _layout(name, rng, n):
     elif name == "sorted, packed":
         slots = rng.choice(7 * 10**9, size=n, replace=False)
         partition, time = slots // 10**9 - 3, slots % 10**9
+    elif name == "sorted, two digits":  # keys beyond 2**51: too wide to pack 12 index bits
+        time = np.unique(rng.integers(-2**40, 2**40, n))
+        partition = rng.integers(-3, 4, len(time)) * 10**5  # sparse ids
     elif name == "already in order":
         return np.arange(n, dtype=np.int64) * 2, np.zeros(n, dtype=np.int64)
     else:
@@ -43,10 +46,10 @@ def _layout(name, rng, n):
     return time.astype(np.int64), partition.astype(np.int64)
 
 
-PATHS = ["placed, every slot", "placed, with gaps", "sorted, packed", "already in order"]
+PATHS = ["placed, every slot", "placed, with gaps", "sorted, packed", "sorted, two digits", "already in order"]
 #: The step each layout must take (None: no reordering at all).
 STEP = {"placed, every slot": "_place", "placed, with gaps": "_place", "sorted, packed": "_sort_packed",
-        "already in order": None}
+        "sorted, two digits": "_sort_packed", "already in order": None}
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -98,16 +101,15 @@ def test_an_hourly_grid_of_microsecond_timestamps_is_placed_by_its_step():
 
 
 @pytest.mark.parametrize(("time", "partition"), [
-    (np.array([0, 2**62 + 1]), None),                        # times beyond one int64 key
-    (np.array([3, 2**61 + 5, 0]), None),                     # too sparse to pack 3 row indices
-    (np.array([0, 1, 2]), np.array([0, 5, 10])),             # partition ids spanning more values than rows
+    (np.array([0, 2**62 + 1]), None),                         # times spanning 2**62
+    (np.array([0, 2**31 + 1, 2]), np.array([0, 2**31, 10])),  # partition ids times time steps reach 2**62
 ])
 def test_keys_that_do_not_fit_are_left_to_the_caller(time, partition):
     pieces = None if partition is None else [partition]
     assert ordering.order_integer_keys([time], np.zeros(len(time)), partition=pieces, refuse_duplicate=refuse) is None
 
 
-@pytest.mark.parametrize("path", PATHS[:3])
+@pytest.mark.parametrize("path", PATHS[:4])
 def test_the_smallest_repeated_key_is_refused_on_every_path(path):
     rng = np.random.default_rng(5)
     time, partition = _layout(path, rng, 3000)

@@ -142,6 +142,9 @@ class Plan:
     method: str
     params: dict
     note: str
+    #: Are the keys integer-like, so that they are read unsorted and ordered in numpy?
+    #: (:func:`orders_in_numpy`, decided at bind time from the key columns' Arrow types.)
+    numpy_order: bool = False
 
 
 @dataclass(frozen=True)
@@ -457,11 +460,11 @@ def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedA
     release the values with :func:`dpsql.api.publish` (the one charge of the release);
     returns the key columns in that order and the release.
 
-    The columns are read unsorted, as DuckDB scans fastest. Integer-like order keys
-    (integers, dates, timestamps, times) with no partition key or an integer one are put in
+    Integer-like order keys (integers, dates, timestamps, times) with no partition key or an
+    integer one (``plan.numpy_order``) are read unsorted, as DuckDB scans fastest, and put in
     order in numpy (:func:`dpsql.ordering.order_integer_keys`: a regular time grid is placed
-    by counting, with no comparison sort). Other keys, and keys too sparse for one int64,
-    are sorted by DuckDB (``ORDER BY`` over the rows read) and read back in Arrow batches.
+    by counting, with no comparison sort). Other keys are read sorted by DuckDB (``ORDER
+    BY``) in Arrow batches, as are integer keys spanning about 2**62 (read a second time).
 
     Refuses NULL, NaN or duplicate order keys within a partition and NULL or NaN partition
     keys (:class:`InvalidTimeKey`, naming the column); the core validates the values and
@@ -471,24 +474,28 @@ def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedA
     select = f"SELECT {', '.join(quote_ident(c) for c in [*key_cols, plan.value_col])} FROM "
     cur = plan.source.cursor(context.con)
     try:
-        read = cur.sql(select + plan.source.sql).to_arrow_table()
+        ordered = None
         if not key_cols:
-            keys, values, offsets = {}, read.column(plan.value_col), None
-        else:
-            _refuse_null_keys(read, plan.order_col, plan.partition_by)
-            ordered = _ordered_in_numpy(read, plan) if read.num_rows else None
-            if ordered is None:  # keys numpy cannot order (or no rows): DuckDB sorts what was read
-                cur.register(_UNSORTED, read)
-                ordered = _ordered_by_duckdb(cur, select + quote_ident(_UNSORTED), plan)
-            keys, values, offsets = ordered
+            ordered = {}, cur.sql(select + plan.source.sql).to_arrow_table().column(plan.value_col), None
+        elif plan.numpy_order:
+            unsorted = cur.sql(select + plan.source.sql).to_arrow_table()
+            _refuse_null_keys(unsorted, plan.order_col, plan.partition_by)
+            ordered = _ordered_in_numpy(unsorted, plan) if unsorted.num_rows else None
+        if ordered is None:  # keys numpy does not order (or no rows): read again, sorted by DuckDB
+            ordered = _ordered_by_duckdb(cur, select + plan.source.sql, plan)
     finally:
         cur.close()
+    keys, values, offsets = ordered
     return keys, api.publish(plan.method, values, budget=context.budget, column=plan.value_col,
                              partition_offsets=offsets, note=plan.note, **plan.params)
 
 
-#: The name the rows already read take on the reading cursor when DuckDB sorts them.
-_UNSORTED = "dp__unsorted"
+def orders_in_numpy(order_type: pa.DataType, partition_type: pa.DataType | None) -> bool:
+    """Can :func:`release_ordered` order these keys in numpy: an integer-like order key
+    (integers, dates, timestamps, times) and no partition key or an integer one?"""
+    integer_partition = partition_type is None or (pa.types.is_integer(partition_type)
+                                                   and partition_type != pa.uint64())
+    return _physical_integer(order_type) is not None and integer_partition
 
 
 def _physical_integer(kind: pa.DataType) -> pa.DataType | None:
@@ -530,13 +537,7 @@ def _partition_labels(partition_by: str | None) -> list[str]:
 
 def _ordered_in_numpy(table: pa.Table, plan: Plan):
     """``(keys, values, offsets)`` in stream order by :func:`dpsql.ordering.order_integer_keys`,
-    or None for keys it cannot order: an order key that is not integer-like (integers, dates,
-    timestamps, times), a partition key that is not an integer, or keys too sparse for it."""
-    partition_type = None if plan.partition_by is None else table.schema.field(plan.partition_by).type
-    integer_partition = partition_type is None or (pa.types.is_integer(partition_type)
-                                                   and partition_type != pa.uint64())
-    if _physical_integer(table.schema.field(plan.order_col).type) is None or not integer_partition:
-        return None
+    or None for keys spanning too much for it."""
     time_column = table.column(plan.order_col)
     partition_column = None if plan.partition_by is None else table.column(plan.partition_by)
 
@@ -767,10 +768,13 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
         require_columns(columns, source, order_col=order_col, value_col=value_col, partition_by=partition_by)
         require_numeric(columns, value_col)
         keys = [c for c in (partition_by, order_col) if c is not None]
+        key_fields = {field.name: field for field in arrow_fields(context, source, keys)}
         stream = Plan(source=source, value_col=value_col, order_col=order_col, partition_by=partition_by,
                       method=method, params=parse_params(params_json),
-                      note=f"duckdb {macro}({table!r}, {order_col!r}, {value_col!r})")
-        schema = pa.schema([*arrow_fields(context, source, keys), pa.field(value_col, pa.float64()),
+                      note=f"duckdb {macro}({table!r}, {order_col!r}, {value_col!r})",
+                      numpy_order=orders_in_numpy(key_fields[order_col].type,
+                                                  key_fields[partition_by].type if partition_by else None))
+        schema = pa.schema([*key_fields.values(), pa.field(value_col, pa.float64()),
                             pa.field(ROW_COLUMN, pa.int64()), *(pa.field(n, t) for n, t in extra_columns)])
         return context.result_query(schema, functools.partial(run, stream, schema))
 
