@@ -114,6 +114,19 @@ def values(data, column: str = "values") -> np.ndarray:
     Accepts numpy arrays, sequences, pyarrow arrays and polars Series. Nulls (None,
     Arrow or Polars nulls), NaN and infinities are refused, each with its own message.
     """
+    arr = numeric(data, column)
+    finite = np.isfinite(arr)
+    if not finite.all():
+        bad = np.flatnonzero(~finite)
+        kind = "NaN" if np.isnan(arr[bad[0]]) else "infinite"
+        raise InvalidData(f"column {column!r} contains {kind} values ({bad.size} non-finite, first at row "
+                          f"{bad[0]}); clean them before a private release")
+    return arr
+
+
+def numeric(data, column: str = "values") -> np.ndarray:
+    """:func:`values` without the check for NaN and infinities (a front end reordering
+    the rows first, so that ``publish`` names the first bad row in stream order)."""
     null_count = getattr(data, "null_count", None)
     if callable(null_count):  # polars Series
         null_count = null_count()
@@ -144,10 +157,4 @@ def values(data, column: str = "values") -> np.ndarray:
         raise InvalidData(f"column {column!r} must be 1-D, got shape {arr.shape}")
     if arr.size == 0:
         raise InvalidData(f"column {column!r} is empty: nothing to release")
-    finite = np.isfinite(arr)
-    if not finite.all():
-        bad = np.flatnonzero(~finite)
-        kind = "NaN" if np.isnan(arr[bad[0]]) else "infinite"
-        raise InvalidData(f"column {column!r} contains {kind} values ({bad.size} non-finite, first at row "
-                          f"{bad[0]}); clean them before a private release")
     return arr

@@ -89,12 +89,14 @@ def order_integer_keys(time: Sequence[np.ndarray], values: np.ndarray, *,
     Parameters
     ----------
     time : sequence of numpy.ndarray
-        The time key of each row as integers (the physical integers of dates and
-        timestamps), in consecutive pieces (Arrow chunks, or one array); at least one row.
+        The time key of each row as integers of any width (the physical integers of dates
+        and timestamps), in consecutive non-empty pieces (Arrow chunks, or one array); at
+        least one row.
     values : numpy.ndarray
         float64, one per row, moved along.
     partition : sequence of numpy.ndarray, optional
-        Integer partition ids in the same pieces; partitions come in increasing id order.
+        Integer partition ids, cut into pieces exactly as ``time``; partitions come in
+        increasing id order.
     permutation : bool
         Also give each position's physical row (a front end returning rows in their
         physical order needs it).
@@ -149,7 +151,8 @@ def _common_step(time: Sequence[np.ndarray], first_time: int) -> int:
     step = 0
     for piece_times in time:
         for at in range(0, len(piece_times), PIECE):
-            step = int(np.gcd.reduce(piece_times[at:at + PIECE] - first_time, initial=step))
+            distances = np.subtract(piece_times[at:at + PIECE], first_time, dtype=np.int64)  # int8 keys too
+            step = int(np.gcd.reduce(distances, initial=step))
             if step == 1:
                 return 1
     return max(step, 1)

@@ -508,6 +508,35 @@ def test_integer_keys_keep_their_types_on_the_numpy_path(con):
         assert got.select([partition, key]).equals(expected)
 
 
+def test_narrow_keys_spanning_beyond_their_type_and_time_zones_keep_their_order(con):
+    con.execute("""CREATE TABLE wide AS SELECT * FROM (VALUES (100::TINYINT, 2000000000, DATE '5000000-01-01', 1.0),
+                   (-100::TINYINT, -2000000000, DATE '-1000000-01-01', 2.0), (26::TINYINT, 0, DATE '2024-01-01', 3.0))
+                   t(i8, i32, d, v)""")
+    con.execute("""CREATE TABLE zones AS SELECT * FROM (VALUES ('10:00:00+02'::TIMETZ, 1.0),
+                   ('09:30:00+00'::TIMETZ, 2.0)) t(tz, v)""")
+    for table, key in [("wide", "i8"), ("wide", "i32"), ("wide", "d"), ("zones", "tz")]:
+        with dpsql.testing.seeded(0):
+            got = con.sql(f"SELECT * FROM dp_range_sum('{table}', '{key}', 'v', method := 'laplace', epsilon := 1, "
+                          "upper := 10)").to_arrow_table()
+        expected = con.sql(f"SELECT {key}, v FROM {table} ORDER BY {key}").to_arrow_table()
+        assert got.column(key).equals(expected.column(key))
+        with dpsql.testing.seeded(0):
+            oracle = _core("laplace", expected.column("v").to_numpy(), epsilon=1.0, upper=10.0)
+        np.testing.assert_array_equal(got.column("v").to_numpy(), oracle.values)
+
+
+def test_bad_values_are_named_by_their_row_in_time_order_after_the_keys_are_checked(con, budget, ordering_path):
+    con.execute("CREATE TABLE nanv AS SELECT * FROM (VALUES (3, 1.0), (1, 'nan'::DOUBLE), (2, 1.0)) t(ts, v)")
+    error = _refusal(con, "SELECT * FROM dp_range_sum('nanv', 'ts', 'v', method := 'laplace', epsilon := 1, "
+                          "upper := 1)")
+    assert isinstance(error, InvalidData) and "first at row 0" in str(error)
+    con.execute("CREATE TABLE nandup AS SELECT * FROM (VALUES (3, 1.0), (1, 'nan'::DOUBLE), (3, 1.0)) t(ts, v)")
+    error = _refusal(con, "SELECT * FROM dp_range_sum('nandup', 'ts', 'v', method := 'laplace', epsilon := 1, "
+                          "upper := 1)")
+    assert isinstance(error, InvalidTimeKey)
+    assert budget.history().height == 0
+
+
 def test_sparse_integer_keys_are_ordered_in_numpy_and_only_the_widest_by_duckdb(con, budget, monkeypatch):
     sorted_by_duckdb = []
     monkeypatch.setattr(_machinery, "_ordered_by_duckdb",

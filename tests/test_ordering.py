@@ -92,6 +92,16 @@ def test_without_partitions_and_without_permutation():
     assert order.step == 10 and order.span == 4
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32])
+def test_narrow_integer_keys_spanning_beyond_their_type_keep_their_values(dtype):
+    """Distances between narrow keys can exceed the type (int8: 100 - -100): int64 arithmetic."""
+    info = np.iinfo(dtype)
+    time = np.array([info.max, info.min, 26, -90, 50, 0], dtype=dtype)
+    order = ordering.order_integer_keys([time], np.arange(6.0), refuse_duplicate=refuse)
+    np.testing.assert_array_equal(order.times(), np.sort(time.astype(np.int64)))
+    np.testing.assert_array_equal(order.values, np.argsort(time).astype(float))
+
+
 def test_an_hourly_grid_of_microsecond_timestamps_is_placed_by_its_step():
     hours = np.random.default_rng(0).permutation(1000)
     time = 1_700_000_000 * 10**6 + hours * 3600 * 10**6

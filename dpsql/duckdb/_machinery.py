@@ -81,8 +81,8 @@ from dpsql.release import ErrorModel, Release
 
 NUMERIC_TYPES = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER",
                  "UBIGINT", "UHUGEINT", "FLOAT", "DOUBLE", "DECIMAL")
-#: Rows per Arrow batch of the ordered scan: large enough that per-batch Python work
-#: is negligible, small enough to keep the validation in cache-friendly pieces.
+#: Rows per Arrow batch of a scan sorted by DuckDB: large enough that per-batch Python
+#: work is negligible, small enough to keep the key checks in cache-friendly pieces.
 BATCH_ROWS = 1 << 20
 #: Rows per batch of a result stream handed to DuckDB.
 SCAN_BATCH_ROWS = 1 << 16
@@ -143,7 +143,7 @@ class Plan:
     params: dict
     note: str
     #: Are the keys integer-like, so that they are read unsorted and ordered in numpy?
-    #: (:func:`orders_in_numpy`, decided at bind time from the key columns' Arrow types.)
+    #: (:func:`orders_in_numpy`, decided at bind time from the key columns' DuckDB types.)
     numpy_order: bool = False
 
 
@@ -490,16 +490,22 @@ def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedA
                              partition_offsets=offsets, note=plan.note, **plan.params)
 
 
-def orders_in_numpy(order_type: pa.DataType, partition_type: pa.DataType | None) -> bool:
-    """Can :func:`release_ordered` order these keys in numpy: an integer-like order key
-    (integers, dates, timestamps, times) and no partition key or an integer one?"""
-    integer_partition = partition_type is None or (pa.types.is_integer(partition_type)
-                                                   and partition_type != pa.uint64())
-    return _physical_integer(order_type) is not None and integer_partition
+def orders_in_numpy(order_type: str, partition_type: str | None) -> bool:
+    """Can :func:`release_ordered` order keys of these DuckDB types in numpy: an integer-like
+    order key and no partition key or an integer one? (Decided from DuckDB's types, not
+    Arrow's: a TIME WITH TIME ZONE reaches Arrow as a plain time, without its offset.)"""
+    return order_type in _INTEGER_LIKE and (partition_type is None or partition_type in _INTEGERS)
+
+
+_INTEGERS = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "UTINYINT", "USMALLINT", "UINTEGER")
+_INTEGER_LIKE = (*_INTEGERS, "DATE", "TIME", "TIMESTAMP", "TIMESTAMP_S", "TIMESTAMP_MS", "TIMESTAMP_NS",
+                 "TIMESTAMP WITH TIME ZONE")
 
 
 def _physical_integer(kind: pa.DataType) -> pa.DataType | None:
-    """The signed integer type ``kind`` is stored as, if it is integer-like and fits int64."""
+    """The integer type an integer-like Arrow type is stored as (an integer type itself, or
+    int32 / int64 for dates, timestamps and times); None for others and for uint64, whose
+    values may not fit an int64."""
     if pa.types.is_integer(kind):
         return None if kind == pa.uint64() else kind
     if pa.types.is_date(kind) or pa.types.is_timestamp(kind) or pa.types.is_time(kind):
@@ -545,7 +551,7 @@ def _ordered_in_numpy(table: pa.Table, plan: Plan):
         shown = _shown(_as_arrow(np.array([time]), time_column.type), 0)
         raise InvalidTimeKey(duplicate_time_message(plan.order_col, shown, _partition_labels(plan.partition_by)))
 
-    values = _validate.values(table.column(plan.value_col), plan.value_col)
+    values = _validate.numeric(table.column(plan.value_col), plan.value_col)  # checked finite by publish
     order = order_integer_keys(_integer_pieces(time_column), values, refuse_duplicate=refuse,
                                partition=None if partition_column is None else _integer_pieces(partition_column))
     if order is None:
@@ -772,8 +778,8 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
         stream = Plan(source=source, value_col=value_col, order_col=order_col, partition_by=partition_by,
                       method=method, params=parse_params(params_json),
                       note=f"duckdb {macro}({table!r}, {order_col!r}, {value_col!r})",
-                      numpy_order=orders_in_numpy(key_fields[order_col].type,
-                                                  key_fields[partition_by].type if partition_by else None))
+                      numpy_order=orders_in_numpy(columns[order_col],
+                                                  columns[partition_by] if partition_by else None))
         schema = pa.schema([*key_fields.values(), pa.field(value_col, pa.float64()),
                             pa.field(ROW_COLUMN, pa.int64()), *(pa.field(n, t) for n, t in extra_columns)])
         return context.result_query(schema, functools.partial(run, stream, schema))

@@ -129,8 +129,8 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
     used in messages. Null partition keys form one partition of their own; partitions
     come in ascending key order. Integer and temporal time keys are ordered by
     :func:`dpsql.ordering.order_integer_keys` (one int64 key per row; a regular time grid
-    is placed by counting, with no comparison sort). Other keys, and keys too sparse
-    for one int64, take Polars' multi-column sort.
+    is placed by counting, with no comparison sort). Other keys, and keys spanning about
+    2**62 (beyond one int64 key), take Polars' multi-column sort.
     """
     order = frame.get_column(order_name)
     if order.null_count():
@@ -168,7 +168,7 @@ def _partition_ids(frame: pl.DataFrame, partition_names: Sequence[str]) -> np.nd
 def _sorted_by_columns(frame: pl.DataFrame, order_name: str, partition_names: Sequence[str],
                        labels: Sequence[str]) -> RowsInTimeOrder:
     """The general path of :func:`time_order`: Polars' multi-column sort, for time keys
-    that are not integer-like (floats, strings) or too sparse for one int64."""
+    that are not integer-like (floats, strings) or span about 2**62."""
     keys = [*partition_names, order_name]
     permutation = frame.select(pl.arg_sort_by(keys, multithreaded=True)).to_series().to_numpy()
     in_order = frame.select(keys)[permutation]
