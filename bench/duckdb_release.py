@@ -16,7 +16,7 @@ this process, ``--repeat`` interleaved runs after a warm-up round, best and medi
   end to end and core alone);
 * the two other ordering paths, each against its own sort: irregular times (random gaps:
   integer keys too sparse to place, sorted as one packed int64 column) and text partition
-  keys (sorted by DuckDB's ``ORDER BY``).
+  keys (read sorted by DuckDB's ``ORDER BY``).
 
 Each query's median kernel CPU time (``getrusage``, all threads) is reported beside it.
 
@@ -167,8 +167,8 @@ def main() -> None:
             "Integer-like keys (integers, dates, timestamps) are put in stream order in numpy "
             "(`dpsql.ordering`): keys on a regular grid, with or without gaps, are placed by counting, with no "
             "comparison sort, which is why the release can be faster than the baseline sort; sparser keys (the "
-            "irregular times) are sorted as one packed int64 column. Other keys (text partition keys) are sorted "
-            "by DuckDB's `ORDER BY` over the rows already read, and validated batch by batch. One `publish` call "
+            "irregular times) are sorted as one packed int64 column. Other keys (text partition keys) are read "
+            "sorted by DuckDB's `ORDER BY` and validated batch by batch. One `publish` call "
             "releases the values (the `core` rows: the mechanism itself) when DuckDB scans the Arrow stream source "
             "the macro's query reads (one of the connection's registered result slots), so keys, values and row "
             "handles go back without lists or copies through UDF results. The only column added is `dp_row`, one "
