@@ -67,6 +67,18 @@ def _table(rows: int, partitions: int = 0, *, irregular: bool = False, text_keys
     return pa.table(columns)
 
 
+def _proactive_reclaim() -> str:
+    """Whether the kernel pages out idle memory on its own (DAMON schemes with action
+    ``pageout``): then memory a process keeps between queries is faulted in again."""
+    actions = [path.read_text().strip() for path in
+               Path("/sys/kernel/mm/damon/admin/kdamonds").glob("*/contexts/*/schemes/*/action")]
+    states = [path.read_text().strip() for path in Path("/sys/kernel/mm/damon/admin/kdamonds").glob("*/state")]
+    if "pageout" in actions and "on" in states:
+        return (" This machine's kernel pages out idle memory on its own (DAMON, action `pageout`), so memory "
+                "idle between queries is often faulted in again.")
+    return ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=10_000_000)
@@ -187,7 +199,7 @@ def main() -> None:
             "per row, read by two threads. The last column is the CPU time all threads spent in the kernel "
             "(`getrusage`): the CSPRNG's system calls and page faults on fresh memory, which on a virtual machine "
             "can cost far more when the host has to back the pages, and which makes most of the spread between "
-            "best and median.")
+            "best and median." + _proactive_reclaim())
     write_section("duckdb_release", "DuckDB front end: dp_range_sum end to end", body)
     print(body)
 
