@@ -67,18 +67,6 @@ def _table(rows: int, partitions: int = 0, *, irregular: bool = False, text_keys
     return pa.table(columns)
 
 
-def _proactive_reclaim() -> str:
-    """Whether the kernel pages out idle memory on its own (DAMON schemes with action
-    ``pageout``): then memory a process keeps between queries is faulted in again."""
-    actions = [path.read_text().strip() for path in
-               Path("/sys/kernel/mm/damon/admin/kdamonds").glob("*/contexts/*/schemes/*/action")]
-    states = [path.read_text().strip() for path in Path("/sys/kernel/mm/damon/admin/kdamonds").glob("*/state")]
-    if "pageout" in actions and "on" in states:
-        return (" This machine's kernel pages out idle memory on its own (DAMON, action `pageout`), so memory "
-                "idle between queries is often faulted in again.")
-    return ""
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=10_000_000)
@@ -184,8 +172,8 @@ def main() -> None:
             f"(1 min) before / after: {load_before:.1f} / {load_after:.1f} on {os.cpu_count()} cores.\n\n"
             + markdown_table(["query", "best s", "x baseline (best)", "x baseline (median)", "kernel s (median)"],
                              rows)
-            + "\n\nThe front end reads the source's key and value columns unsorted, in DuckDB's parallel scan. "
-            "Integer-like keys (integers, dates, timestamps) are put in stream order in numpy "
+            + "\n\nWith integer-like keys (integers, dates, timestamps) the front end reads the source's key and "
+            "value columns unsorted, in DuckDB's parallel scan, and puts them in stream order in numpy "
             "(`dpsql.ordering`): keys on a regular grid, with or without gaps, are placed by counting, with no "
             "comparison sort, which is why the release can be faster than the baseline sort; sparser keys (the "
             "irregular times) are sorted as one packed int64 column. Other keys (text partition keys) are read "
@@ -199,7 +187,8 @@ def main() -> None:
             "per row, read by two threads. The last column is the CPU time all threads spent in the kernel "
             "(`getrusage`): the CSPRNG's system calls and page faults on fresh memory, which on a virtual machine "
             "can cost far more when the host has to back the pages, and which makes most of the spread between "
-            "best and median." + _proactive_reclaim())
+            "best and median (a query that last ran seconds ago, as in these interleaved rounds, faults in more "
+            "pages than one repeated at once).")
     write_section("duckdb_release", "DuckDB front end: dp_range_sum end to end", body)
     print(body)
 
