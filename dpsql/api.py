@@ -78,12 +78,23 @@ def _parameters(factory: Callable[..., StreamMachine]):
     return inspect.signature(factory).parameters
 
 
-def machine_for(method: str, n: int, source: noise.NoiseSource, params: dict) -> StreamMachine:
-    """The validated state machine for ``method`` over ``n`` rows (draws no noise)."""
+def check_method(method: str, *, per_row: bool = False) -> None:
+    """Refuse an unknown method (:class:`InvalidParameter`) before anything runs; with
+    ``per_row``, also a method that does not release one value per row (a threshold), for
+    front ends that return one private value per input row."""
     from dpsql import streams  # noqa: F401  (registers the methods)
 
     if method not in METHODS:
         raise InvalidParameter(f"unknown method {method!r}; expected one of {', '.join(map(repr, sorted(METHODS)))}")
+    outputs = getattr(METHODS[method], "n_outputs", None)
+    if per_row and outputs is not None:
+        raise InvalidParameter(f"method {method!r} releases {outputs} value(s) per stream, not one per row: release "
+                               "it with the front end's threshold function (dp_threshold, .dpsql.threshold)")
+
+
+def machine_for(method: str, n: int, source: noise.NoiseSource, params: dict) -> StreamMachine:
+    """The validated state machine for ``method`` over ``n`` rows (draws no noise)."""
+    check_method(method)
     factory = METHODS[method]
     accepted = _parameters(factory)
     params = dict(params)

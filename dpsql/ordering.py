@@ -19,9 +19,9 @@ times cover plus one. Then:
   ``None``: the caller sorts by its columns.
 
 Every path refuses a time key repeated within a partition (:class:`InvalidTimeKey`).
-Full-length arrays come from Arrow's memory pool and element-wise steps run in pieces
-that stay in cache: on a virtual machine, fresh memory (page faults, zeroing) costs more
-than the arithmetic.
+On the placing path, the common one, full-length arrays come from Arrow's memory pool and
+element-wise steps run in pieces that stay in cache: on a virtual machine, fresh memory
+(page faults, zeroing) costs more than the arithmetic.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ PIECE = 1 << 16
 class StreamOrder:
     """Rows in stream order: ``values`` (float64) by partition then time, partition ``j``
     at positions ``offsets[j]:offsets[j + 1]``; ``permutation[i]`` is the physical row at
-    position ``i`` (when asked for). :meth:`times` and :meth:`partition_ids` give the keys
+    position ``i`` (when asked for, else None). :meth:`times` and :meth:`partition_ids` give the keys
     in that order."""
 
     values: np.ndarray
@@ -82,9 +82,10 @@ class StreamOrder:
 def order_integer_keys(time: Sequence[np.ndarray], values: np.ndarray, *,
                        partition: Sequence[np.ndarray] | None = None, permutation: bool = False,
                        refuse_duplicate: Callable[[int, int | None], None]) -> StreamOrder | None:
-    """Put rows in stream order by integer keys, or return None when the keys do not fit one
-    int64 (the number of partition ids times the time steps reaches ``2**62``; the caller
-    then sorts by its own columns).
+    """Put rows in stream order by integer keys, or return None when they do not fit one
+    int64 key (the times span ``2**62`` or more, or the partition ids times the time steps
+    reach ``2**62``) or there are more than ``2**32`` rows; the caller then sorts by its own
+    columns.
 
     Parameters
     ----------
@@ -119,6 +120,8 @@ def order_integer_keys(time: Sequence[np.ndarray], values: np.ndarray, *,
     dpsql.errors.InvalidTimeKey: time 10 repeats in partition 4
     """
     n = len(values)
+    if n > 2**32:  # the row index and a radix digit would not fit one int64 together
+        return None
     first_time, last_time = min(int(t.min()) for t in time), max(int(t.max()) for t in time)
     if last_time - first_time >= 2**62:
         return None
@@ -141,6 +144,7 @@ def order_integer_keys(time: Sequence[np.ndarray], values: np.ndarray, *,
         rows, keys, values = _place(keys, values, top, permutation, refuse)
     else:
         rows, keys, values = _sort_packed(keys, values, top, refuse)
+        rows = rows if permutation else None
     offsets = np.array([0, n]) if partition is None else _partition_offsets(keys, span)
     return StreamOrder(values=values, offsets=offsets, permutation=rows, keys=keys, span=span, step=step,
                        first_time=first_time, first_partition=first_partition)

@@ -530,10 +530,23 @@ def test_bad_values_are_named_by_their_row_in_time_order_after_the_keys_are_chec
     error = _refusal(con, "SELECT * FROM dp_range_sum('nanv', 'ts', 'v', method := 'laplace', epsilon := 1, "
                           "upper := 1)")
     assert isinstance(error, InvalidData) and "first at row 0" in str(error)
-    con.execute("CREATE TABLE nandup AS SELECT * FROM (VALUES (3, 1.0), (1, 'nan'::DOUBLE), (3, 1.0)) t(ts, v)")
-    error = _refusal(con, "SELECT * FROM dp_range_sum('nandup', 'ts', 'v', method := 'laplace', epsilon := 1, "
+    for bad in ("'nan'::DOUBLE", "NULL"):
+        con.execute(f"CREATE OR REPLACE TABLE baddup AS SELECT * FROM (VALUES (3, 1.0), (1, {bad}), (3, 1.0)) t(ts, v)")
+        error = _refusal(con, "SELECT * FROM dp_range_sum('baddup', 'ts', 'v', method := 'laplace', epsilon := 1, "
+                              "upper := 1)")
+        assert isinstance(error, InvalidTimeKey)
+    con.execute("CREATE TABLE nullv AS SELECT * FROM (VALUES (3, 1.0), (1, NULL), (2, 1.0)) t(ts, v)")
+    error = _refusal(con, "SELECT * FROM dp_range_sum('nullv', 'ts', 'v', method := 'laplace', epsilon := 1, "
                           "upper := 1)")
-    assert isinstance(error, InvalidTimeKey)
+    assert isinstance(error, InvalidData) and "column 'v' contains 1 null value(s)" in str(error)
+    assert budget.history().height == 0
+
+
+def test_a_method_releasing_one_value_per_stream_is_refused_by_the_stream_macro(con, budget):
+    error = _refusal(con, "SELECT * FROM dp_range_sum('t', 'ts', 'v', method := 'threshold', epsilon := 1, "
+                          "upper := 10)")
+    assert isinstance(error, InvalidParameter)
+    assert str(error).startswith("method 'threshold' releases 1 value(s) per stream, not one per row")
     assert budget.history().height == 0
 
 

@@ -148,3 +148,11 @@ def test_the_message_names_columns_and_value():
         "partition")
     assert ordering.duplicate_time_message("ts", "7", []) == (
         "order column 'ts' has duplicate value 7; time keys must be unique")
+
+
+def test_more_rows_than_a_row_index_and_a_digit_can_share_are_left_to_the_caller():
+    class Huge:  # only its length is looked at
+        def __len__(self):
+            return 2**32 + 1
+
+    assert ordering.order_integer_keys([np.array([1])], Huge(), refuse_duplicate=refuse) is None

@@ -486,3 +486,23 @@ def test_each_ordering_path_matches_publish_and_refuses_duplicates(layout):
     repeated = frame.with_columns(pl.when(pl.col("ts") == ts[3]).then(ts[1]).otherwise(pl.col("ts")).alias("ts"))
     with pytest.raises(dpsql.InvalidTimeKey, match=f"has duplicate value {ts[1]} within a partition of 'meter'; "):
         repeated.select(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", **LAPLACE))
+
+
+def test_128_bit_integer_keys_are_ordered_by_polars():
+    frame = pl.DataFrame({"ts": [3, 1, 2, 1], "meter": [0, 0, 0, 1], "kwh": [1.0, 2.0, 3.0, 4.0]})
+    for cast in ({"ts": pl.Int128}, {"meter": pl.Int128}, {"ts": pl.UInt128, "meter": pl.UInt128}):
+        with dpsql.testing.seeded(3):
+            out = frame.cast(cast).with_columns(dp=pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter",
+                                                                                  **LAPLACE))
+        with dpsql.testing.seeded(3):
+            oracle = publish("laplace", np.array([2.0, 3.0, 1.0, 4.0]), partition_offsets=[0, 3, 4], epsilon=0.5,
+                             upper=10.0)
+        np.testing.assert_array_equal(out.sort("meter", "ts")["dp"].to_numpy(), oracle.values)
+    repeated = frame.cast({"ts": pl.Int128}).with_columns(meter=pl.lit(0))
+    with pytest.raises(dpsql.InvalidTimeKey, match="has duplicate value 1 within a partition of 'meter'"):
+        repeated.select(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", **LAPLACE))
+
+
+def test_a_method_releasing_one_value_per_stream_is_refused_when_the_expression_is_built():
+    with pytest.raises(dpsql.InvalidParameter, match="method 'threshold' releases 1 value"):
+        pl.col("kwh").dpsql.range_sum(method="threshold", epsilon=1.0, upper=10.0, order_by="ts")

@@ -481,6 +481,7 @@ def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedA
             unsorted = cur.sql(select + plan.source.sql).to_arrow_table()
             _refuse_null_keys(unsorted, plan.order_col, plan.partition_by)
             ordered = _ordered_in_numpy(unsorted, plan) if unsorted.num_rows else None
+            del unsorted  # not kept while a fallback reads the source again
         if ordered is None:  # keys numpy does not order (or no rows): read again, sorted by DuckDB
             ordered = _ordered_by_duckdb(cur, select + plan.source.sql, plan)
     finally:
@@ -551,11 +552,17 @@ def _ordered_in_numpy(table: pa.Table, plan: Plan):
         shown = _shown(_as_arrow(np.array([time]), time_column.type), 0)
         raise InvalidTimeKey(duplicate_time_message(plan.order_col, shown, _partition_labels(plan.partition_by)))
 
-    values = _validate.numeric(table.column(plan.value_col), plan.value_col)  # checked finite by publish
+    # bad values are refused once the keys passed, as on DuckDB's path: nulls just below, NaN
+    # and infinities by publish (naming their row in time order)
+    value_column = table.column(plan.value_col)
+    values = _validate.numeric(value_column.fill_null(0) if value_column.null_count else value_column,
+                               plan.value_col)
     order = order_integer_keys(_integer_pieces(time_column), values, refuse_duplicate=refuse,
                                partition=None if partition_column is None else _integer_pieces(partition_column))
     if order is None:
         return None
+    if value_column.null_count:
+        _validate.numeric(value_column, plan.value_col)
     keys = {}
     if partition_column is not None:
         keys[plan.partition_by] = _as_arrow(order.partition_column(), partition_column.type)
@@ -764,6 +771,7 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
         partition_by = column_name(partition_by, "partition_by", required=False)
         if not isinstance(method, str):
             raise InvalidParameter(f"method must be a method name, got {method!r}")
+        api.check_method(method, per_row=True)
         outputs = [c for c in (partition_by, order_col, value_col) if c is not None]
         added = [ROW_COLUMN, *extra_names]
         if len(set(outputs)) < len(outputs) or set(added).intersection(outputs):

@@ -40,7 +40,7 @@ import polars as pl
 
 from dpsql import _validate
 from dpsql.accountant import Budget
-from dpsql.api import METHODS, PartitionedRelease
+from dpsql.api import PartitionedRelease
 from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
 from dpsql.ordering import duplicate_time_message, order_integer_keys
 from dpsql.release import Release
@@ -106,14 +106,6 @@ def key_expressions(keys, what: str) -> list[pl.Expr]:
     return out
 
 
-def check_method(method: str) -> None:
-    """Refuse an unknown method when the expression is built, not only when it runs."""
-    from dpsql import streams  # noqa: F401  (registers the methods)
-
-    if method not in METHODS:
-        raise InvalidParameter(f"unknown method {method!r}; expected one of {', '.join(map(repr, sorted(METHODS)))}")
-
-
 def check_budget(budget) -> None:
     if budget is not None and not isinstance(budget, Budget):
         raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
@@ -138,7 +130,7 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
                              "needs a time key")
     if order.dtype.is_float() and order.is_nan().any():
         raise InvalidTimeKey(f"order column {labels[0]!r} contains NaN")
-    if (order.dtype.is_integer() or order.dtype.is_temporal()) and order.dtype != pl.UInt64:
+    if order.to_physical().dtype in _NUMPY_INTEGERS:
         def refuse(time: int, _partition: int | None):
             shown = repr(pl.Series([time]).cast(order.to_physical().dtype).cast(order.dtype)[0])
             raise InvalidTimeKey(duplicate_time_message(labels[0], shown, labels[1:]))
@@ -152,13 +144,18 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
     return rows, rows.gather(values)
 
 
+#: Integer types numpy holds that fit an int64 (the physical types of Date, Datetime,
+#: Duration and Time among them); UInt64 and the 128-bit types take Polars' sort.
+_NUMPY_INTEGERS = (pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt16, pl.UInt32)
+
+
 def _partition_ids(frame: pl.DataFrame, partition_names: Sequence[str]) -> np.ndarray:
     """Integer partition ids, equal exactly when the partition keys are equal and ordered as
     the keys: a single integer key as it is when it spans fewer values than there are rows,
     else the keys' dense rank."""
     if len(partition_names) == 1:
         column = frame.get_column(partition_names[0])
-        if column.dtype.is_integer() and column.dtype != pl.UInt64 and not column.null_count():
+        if column.dtype in _NUMPY_INTEGERS and not column.null_count():
             ids = column.to_numpy()
             if int(ids.max()) - int(ids.min()) < len(ids):
                 return ids
@@ -177,7 +174,8 @@ def _sorted_by_columns(frame: pl.DataFrame, order_name: str, partition_names: Se
         column = in_order.get_column(name)
         new_partition |= column.slice(1).ne_missing(column.slice(0, len(column) - 1)).to_numpy()
     time_column = in_order.get_column(order_name)
-    repeated = np.flatnonzero(~new_partition & (time_column.to_numpy()[1:] == time_column.to_numpy()[:-1]))
+    same_time = time_column.slice(1).eq_missing(time_column.slice(0, len(time_column) - 1)).to_numpy()
+    repeated = np.flatnonzero(~new_partition & same_time)
     if repeated.size:
         raise InvalidTimeKey(duplicate_time_message(labels[0], repr(time_column[int(repeated[0]) + 1]), labels[1:]))
     offsets = np.concatenate([[0], np.flatnonzero(new_partition) + 1, [len(permutation)]])

@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from dpsql.api import publish
+from dpsql.api import check_method, publish
 from dpsql.errors import InvalidParameter
 from dpsql.ldp import du
 from dpsql.ldp._linear import ALIGNS
-from dpsql.polars._machinery import RowsInTimeOrder, check_budget, check_method, private_expression
+from dpsql.polars._machinery import RowsInTimeOrder, check_budget, private_expression
 from dpsql.polars._namespace import namespace_method
 
 FIELDS = {"value": pl.Float64, "report": pl.Float64, "dp_report": pl.Int64}
@@ -67,7 +67,7 @@ def ldp(value: pl.Expr, *, method: str = "capp", order_by, partition_by=None, bu
     >>> out.columns, budget.spent
     (['user', 't', 'v', 'value', 'report', 'dp_report'], (1.0, 0.0))
     """
-    check_method(method)
+    check_method(method, per_row=True)
     check_budget(budget)
     if method not in du.MACHINES:
         raise InvalidParameter(f"method must be one of {', '.join(map(repr, du.MACHINES))} for an LDP user "

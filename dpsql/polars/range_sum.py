@@ -15,12 +15,11 @@ import itertools
 import numpy as np
 import polars as pl
 
-from dpsql.api import PartitionedRelease, publish
+from dpsql.api import PartitionedRelease, check_method, publish
 from dpsql.errors import InvalidParameter
 from dpsql.polars._machinery import (
     RowsInTimeOrder,
     check_budget,
-    check_method,
     keep,
     private_expression,
     release_for_key,
@@ -95,7 +94,7 @@ def range_sum(value: pl.Expr, *, method: str, order_by, partition_by=None, budge
     >>> out.columns, out["kwh_dp"].dtype, budget.spent
     (['ts', 'kwh', 'kwh_dp'], Float64, (0.5, 0.0))
     """
-    check_method(method)
+    check_method(method, per_row=True)
     check_budget(budget)
     if order_by is None:
         raise InvalidParameter("order_by is required: a stream release needs its public time key")
