@@ -23,15 +23,7 @@ from dpsql import _validate, noise
 from dpsql._memory import pooled_array
 from dpsql.accountant import Budget
 from dpsql.errors import InvalidParameter
-from dpsql.release import (
-    Descriptions,
-    Parts,
-    Release,
-    StreamMachine,
-    chunks_of,
-    release_batched,
-    run_machine,
-)
+from dpsql.release import Descriptions, Parts, Release, StreamMachine, chunks_of, release_batched, run_machine
 
 #: name -> machine factory ``(n, *, noise, **params) -> StreamMachine``. Algorithm
 #: modules add themselves in :mod:`dpsql.streams`.

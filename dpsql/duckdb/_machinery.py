@@ -503,28 +503,22 @@ _INTEGER_LIKE = (*_INTEGERS, "DATE", "TIME", "TIMESTAMP", "TIMESTAMP_S", "TIMEST
                  "TIMESTAMP WITH TIME ZONE")
 
 
-def _physical_integer(kind: pa.DataType) -> pa.DataType | None:
-    """The integer type an integer-like Arrow type is stored as (an integer type itself, or
-    int32 / int64 for dates, timestamps and times); None for others and for uint64, whose
-    values may not fit an int64."""
-    if pa.types.is_integer(kind):
-        return None if kind == pa.uint64() else kind
-    if pa.types.is_date(kind) or pa.types.is_timestamp(kind) or pa.types.is_time(kind):
-        return pa.int32() if kind.bit_width == 32 else pa.int64()
-    return None
+def _storage_type(kind: pa.DataType) -> pa.DataType:
+    """The integer type an integer-like Arrow key type is stored as: an integer type itself,
+    int32 or int64 (by width) for dates, timestamps and times."""
+    return kind if pa.types.is_integer(kind) else pa.int64() if kind.bit_width == 64 else pa.int32()
 
 
 def _integer_pieces(column: pa.ChunkedArray) -> list[np.ndarray]:
     """A key column's chunks as numpy integers (their physical values), without copies."""
-    physical = _physical_integer(column.type)
-    return [chunk.view(physical).to_numpy(zero_copy_only=True) for chunk in column.chunks if len(chunk)]
+    storage = _storage_type(column.type)
+    return [chunk.view(storage).to_numpy(zero_copy_only=True) for chunk in column.chunks if len(chunk)]
 
 
 def _as_arrow(values: np.ndarray, kind: pa.DataType) -> pa.Array:
     """Integers computed in numpy as an Arrow array of the key type ``kind`` (no copy when
     the widths match)."""
-    storage = np.dtype(kind.to_pandas_dtype()) if pa.types.is_integer(kind) else np.dtype(f"int{kind.bit_width}")
-    values = np.ascontiguousarray(values, dtype=storage)
+    values = np.ascontiguousarray(values, dtype=_storage_type(kind).to_pandas_dtype())
     return pa.Array.from_buffers(kind, len(values), [None, pa.py_buffer(values)])
 
 
@@ -617,7 +611,7 @@ def _shown(column: pa.Array, row: int) -> str:
     try:
         return repr(column[row].as_py())
     except (OverflowError, ValueError):
-        raw = column.view(pa.int64() if column.type.bit_width == 64 else pa.int32())[row].as_py()
+        raw = column.view(_storage_type(column.type))[row].as_py()
         return f"{raw} (raw {column.type})"
 
 

@@ -130,13 +130,14 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
                              "needs a time key")
     if order.dtype.is_float() and order.is_nan().any():
         raise InvalidTimeKey(f"order column {labels[0]!r} contains NaN")
-    if order.to_physical().dtype in _NUMPY_INTEGERS:
+    physical = order.to_physical()
+    if physical.dtype in _NUMPY_INTEGERS:
         def refuse(time: int, _partition: int | None):
-            shown = repr(pl.Series([time]).cast(order.to_physical().dtype).cast(order.dtype)[0])
+            shown = repr(pl.Series([time]).cast(physical.dtype).cast(order.dtype)[0])
             raise InvalidTimeKey(duplicate_time_message(labels[0], shown, labels[1:]))
 
         partition = [_partition_ids(frame, partition_names)] if partition_names else None
-        ordered = order_integer_keys([order.to_physical().to_numpy()], values, partition=partition,
+        ordered = order_integer_keys([physical.to_numpy()], values, partition=partition,
                                      permutation=True, refuse_duplicate=refuse)
         if ordered is not None:
             return RowsInTimeOrder(ordered.permutation, ordered.offsets, bool(partition_names)), ordered.values
