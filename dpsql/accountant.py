@@ -12,7 +12,7 @@ Composition
 * Sequential: the (epsilon, delta) of successive releases in a scope add up.
 * Parallel: one release over disjoint partitions of one table is charged once, at the
   maximum over its partitions (the caller passes that maximum, see
-  :func:`dpsql.api.publish`).
+  :func:`dpsql.publish.publish`).
 * Arithmetic is exact: every charge is stored as the shortest decimal text of its
   float and summed with :class:`decimal.Decimal`, so ten charges of 0.1 fit exactly in
   a budget of 1.0 and rounding can never let a charge slip past the cap.
@@ -257,7 +257,7 @@ class Budget:
                private: bool = True, note: str | None = None) -> str:
         """Atomically check the budget and record one release; return its release id.
 
-        Called only by :func:`dpsql.api.publish`, after the release is computed and
+        Called only by :func:`dpsql.publish.publish`, after the release is computed and
         before any of its values is returned. Raises :class:`BudgetExhausted`,
         :class:`NonPrivateRelease` or :class:`NotionMismatch` and records nothing.
         """

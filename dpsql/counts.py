@@ -39,8 +39,8 @@ import numpy as np
 
 from dpsql import _validate
 from dpsql.accountant import Budget
-from dpsql.api import PartitionedRelease, publish
 from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
+from dpsql.publish import PartitionedRelease, publish
 from dpsql.release import Release
 from dpsql.streams.pegasus import DEFAULT_GROUPER_SHARE, largest_share, window_sums
 
@@ -453,9 +453,15 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
     counts = np.concatenate(blocks).astype(np.float64)
     partitioned = counts.shape[0] > 1
     offsets = np.arange(counts.shape[0] + 1) * domain.n_buckets if partitioned else None
-    release = publish(COUNT_METHODS[method_name], counts.ravel(), budget=budget, column="counts",
-                      partition_offsets=offsets, partition_levels=levels if partitioned else None, note=note,
-                      epsilon=level_epsilon, sensitivity=sensitivity, **params)
     key_values = {name: np.concatenate(rows) for name, rows in key_rows.items()}
+    partition_keys = None
+    if partitioned:  # a partition's noise is addressed by its keys (and level, in a hierarchy)
+        columns = [key_values[name].tolist() for name in names]
+        partition_keys = [((level,) if hierarchy else ()) + tuple(column[k] for column in columns)
+                          for k, level in enumerate(levels)]
+    release = publish(COUNT_METHODS[method_name], counts.ravel(), budget=budget, column="counts",
+                      partition_offsets=offsets, partition_keys=partition_keys,
+                      partition_levels=levels if partitioned else None, note=note,
+                      epsilon=level_epsilon, sensitivity=sensitivity, **params)
     return CountRelease(release, domain, key_values, np.asarray(levels) if hierarchy else None, time_column,
                         window, alarm_threshold)

@@ -40,3 +40,30 @@ class NonPrivateRelease(DPError):
 
 class NotionMismatch(DPError):
     """A release's privacy notion differs from the notion the ledger scope was created with."""
+
+
+class HorizonExceeded(InvalidData):
+    """More rows than a counter's declared ``horizon`` (nothing of the offending rows is released)."""
+
+
+class LateRow(InvalidTimeKey):
+    """A row of a continual stream at or below its partition's watermark (the largest order
+    key already appended), that is not an exact repeat of a row appended before."""
+
+
+class ConflictingRow(InvalidData):
+    """A row of a continual stream with the order key of a row already released but another value."""
+
+
+class UnknownStream(InvalidParameter):
+    """No continual stream of that name exists in the ledger scope."""
+
+
+class UnknownRelease(InvalidParameter):
+    """No release with that id (or row handle) is recorded in the ledger."""
+
+
+class LedgerError(DPError):
+    """The ledger cannot be used: a read-only or full disk, a corrupt file, a lock held too
+    long, a server gone away, an in-memory ledger used from a forked process. The message
+    names the ledger and the cause; nothing was charged or released by the failing call."""

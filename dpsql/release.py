@@ -3,7 +3,7 @@
 A :class:`Release` holds the private values (one per input row, input order), the
 privacy cost, the public parameters actually used, and an :class:`ErrorModel` from
 which error bars of any range sum follow. Releases are built by pure functions that
-never touch a ledger; :func:`dpsql.api.publish` charges for them.
+never touch a ledger; :func:`dpsql.publish.publish` charges for them.
 """
 
 from __future__ import annotations
@@ -223,17 +223,28 @@ class Release:
 class StreamMachine(ABC):
     """An online algorithm: state plus the next chunk of values -> outputs.
 
-    A machine is constructed from ``n`` (the public stream length) and its parameters;
-    the constructor validates them and draws no noise, so a refused call costs nothing.
-    ``feed`` may hold back outputs (a hold-out waits for its threshold); ``close``
-    returns everything still held. Over a whole stream the outputs, concatenated, are
-    one value per input row in input order.
+    A machine is built by its factory ``Factory(n, *, noise, **params)``: ``n`` is the
+    public length of a one-shot release, ``None`` for a continual stream whose length is
+    unknown; no default may depend on it except where a stream must then pass the parameter
+    explicitly (PAK's ``delta``). ``noise`` is the partition's addressed draws
+    (:class:`dpsql.noise.Draws`): every draw is a function of the release key and its
+    address, so feeding the same rows in any chunks gives the same outputs. The constructor
+    validates the parameters and draws no noise, so a refused call costs nothing.
 
-    Class attributes say what a release costs and under which notion; after ``close``,
-    :meth:`describe` gives the rest of what a :class:`Release` needs.
+    ``feed`` may hold back outputs (a hold-out waits for its threshold, a block waits for its
+    last row); ``close`` ends a one-shot release and returns everything still held. Over a
+    whole stream the outputs, concatenated, are one value per input row in input order.
+
+    Continual release: :meth:`snapshot` gives the open part of the algorithm (pending rows,
+    partial sums, smoother state: secrets included, kilobytes, never the released history)
+    and :meth:`restore` continues a freshly built machine (same parameters, same draws) from
+    it, exactly as if it had never stopped.
+
+    Class attributes say what a release costs and under which notion; :meth:`describe` gives
+    the rest of what a :class:`Release` needs, for the rows output so far.
     """
 
-    #: (epsilon, delta) of the whole release, known at construction.
+    #: (epsilon, delta) of the whole release (a whole stream, however long), known at construction.
     cost: tuple[float, float]
     notion: str = "central"
     #: The window of a w-event notion, else None.
@@ -242,19 +253,14 @@ class StreamMachine(ABC):
     #: Number of outputs over the whole stream; None means one per input row. A
     #: scalar release (a threshold) sets 1.
     n_outputs: int | None = None
-    #: True when every row is released on its own (noise independent across rows, public
-    #: parameters independent of ``n``) and :meth:`describe` is valid before any row is
-    #: fed: then releasing several partitions is one run of one machine over all of them,
-    #: cut at the partition boundaries (same distribution, one pass instead of one per
-    #: partition).
-    rows_independent: bool = False
-    #: True when ``batched(k)`` gives this machine (not yet fed) for ``k`` partitions of its
-    #: length at once: fed ``(k, rows)`` chunks, returning ``(k, outputs)``, with
-    #: ``describe_partition(j)`` for partition ``j``. Every partition's release has exactly
-    #: the distribution (and public record) this machine's own release has; only the order of
-    #: the draws in the noise stream changes. This machine is the case ``k = 1``. A batched
-    #: machine is kept after ``close`` to describe its partitions when asked, so ``close``
-    #: must drop every secret it holds (noise drawn, sums not released).
+    #: False for a release that has no online form (a threshold needs all its rows).
+    streamable: bool = True
+    #: True when ``batched(draws)`` gives this machine (not yet fed) for ``len(draws)``
+    #: partitions of its length at once, partition ``j`` drawing from ``draws[j]``: fed
+    #: ``(k, rows)`` chunks, returning ``(k, outputs)``, with ``describe_partition(j)`` for
+    #: partition ``j``. Every partition's release is exactly the release this machine would
+    #: give it alone. A batched machine is kept after ``close`` to describe its partitions
+    #: when asked, so ``close`` must drop every secret it holds (sums not released).
     batchable: bool = False
     #: True when ``feed(chunk, out=...)`` may write its outputs into ``out``, the caller's
     #: buffer for all the outputs still to come (shaped like them, ``(partitions, room)`` or
@@ -270,12 +276,22 @@ class StreamMachine(ABC):
 
     @abstractmethod
     def close(self) -> np.ndarray:
-        """End of stream: return the outputs still held back."""
+        """End of a one-shot release: return the outputs still held back."""
 
     @abstractmethod
     def describe(self) -> dict:
         """``method``, ``params``, ``error`` and, where they apply, ``threshold``,
-        ``components`` and ``reports`` (keyword arguments of :class:`Release`)."""
+        ``components`` and ``reports`` (keyword arguments of :class:`Release`), for the
+        outputs so far."""
+
+    def snapshot(self) -> dict:
+        """The open state, as plain data (numbers, strings, lists, dicts, numpy arrays)."""
+        raise NotImplementedError(f"{type(self).__name__} has no online form")
+
+    def restore(self, state: dict) -> None:
+        """Continue from :meth:`snapshot`'s ``state`` (on a machine built with the same
+        parameters and draws, not yet fed)."""
+        raise NotImplementedError(f"{type(self).__name__} has no online form")
 
 
 def run_machine(machine: StreamMachine, chunks, n: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -322,11 +338,11 @@ def release_from(machine: StreamMachine, chunks, n: int, *, private: bool) -> Re
 _BATCHED_CHUNK = 1 << 22
 
 
-def release_batched(machine: StreamMachine, rows: np.ndarray, out: np.ndarray) -> StreamMachine:
-    """Release the equal-length partitions ``rows`` (``(k, n)``) with ``machine.batched(k)``
-    into ``out`` (``(k, n)``); returns the driven batch machine (partition ``j`` is described
-    by its ``describe_partition(j)``)."""
-    batch = machine.batched(len(rows))
+def release_batched(machine: StreamMachine, rows: np.ndarray, out: np.ndarray, draws) -> StreamMachine:
+    """Release the equal-length partitions ``rows`` (``(k, n)``) with ``machine.batched(draws)``
+    (``draws`` a :class:`~dpsql.noise.DrawsBatch` of ``k`` partitions) into ``out`` (``(k, n)``);
+    returns the driven batch machine (partition ``j`` is described by its ``describe_partition(j)``)."""
+    batch = machine.batched(draws)
     run_machine(batch, chunks_of(rows, max(1, _BATCHED_CHUNK // len(rows))), rows.shape[1], out)
     return batch
 

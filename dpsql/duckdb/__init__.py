@@ -63,7 +63,7 @@ def register(con: duckdb.DuckDBPyConnection, *, budget: Budget) -> None:
     first query. See :mod:`dpsql.duckdb.range_sum` for the functions.
 
     Accounting rules. Every execution of a query runs each dpsql macro call in it once:
-    one release, charged once to ``budget`` through :func:`dpsql.api.publish` before
+    one release, charged once to ``budget`` through :func:`dpsql.publish.publish` before
     any value reaches the query. Two macro calls in one query (or one query executed
     twice) are two releases, charged twice; noise is never shared between rows or
     calls (the UDFs are registered with ``side_effects=True``). A call that fails

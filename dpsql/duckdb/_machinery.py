@@ -20,7 +20,7 @@ all driven by one table macro::
    release run: it reads the source through a second connection (``con.cursor()``) as
    Arrow, puts the rows in stream order and validates the order and partition keys
    (:func:`release_ordered`: integer-like keys in numpy, others with DuckDB's ``ORDER
-   BY``), and calls :func:`dpsql.api.publish` (the single charging path) with the
+   BY``), and calls :func:`dpsql.publish.publish` (the single charging path) with the
    budget bound to the connection.
 3. **Return.** The slot's stream is the key columns in stream order, the private values and
    the row handles: DuckDB scans them like any Arrow object, no copy through lists
@@ -62,6 +62,7 @@ import functools
 import inspect
 import itertools
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -72,7 +73,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dpsql import _validate, api, noise
+from dpsql import _validate, methods, publish
 from dpsql._memory import count_into, pooled_array
 from dpsql.accountant import Budget
 from dpsql.errors import DPError, InvalidData, InvalidParameter, InvalidTimeKey
@@ -251,7 +252,7 @@ class Context:
         # Handles start at a random multiple of 2^32 below 2^62, so that the dp_row of a
         # table saved from another connection (or an earlier session) is refused as "never
         # issued" instead of being mistaken for a release of this one.
-        self._first_row = int(noise.current().words(1)[0] >> np.uint64(34)) << 32
+        self._first_row = (int.from_bytes(os.urandom(8), 'big') >> 34) << 32
         self._rows_issued = self._first_row
         self.row_index = RowIndex.of((), self._first_row, self._first_row)
         self._lock = threading.Lock()
@@ -266,7 +267,7 @@ class Context:
         (forgetting the oldest release beyond :data:`KEEP_ERROR_MODELS`); returns the
         block's first handle."""
         offsets = release_offsets(release)
-        errors = release.parts.errors if isinstance(release, api.PartitionedRelease) else (release.error,)
+        errors = release.parts.errors if isinstance(release, publish.PartitionedRelease) else (release.error,)
         with self._lock:
             first_row = self._rows_issued
             self._rows_issued += int(offsets[-1])
@@ -455,9 +456,9 @@ def arrow_fields(context: Context, source: Source, names: Iterable[str]) -> list
 # -- execution time ----------------------------------------------------------------------
 
 def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedArray | pa.Array],
-                                                          Release | api.PartitionedRelease]:
+                                                          Release | publish.PartitionedRelease]:
     """Read ``plan.source``, put its rows in stream order (partition, then order key) and
-    release the values with :func:`dpsql.api.publish` (the one charge of the release);
+    release the values with :func:`dpsql.publish.publish` (the one charge of the release);
     returns the key columns in that order and the release.
 
     Integer-like order keys (integers, dates, timestamps, times) with no partition key or an
@@ -487,8 +488,12 @@ def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedA
     finally:
         cur.close()
     keys, values, offsets = ordered
-    return keys, api.publish(plan.method, values, budget=context.budget, column=plan.value_col,
-                             partition_offsets=offsets, note=plan.note, **plan.params)
+    partition_keys = None
+    if offsets is not None:
+        partition_keys = pa.chunked_array(keys[plan.partition_by]).take(pa.array(offsets[:-1])).to_pylist()
+    return keys, publish.publish(plan.method, values, budget=context.budget, column=plan.value_col,
+                                 partition_offsets=offsets, partition_keys=partition_keys, note=plan.note,
+                                 **plan.params)
 
 
 def orders_in_numpy(order_type: str, partition_type: str | None) -> bool:
@@ -664,7 +669,7 @@ class _KeyChecker:
 
 def release_offsets(release) -> np.ndarray:
     """Row offsets of a release's partitions (``[0, n]`` for one stream)."""
-    if isinstance(release, api.PartitionedRelease):
+    if isinstance(release, publish.PartitionedRelease):
         return np.asarray(release.offsets, dtype=np.int64)
     return np.array([0, len(release)], dtype=np.int64)
 
@@ -728,7 +733,7 @@ def method_parameters(exclude: Iterable[str] = ()) -> list[str]:
     from dpsql import streams  # noqa: F401  (registers the methods)
 
     names = dict.fromkeys(CORE_PARAMETERS)
-    for factory in api.METHODS.values():
+    for factory in methods.METHODS.values():
         for parameter in inspect.signature(factory).parameters.values():
             if parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD):
                 names[parameter.name] = None
@@ -746,7 +751,7 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
     """Install table macro ``macro(tbl, order_col, value_col, method := default_method,
     partition_by := NULL, <every method parameter> := NULL)``.
 
-    It releases one private value per row with ``dpsql.api.publish(method, ...)``
+    It releases one private value per row with ``dpsql.publish.publish(method, ...)``
     (NULL parameters are left to the core's defaults) and returns the partition key (if
     any), the order key, the private value under the value column's name and ``dp_row``
     (the connection-wide row handle that error bars and ``dp_release_id`` take): rows
@@ -765,7 +770,7 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
         partition_by = column_name(partition_by, "partition_by", required=False)
         if not isinstance(method, str):
             raise InvalidParameter(f"method must be a method name, got {method!r}")
-        api.check_method(method, per_row=True)
+        methods.check_method(method, per_row=True)
         outputs = [c for c in (partition_by, order_col, value_col) if c is not None]
         added = [ROW_COLUMN, *extra_names]
         if len(set(outputs)) < len(outputs) or set(added).intersection(outputs):

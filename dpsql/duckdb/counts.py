@@ -12,7 +12,7 @@ Table macro. Counts the events (rows) of table, view, file or data-frame variabl
 domain ``[start, stop)`` (required: never read from the data; the last bucket may be
 shorter) and releases every count stream with PeGaSus (``method := 'pegasus'``) or
 per-bucket Laplace (``'laplace'``) through :func:`dpsql.counts.release_event_counts`:
-one call of :func:`dpsql.api.publish`, one charge. Empty buckets are released; events
+one call of :func:`dpsql.publish.publish`, one charge. Empty buckets are released; events
 outside the domain are dropped and counted nowhere. ``every`` must have a fixed length
 (an INTERVAL without months or years, or text such as ``'5m'``, ``'1h30m'``);
 ``time_col`` may be TIMESTAMP (any precision, with or without time zone: buckets are

@@ -56,7 +56,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dpsql import api, streams  # noqa: F401  (registers the methods)
+from dpsql import methods
 from dpsql.duckdb._machinery import (
     RELEASE_COLUMN,
     Context,
@@ -143,7 +143,7 @@ def _install_error_bars(context: Context) -> None:
 
 
 def _install_threshold(context: Context) -> None:
-    names = [n for n in inspect.signature(api.METHODS[THRESHOLD_METHOD]).parameters
+    names = [n for n in inspect.signature(methods.METHODS[THRESHOLD_METHOD]).parameters
              if n not in ("n", "noise", ESTIMATOR)]
 
     def plan(table, value_col, method, params_json):

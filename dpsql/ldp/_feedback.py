@@ -18,7 +18,6 @@ import numpy as np
 
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.ldp import SQUARE_WAVE
-from dpsql.noise import NoiseSource
 
 BOUNDS_MODES = ("reference_code", "paper", "fixed_delta")
 
@@ -99,28 +98,27 @@ class FeedbackEncoder:
     ``eps * (w + memory)`` (ALGORITHMS.md §6.8), not the paper's ``eps * w``.
 
     ``randomiser`` (default :data:`dpsql.mechanisms.ldp.SQUARE_WAVE`) may be replaced by
-    any object with ``perturb(z, eps, noise)``; tests inject deterministic stubs.
+    any object with ``perturb(z, eps, u)``; tests inject deterministic stubs.
     """
 
-    def __init__(self, users: int, *, eps: float, memory: int | None, ranges: Ranges, noise: NoiseSource,
-                 randomiser=SQUARE_WAVE):
+    def __init__(self, users: int, *, eps: float, memory: int | None, ranges: Ranges, randomiser=SQUARE_WAVE):
         if not ranges.in_hi > ranges.in_lo or not ranges.out_hi > ranges.out_lo:
             raise InvalidParameter(f"the CAPP clip range must be non-empty, got {ranges}")
         self.eps = eps
         self.memory = memory
         self.ranges = ranges
-        self._noise = noise
         self._randomiser = randomiser
         self._window_sum = np.zeros(users)
         # The last `memory` deviations, as a ring.
         self._ring = np.zeros((users, memory or 0))
         self._step = 0
 
-    def step(self, x: np.ndarray) -> np.ndarray:
-        """Reports for the current true values ``x`` (one per user, in [0, 1])."""
+    def step(self, x: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """Reports for the current true values ``x`` (one per user, in [0, 1]), with the
+        reports' uniforms ``u`` (one row per user, see :func:`~dpsql.mechanisms.ldp.report_uniforms`)."""
         lo, hi, out_lo, out_hi = self.ranges
         z = np.clip((x + self._window_sum - lo) / (hi - lo), 0.0, 1.0)
-        reports = out_lo + (out_hi - out_lo) * self._randomiser.perturb(z, self.eps, self._noise)
+        reports = out_lo + (out_hi - out_lo) * self._randomiser.perturb(z, self.eps, u)
         if self.memory != 0:
             deviation = x - reports
             if self.memory is None:

@@ -36,18 +36,20 @@ import numpy as np
 
 from dpsql import _validate
 from dpsql.accountant import Budget, largest_share
-from dpsql.api import publish
+from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.ldp import (
     EVENT_LDP_NEIGHBOUR,
     HYBRID,
     PIECEWISE,
     SQUARE_WAVE,
     W_EVENT_LDP_NEIGHBOUR,
+    report_uniforms,
     sw_em,
     sw_w_prune,
 )
-from dpsql.noise import NoiseSource, current
+from dpsql.noise import Draws, Keystream
 from dpsql.release import IndependentNoise, Release, StreamMachine
+from dpsql.streams.holdout import DEFAULT_HOLDOUT
 
 #: The paper's maximal query range ``r`` (Eq. 8); by default capped at the stream length after the hold-out.
 PAPER_RANGE = 1 << 20
@@ -66,8 +68,8 @@ class ToplDevice:
     Examples
     --------
     >>> import numpy as np, dpsql
-    >>> with dpsql.testing.seeded(0) as source:
-    ...     device = ToplDevice(upper=10.0, epsilon=1.0, noise=source)
+    >>> with dpsql.testing.seeded(0) as keys:
+    ...     device = ToplDevice(upper=10.0, epsilon=1.0, noise=keys.partition())
     ...     first = device.report(np.array([3.0, 12.0]))   # hold-out: SW reports
     ...     device.set_threshold(4.0)
     ...     later = device.report(np.array([3.0]))           # HM report of 2*3/4 - 1
@@ -76,13 +78,15 @@ class ToplDevice:
     """
 
     def __init__(self, *, upper: float, epsilon: float, lower: float = 0.0, threshold_epsilon: float | None = None,
-                 noise: NoiseSource | None = None):
+                 noise: Draws | None = None):
         self.epsilon = _validate.epsilon(epsilon)
         self.threshold_epsilon = self.epsilon if threshold_epsilon is None else _validate.epsilon(
             threshold_epsilon, "threshold_epsilon")
         self.lower, self.upper = _validate.bounds(lower, upper)
         self.threshold: float | None = None
-        self._noise = noise
+        # the device's own key unless given: report t's uniforms are at index t
+        self._noise = Keystream.fresh().partition() if noise is None else noise
+        self._reports = 0
 
     def set_threshold(self, threshold: float) -> None:
         """Receive the server's threshold (in data units above ``lower``; public)."""
@@ -90,11 +94,12 @@ class ToplDevice:
 
     def report(self, values) -> np.ndarray:
         """One report per reading."""
-        noise = self._noise or current()
         shifted = np.asarray(values, dtype=np.float64) - self.lower
+        u = report_uniforms(self._noise, self._reports, shifted.size).reshape(*shifted.shape, -1)
+        self._reports += shifted.size
         if self.threshold is None:
-            return SQUARE_WAVE.perturb(shifted / (self.upper - self.lower), self.threshold_epsilon, noise)
-        return HYBRID.perturb(2.0 * np.clip(shifted, 0.0, self.threshold) / self.threshold - 1.0, self.epsilon, noise)
+            return SQUARE_WAVE.perturb(shifted / (self.upper - self.lower), self.threshold_epsilon, u)
+        return HYBRID.perturb(2.0 * np.clip(shifted, 0.0, self.threshold) / self.threshold - 1.0, self.epsilon, u)
 
 
 def threshold_objective(density, *, bound: float, epsilon: float, r: int, variance_units: str = "paper",
@@ -142,8 +147,9 @@ def estimate_threshold(sw_reports, *, bound: float, threshold_epsilon: float, ep
     Examples
     --------
     >>> import dpsql
-    >>> with dpsql.testing.seeded(1) as source:
-    ...     reports = SQUARE_WAVE.perturb(np.full(20_000, 0.25), 2.0, source)
+    >>> from dpsql.mechanisms.ldp import report_uniforms
+    >>> with dpsql.testing.seeded(1) as keys:
+    ...     reports = SQUARE_WAVE.perturb(np.full(20_000, 0.25), 2.0, report_uniforms(keys.partition(), 0, 20_000))
     >>> theta = estimate_threshold(reports, bound=100.0, threshold_epsilon=2.0, epsilon=1.0, r=10_000, n_bins=128)
     >>> 20.0 <= theta <= 30.0
     True
@@ -184,23 +190,22 @@ class ToplStream(StreamMachine):
     (:func:`estimate_threshold`, :func:`estimate_holdout`, :func:`estimate_stream`) in one
     loop, so a whole collection can be simulated and published in one call.
 
-    Every row is released as soon as it is read. ``r`` defaults to
-    ``min(2**20, n - m)``: the paper's maximal query range, capped at the longest range
-    the stream after the hold-out can have. ``m`` defaults to ``min(65536, n // 4)``.
+    Every row is released as soon as it is read. ``r`` defaults to ``2**20``, the paper's
+    maximal query range, and ``m`` to 4096 (:data:`dpsql.streams.holdout.DEFAULT_HOLDOUT`):
+    fixed, not derived from the length.
     """
 
     notion = "ldp"
     neighbour = EVENT_LDP_NEIGHBOUR
 
-    def __init__(self, n: int, *, epsilon: float, upper: float, lower: float = 0.0, m: int | None = None,
-                 threshold_epsilon: float | None = None, r: int | None = None, pruning: str = "paper",
-                 variance_units: str = "paper", bias_coefficient: str = "paper", noise: NoiseSource):
-        # Imported here, not at the top: dpsql.streams imports this module to register it.
-        from dpsql.streams.holdout import default_holdout
-
-        self.n = n
-        self.m = _validate.holdout(m, n, default=default_holdout(n))
-        self.r = min(PAPER_RANGE, n - self.m) if r is None else _validate.integer(r, "r", minimum=1)
+    def __init__(self, n: int | None = None, *, epsilon: float, upper: float, lower: float = 0.0,
+                 m: int | None = None, threshold_epsilon: float | None = None, r: int | None = None,
+                 pruning: str = "paper", variance_units: str = "paper", bias_coefficient: str = "paper",
+                 noise: Draws):
+        self.m = DEFAULT_HOLDOUT if m is None else _validate.integer(m, "m", minimum=1)
+        if n is not None and self.m >= n:
+            raise InvalidParameter(f"m (hold-out length) must be < the number of values ({n}), got m={self.m}")
+        self.r = PAPER_RANGE if r is None else _validate.integer(r, "r", minimum=1)
         self.pruning = _validate.choice(pruning, "pruning", PRUNING_RULES)
         self.variance_units = _validate.choice(variance_units, "variance_units", COMPAT)
         self.bias_coefficient = _validate.choice(bias_coefficient, "bias_coefficient", COMPAT)
@@ -246,7 +251,7 @@ class ToplStream(StreamMachine):
         device = self._device
         holdout = self._bound**2 * float(SQUARE_WAVE.debiased_variance(1.0, device.threshold_epsilon))
         stream = (device.threshold / 2.0) ** 2 * HYBRID.worst_variance(device.epsilon)
-        return np.where(np.arange(self.n) < self.m, holdout, stream)
+        return np.where(np.arange(self._rows) < self.m, holdout, stream)
 
     def describe(self) -> dict:
         device = self._device
@@ -254,7 +259,7 @@ class ToplStream(StreamMachine):
                   "upper": device.upper, "m": self.m, "r": self.r, "pruning": self.pruning,
                   "variance_units": self.variance_units, "bias_coefficient": self.bias_coefficient}
         return dict(method="topl", params=params, threshold=device.threshold + device.lower,
-                    error=IndependentNoise(self.row_variances(), self.n, excess_kurtosis=max(
+                    error=IndependentNoise(self.row_variances(), self._rows, excess_kurtosis=max(
                         SQUARE_WAVE.worst_excess_kurtosis(device.threshold_epsilon),
                         HYBRID.worst_excess_kurtosis(device.epsilon))),
                     components={"threshold": (device.threshold_epsilon, 0.0), "stream": (device.epsilon, 0.0)},
@@ -295,7 +300,7 @@ def topl(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | N
         Eq. 8 as in the paper (``theta^2/4``, ``r^2/6``) or the reference code (``theta^2``, ``r^2/24``).
     budget : Budget, optional
         An ``"ldp"`` scope; charged ``max(threshold_epsilon, epsilon)`` once through
-        :func:`dpsql.api.publish`. A central-DP scope refuses the release (NotionMismatch).
+        :func:`dpsql.publish.publish`. A central-DP scope refuses the release (NotionMismatch).
 
     Returns
     -------
@@ -319,6 +324,8 @@ def topl(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | N
     >>> 0 < rel.threshold <= 20.0
     True
     """
+    from dpsql.publish import publish
+
     return publish("topl", values, budget=budget, note=note, epsilon=epsilon, upper=upper, lower=lower, m=m,
                    threshold_epsilon=threshold_epsilon, r=r, pruning=pruning, variance_units=variance_units,
                    bias_coefficient=bias_coefficient)
@@ -338,9 +345,8 @@ class PmDirectStream(StreamMachine):
     notion = "w-event-ldp"
     neighbour = W_EVENT_LDP_NEIGHBOUR
 
-    def __init__(self, n: int, *, epsilon: float, w: int, lower: float = 0.0, upper: float = 1.0,
-                 noise: NoiseSource):
-        self.n = n
+    def __init__(self, n: int | None = None, *, epsilon: float, w: int, lower: float = 0.0, upper: float = 1.0,
+                 noise: Draws):
         self.epsilon = _validate.epsilon(epsilon)
         self.w = _validate.integer(w, "w", minimum=1)
         self.lower, self.upper = _validate.bounds(lower, upper)
@@ -348,10 +354,13 @@ class PmDirectStream(StreamMachine):
         self.cost = (self.epsilon, 0.0)
         self._noise = noise
         self._reports: list[np.ndarray] = []
+        self._rows = 0
 
     def feed(self, chunk: np.ndarray) -> np.ndarray:
         scale = self.upper - self.lower
-        reports = PIECEWISE.perturb(2.0 * (chunk - self.lower) / scale - 1.0, self.report_epsilon, self._noise)
+        u = report_uniforms(self._noise, self._rows, len(chunk))
+        self._rows += len(chunk)
+        reports = PIECEWISE.perturb(2.0 * (chunk - self.lower) / scale - 1.0, self.report_epsilon, u)
         self._reports.append(reports)
         return self.lower + scale * (reports + 1.0) / 2.0
 
@@ -364,7 +373,7 @@ class PmDirectStream(StreamMachine):
         row_variance = ((self.upper - self.lower) / 2.0) ** 2 * PIECEWISE.worst_variance(self.report_epsilon)
         kurtosis = PIECEWISE.worst_excess_kurtosis(self.report_epsilon)
         return dict(method="pm_direct", params=params,
-                    error=IndependentNoise(row_variance, self.n, excess_kurtosis=kurtosis),
+                    error=IndependentNoise(row_variance, self._rows, excess_kurtosis=kurtosis),
                     components={"reports": (self.epsilon, 0.0)}, reports=np.concatenate(self._reports))
 
 
@@ -375,7 +384,7 @@ def pm_direct(values, *, epsilon: float, w: int, lower: float = 0.0, upper: floa
     Values are clipped to ``[lower, upper]`` (part of the mechanism). Privacy: w-event
     ``epsilon``-LDP (one user's values may change arbitrarily within any ``w`` consecutive
     slots); ``budget`` must be a ``"w-event-ldp"`` scope with the same ``w`` and is
-    charged ``epsilon`` through :func:`dpsql.api.publish`.
+    charged ``epsilon`` through :func:`dpsql.publish.publish`.
 
     Examples
     --------
@@ -388,4 +397,6 @@ def pm_direct(values, *, epsilon: float, w: int, lower: float = 0.0, upper: floa
     >>> bool(abs(rel.values.mean() - 0.25) < 4 * rel.range_variance(0, 5000) ** 0.5 / 5000)
     True
     """
+    from dpsql.publish import publish
+
     return publish("pm_direct", values, budget=budget, note=note, epsilon=epsilon, w=w, lower=lower, upper=upper)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpsql.mechanisms.laplace import LaplaceLattice, LatticeBatch
-from dpsql.noise import NoiseSource
+from dpsql.noise import BatchLaneDraws, LaneDraws
 from dpsql.release import ErrorModel
 
 
@@ -126,18 +126,21 @@ class Forest:
             out.insert(0, (z[level - 1].reshape((*lead, -1, f)) + correction[..., None]).reshape((*lead, -1)))
         return out
 
-    def consistent_leaf_noise(self, lap: LaplaceLattice | LatticeBatch, noise: NoiseSource,
-                              n_leaves: int) -> np.ndarray:
-        """Online consistency: draw the noise forest, make it consistent, keep the first
-        ``n_leaves`` leaves rounded back to integer lattice units (int64).
+    @property
+    def n_nodes(self) -> int:
+        return sum(self.level_sizes())
 
-        All nodes' draws come from one call (the same i.i.d. draws as one call per level,
-        with a single call's fixed cost). With a :class:`LatticeBatch` every partition gets
-        its own forest on its own lattice, all from that one call: ``(partitions, n_leaves)``.
+    def consistent_leaf_noise(self, lap: LaplaceLattice | LatticeBatch, noise: LaneDraws | BatchLaneDraws,
+                              start: int) -> np.ndarray:
+        """Online consistency: the noise forest (node ``k``, counted level by level from the
+        leaves, is the draw at ``start + k``), made consistent, its leaves rounded back to
+        integer lattice units (int64). With a :class:`LatticeBatch` every partition gets its
+        own forest on its own lattice, from its own draws: ``(partitions, n_leaves)``.
         """
         sizes = self.level_sizes()
-        draws = np.split(lap.noise_units(noise, sum(sizes)).astype(np.float64), np.cumsum(sizes[:-1]), axis=-1)
-        return np.rint(self.consistent(draws)[0][..., :n_leaves]).astype(np.int64)
+        draws = np.split(lap.noise_units(noise, start, sum(sizes)).astype(np.float64), np.cumsum(sizes[:-1]),
+                         axis=-1)
+        return np.rint(self.consistent(draws)[0]).astype(np.int64)
 
     def least_squares_weights(self) -> np.ndarray:
         """``kappa_l`` with ``(A^T A)^{-1} = sum_l kappa_l B_l`` (``B_l`` averages over level-l nodes).
@@ -188,8 +191,11 @@ def leaf_interval_variance(starts, stops, *, fanout: int, levels: int, node_vari
 class BlockStreamNoise(ErrorModel):
     """Noise of range sums of a stream released block by block from consecutive forests.
 
-    Rows form blocks of ``block`` values (only the stream's last block may be shorter);
-    chunks of ``chunk_blocks`` blocks each get their own forest with independent noise.
+    Rows form blocks of ``block`` values; a block's noisy sum is released with its last row.
+    Rows of an incomplete last block carry predictions only, unless ``short_last_block`` (a
+    one-shot release with the unpredictive ``none`` smoother, which releases that block's
+    partial sum). Chunks of ``chunk_blocks`` blocks each get their own forest with
+    independent noise.
     ``prefix_terms(blocks, offsets, lengths) -> (points, coefs)`` (from the smoother) writes
     the noise of the output prefix sum ``values[:x].sum()`` of row ``x`` (in block ``t`` at
     ``offset``) as ``sum_k coefs[k] * U(points[k])`` with ``U(p)`` the noise of the first ``p``
@@ -206,11 +212,12 @@ class BlockStreamNoise(ErrorModel):
     _PAIRWISE_TERMS = 24
 
     def __init__(self, *, n_rows: int, block: int, chunk_blocks: int, fanout: int, levels: int,
-                 node_variance: float, consistent: bool, prefix_terms):
+                 node_variance: float, consistent: bool, prefix_terms, short_last_block: bool = False):
         self._n_rows = n_rows
         self._block = block
         self._chunk_blocks = chunk_blocks
-        self._n_blocks = -(-n_rows // block)
+        self._short_last = short_last_block
+        self._n_blocks = -(-n_rows // block) if short_last_block else n_rows // block
         self._interval = dict(fanout=fanout, levels=levels, node_variance=node_variance, consistent=consistent)
         self._prefix_terms = prefix_terms
 
@@ -243,9 +250,10 @@ class BlockStreamNoise(ErrorModel):
         chunk, within = np.divmod(rows, chunk_rows)
         blocks = chunk * self._chunk_blocks + within // self._block
         offsets = within % self._block
-        at_end = rows == self._n_rows
-        blocks = np.where(at_end, self._n_blocks, blocks)
-        offsets = np.where(at_end, 0, offsets)
+        if self._short_last:
+            at_end = rows == self._n_rows
+            blocks = np.where(at_end, self._n_blocks, blocks)
+            offsets = np.where(at_end, 0, offsets)
         lengths = np.where(blocks == self._n_blocks - 1, self._n_rows - (self._n_blocks - 1) * self._block,
                            self._block)
         points, coefs = self._prefix_terms(blocks, offsets, lengths)

@@ -32,7 +32,7 @@ from fractions import Fraction
 import numpy as np
 
 from dpsql.errors import InvalidParameter
-from dpsql.noise import MAX_NEG_LOG_UNIFORM, MAX_SCALE, NoiseSource
+from dpsql.noise import MAX_NEG_LOG_UNIFORM, MAX_SCALE, BatchLaneDraws, LaneDraws
 
 LATTICE_BITS = 12
 # Relative slack on the draw bound: covers the rounding of log, of MAX_NEG_LOG_UNIFORM and
@@ -42,7 +42,7 @@ _BOUND_SLACK = 1.0 + 2.0**-40
 
 def draw_bound(scale_units: float) -> int:
     """An integer ``b`` with ``|Z| <= b`` for every draw of
-    :meth:`~dpsql.noise.NoiseSource.discrete_laplace` at ``scale_units``:
+    :meth:`~dpsql.noise.LaneDraws.discrete_laplace` at ``scale_units``:
     ``scale_units * MAX_NEG_LOG_UNIFORM`` (:mod:`dpsql.noise`) rounded up with a relative slack.
 
     >>> draw_bound(1.0), draw_bound(0.0)
@@ -118,19 +118,19 @@ class LaplaceLattice:
         """Private values rounded to the lattice, as int64 lattice units."""
         return np.rint(np.asarray(values, dtype=np.float64) / self.granularity).astype(np.int64)
 
-    def noise_units(self, noise: NoiseSource, size: int) -> np.ndarray:
-        """``size`` independent noise draws in lattice units (int64)."""
-        return noise.discrete_laplace(self.scale_units, size)
+    def noise_units(self, draws: LaneDraws, start: int, size: int) -> np.ndarray:
+        """The noise draws at indices ``start .. start + size - 1`` of ``draws``, in lattice units (int64)."""
+        return draws.discrete_laplace(self.scale_units, start, size)
 
     def from_units(self, units: np.ndarray) -> np.ndarray:
         """Lattice units back to data units; exact because ``gamma`` is a power of two."""
         return units.astype(np.float64) * self.granularity
 
-    def release(self, values: np.ndarray, noise: NoiseSource) -> np.ndarray:
-        """``values`` plus independent noise, each on the lattice: ``eps``-DP per
-        coordinate for sensitivity ``s`` in that coordinate.
+    def release(self, values: np.ndarray, draws: LaneDraws, start: int = 0) -> np.ndarray:
+        """``values`` plus independent noise (the draws at ``start ..`` of ``draws``), each on the
+        lattice: ``eps``-DP per coordinate for sensitivity ``s`` in that coordinate.
 
-        Equal to ``from_units(to_units(values) + noise_units(noise, size))``, computed in
+        Equal to ``from_units(to_units(values) + noise_units(draws, start, size))``, computed in
         float64 in place: ``rint(values / gamma)`` is an integral float ``k``, and while
         ``|k| + b < 2**53`` for the largest possible draw ``b`` (:func:`draw_bound`) the
         sum ``k + z`` is an exact float and multiplying it by the power of two ``gamma``
@@ -141,14 +141,15 @@ class LaplaceLattice:
         --------
         >>> import dpsql
         >>> lap = LaplaceLattice(sensitivity=1.0, epsilon=1.0)
-        >>> lap.release(np.array([2.0**41]), dpsql.noise.SeededNoise(0))  # doctest: +ELLIPSIS
+        >>> draws = dpsql.noise.Keystream(bytes(32), private=False).partition().lane(dpsql.noise.Lane.ROWS)
+        >>> lap.release(np.array([2.0**41]), draws)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         dpsql.errors.InvalidParameter: values of magnitude 2**53.0 lattice units ...
         """
         units = np.rint(np.asarray(values, dtype=np.float64) / self.granularity)
-        draws = self.noise_units(noise, units.size).reshape(units.shape)
-        return _add_draws(units, draws, self.granularity, self.scale_units)
+        noise = self.noise_units(draws, start, units.size).reshape(units.shape)
+        return _add_draws(units, noise, self.granularity, self.scale_units)
 
 
 class LatticeBatch:
@@ -157,13 +158,14 @@ class LatticeBatch:
     Partition ``j`` gets ``LaplaceLattice.shared(sensitivities[j], epsilon)``: its own
     power-of-two granularity and scale, fixed by its own (public or privately released)
     sensitivity, so every partition's values and noise are exactly what that lattice
-    gives on its own; only the draws of all partitions come from one sampler call.
+    gives on its own (from that partition's own addressed draws).
 
     Examples
     --------
     >>> import dpsql
     >>> batch = LatticeBatch(np.array([1.0, 1000.0]), epsilon=0.5)
-    >>> batch.granularity.tolist() == [2.0**-12, 2.0**-3], batch.noise_units(dpsql.noise.SeededNoise(0), 3).shape
+    >>> draws = dpsql.noise.Keystream(bytes(32), private=False).partitions([b"a", b"b"]).lane(dpsql.noise.Lane.ROWS)
+    >>> batch.granularity.tolist() == [2.0**-12, 2.0**-3], batch.noise_units(draws, 0, 3).shape
     (True, (2, 3))
     """
 
@@ -175,30 +177,28 @@ class LatticeBatch:
         self.granularity = np.array([lap.granularity for lap in lattices])[which]
         self.scale_units = np.array([lap.scale_units for lap in lattices])[which]
         self.variance = np.array([lap.variance for lap in lattices])[which]
-        # one lattice for all partitions: the sampler's scalar path
-        self._common_scale = lattices[0].scale_units if len(lattices) == 1 else None
 
     def _per_partition(self, attribute: np.ndarray, ndim: int) -> np.ndarray:
         return attribute.reshape((self.partitions,) + (1,) * (ndim - 1))
 
-    def noise_units(self, noise: NoiseSource, size: int) -> np.ndarray:
-        """``(partitions, size)`` independent draws in lattice units (int64), partition by partition."""
-        scales = self._common_scale if self._common_scale is not None else np.repeat(self.scale_units, size)
-        return noise.discrete_laplace(scales, self.partitions * size).reshape(self.partitions, size)
+    def noise_units(self, draws: BatchLaneDraws, start: int, size: int) -> np.ndarray:
+        """``(partitions, size)`` draws in lattice units (int64): partition ``j``'s are the draws at
+        ``start ..`` of its own lane, at its own scale."""
+        return draws.discrete_laplace(self.scale_units, start, size)
 
     def from_units(self, units: np.ndarray) -> np.ndarray:
         """Lattice units (leading axis the partition) back to data units, exactly."""
         return units.astype(np.float64) * self._per_partition(self.granularity, units.ndim)
 
-    def release(self, values: np.ndarray, noise: NoiseSource) -> np.ndarray:
+    def release(self, values: np.ndarray, draws: BatchLaneDraws, start: int = 0) -> np.ndarray:
         """``values`` (leading axis the partition) plus noise on each partition's lattice, as
         :meth:`LaplaceLattice.release` would give partition by partition (same float path
         condition, now for the largest scale)."""
         values = np.asarray(values, dtype=np.float64)
         gamma = self._per_partition(self.granularity, values.ndim)
         units = np.rint(values / gamma)
-        draws = self.noise_units(noise, units[0].size if len(units) else 0).reshape(units.shape)
-        return _add_draws(units, draws, gamma, float(self.scale_units.max()))
+        noise = self.noise_units(draws, start, units[0].size if len(units) else 0).reshape(units.shape)
+        return _add_draws(units, noise, gamma, float(self.scale_units.max()))
 
 
 def _add_draws(units: np.ndarray, draws: np.ndarray, gamma, largest_scale_units: float) -> np.ndarray:

@@ -5,9 +5,14 @@ for any two inputs ``x, x'`` in the input domain and any output set ``S``,
 ``P(report in S | x) <= e^epsilon * P(report in S | x')``. Clipping to the input domain
 is part of every randomiser (values outside it are clipped, not refused).
 
-Common interface (:class:`Randomiser`): ``perturb(x, eps, noise)``, ``variance(x, eps)``,
+Common interface (:class:`Randomiser`): ``perturb(x, eps, u)``, ``variance(x, eps)``,
 ``worst_variance(eps)``, ``output_range(eps)``, ``pdf(y, x, eps)`` and, for the ratio
 tests, ``cell_probabilities(x, eps)`` (the exact distribution of the released report).
+
+Randomness: ``perturb`` takes :data:`REPORT_UNIFORMS` uniforms per report, ``u`` shaped
+``(*x.shape, REPORT_UNIFORMS)``, drawn by the caller from the report's address
+(:func:`report_uniforms`): a report is a function of its value and its address, so a
+retried or re-run encoder sends the same report.
 
 Float safety
 ------------
@@ -36,8 +41,8 @@ Examples
 (0.2561, 1.1363, 0.418)
 >>> round(float(SQUARE_WAVE.mean(1.0, 1.0)), 5), round(float(SQUARE_WAVE.variance(1.0, 1.0)), 5)
 (0.68394, 0.18663)
->>> with dpsql.testing.seeded(0) as source:
-...     reports = SQUARE_WAVE.perturb(np.full(4, 0.3), 1.0, source)
+>>> with dpsql.testing.seeded(0) as keys:
+...     reports = SQUARE_WAVE.perturb(np.full(4, 0.3), 1.0, report_uniforms(keys.partition(), 0, 4))
 >>> bool(np.all((reports >= -c.b - 1e-6) & (reports <= 1 + c.b + 1e-6)))
 True
 """
@@ -50,10 +55,19 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dpsql.noise import NoiseSource
+from dpsql.noise import Draws, DrawsBatch, Lane
 
 #: Bits of resolution of the report lattice below the output interval's width.
 LDP_LATTICE_BITS = 20
+#: Uniforms a report takes: the sample's, and the Hybrid mechanism's choice of PM or SR.
+REPORT_UNIFORMS = 2
+
+
+def report_uniforms(draws: Draws | DrawsBatch, start: int, count: int, lane: Lane = Lane.LDP_REPORT) -> np.ndarray:
+    """The uniforms of reports ``start .. start + count - 1``: ``(count, REPORT_UNIFORMS)``, or
+    ``(partitions, count, REPORT_UNIFORMS)`` for a :class:`~dpsql.noise.DrawsBatch`; uniform ``k``
+    of report ``t`` is index ``t`` of ``lane`` at level ``k``."""
+    return np.stack([draws.lane(lane, level).uniform(start, count) for level in range(REPORT_UNIFORMS)], axis=-1)
 
 #: Neighbour relation of event-level LDP releases (one report per value).
 EVENT_LDP_NEIGHBOUR = "local: any one reported value replaced by any other value in [lower, upper] (event-level LDP)"
@@ -85,8 +99,9 @@ class Randomiser(ABC):
     name: str
 
     @abstractmethod
-    def perturb(self, x, eps: float, noise: NoiseSource) -> np.ndarray:
-        """One report per input, on the input-independent report set."""
+    def perturb(self, x, eps: float, u: np.ndarray) -> np.ndarray:
+        """One report per input, on the input-independent report set (``u``: the reports'
+        uniforms, see :func:`report_uniforms`)."""
 
     @abstractmethod
     def variance(self, x, eps: float) -> np.ndarray:
@@ -232,9 +247,9 @@ class SquareWave(Randomiser):
         x = self.clip(x)
         return _BandDensity(-b, 1.0 + b, x - b, x + b, p, q)
 
-    def perturb(self, x, eps, noise):
+    def perturb(self, x, eps, u):
         x = self.clip(x)
-        return self.density(x, eps).sample(noise.uniform(x.size).reshape(x.shape))
+        return self.density(x, eps).sample(np.asarray(u)[..., 0])
 
     def mean(self, x, eps) -> np.ndarray:
         """``E[SW(x)] = 1/2 + 2b(p - q)(x - 1/2)``."""
@@ -317,9 +332,9 @@ class Piecewise(Randomiser):
         left = (c + 1.0) / 2.0 * x - (c - 1.0) / 2.0
         return _BandDensity(-c, c, left, left + c - 1.0, p, p / math.exp(eps))
 
-    def perturb(self, x, eps, noise):
+    def perturb(self, x, eps, u):
         x = self.clip(x)
-        return self.density(x, eps).sample(noise.uniform(x.size).reshape(x.shape))
+        return self.density(x, eps).sample(np.asarray(u)[..., 0])
 
     def variance(self, x, eps):
         half_minus_one = math.expm1(eps / 2.0)
@@ -369,9 +384,9 @@ class StochasticRounding(Randomiser):
     def positive_probability(x, eps: float) -> np.ndarray:
         return 0.5 + x * math.expm1(eps) / (2.0 * (math.exp(eps) + 1.0))
 
-    def perturb(self, x, eps, noise):
+    def perturb(self, x, eps, u):
         x = self.clip(x)
-        positive = noise.uniform(x.size).reshape(x.shape) < self.positive_probability(x, eps)
+        positive = np.asarray(u)[..., 0] < self.positive_probability(x, eps)
         c = self.bound(eps)
         return np.where(positive, c, -c)
 
@@ -434,12 +449,13 @@ class Hybrid(Randomiser):
     def pm_probability(eps: float) -> float:
         return -math.expm1(-eps / 2.0) if eps > HYBRID_THRESHOLD else 0.0
 
-    def perturb(self, x, eps, noise):
+    def perturb(self, x, eps, u):
         x = self.clip(x)
-        use_pm = noise.uniform(x.size).reshape(x.shape) < self.pm_probability(eps)
+        u = np.asarray(u)
+        use_pm = u[..., 1] < self.pm_probability(eps)
         out = np.empty_like(x)
-        out[use_pm] = PIECEWISE.perturb(x[use_pm], eps, noise)
-        out[~use_pm] = STOCHASTIC_ROUNDING.perturb(x[~use_pm], eps, noise)
+        out[use_pm] = PIECEWISE.perturb(x[use_pm], eps, u[use_pm])
+        out[~use_pm] = STOCHASTIC_ROUNDING.perturb(x[~use_pm], eps, u[~use_pm])
         return out
 
     def variance(self, x, eps):
@@ -619,8 +635,8 @@ def sw_em(reports, eps: float, *, n_out: int = 1024, n_in: int = 1024, smoothing
     Examples
     --------
     >>> import dpsql
-    >>> with dpsql.testing.seeded(3) as source:
-    ...     reports = SQUARE_WAVE.perturb(np.full(20_000, 0.3), 2.0, source)
+    >>> with dpsql.testing.seeded(3) as keys:
+    ...     reports = SQUARE_WAVE.perturb(np.full(20_000, 0.3), 2.0, report_uniforms(keys.partition(), 0, 20_000))
     >>> density = sw_em(reports, 2.0, n_in=64, n_out=64)
     >>> abs(int(np.argmax(density)) - int(0.3 * 64)) <= 2
     True

@@ -21,12 +21,13 @@ import numpy as np
 
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.laplace import LaplaceLattice, draw_bound, largest_magnitude
-from dpsql.noise import NoiseSource
+from dpsql.noise import BatchLaneDraws, LaneDraws
 
 
-def report_noisy_max(scores: np.ndarray, *, epsilon: float, noise: NoiseSource,
+def report_noisy_max(scores: np.ndarray, *, epsilon: float, noise: LaneDraws,
                      sensitivity: float = 1.0, monotonic: bool = True) -> int:
-    """Index of the largest ``score + Laplace`` (lattice noise, see :mod:`.laplace`).
+    """Index of the largest ``score + Laplace`` (lattice noise, see :mod:`.laplace`); candidate
+    ``i``'s noise is the draw at index ``i`` of ``noise``.
 
     Noise is drawn only for the :func:`contenders`, the candidates that can still win
     whatever the noise; the output distribution is exactly that of drawing noise for every
@@ -37,30 +38,32 @@ def report_noisy_max(scores: np.ndarray, *, epsilon: float, noise: NoiseSource,
     Examples
     --------
     >>> import dpsql
-    >>> with dpsql.testing.seeded(0) as source:
-    ...     report_noisy_max(np.array([0.0, 100.0, 3.0]), epsilon=10.0, noise=source)
+    >>> with dpsql.testing.seeded(0) as keys:
+    ...     report_noisy_max(np.array([0.0, 100.0, 3.0]), epsilon=10.0,
+    ...                      noise=keys.partition().lane(dpsql.noise.Lane.NOISY_MAX))
     1
     """
     scores = np.asarray(scores, dtype=np.float64)
-    return int(report_noisy_max_rows(scores[None], epsilon=epsilon, noise=noise, sensitivity=sensitivity,
-                                     monotonic=monotonic)[0])
+    return int(report_noisy_max_rows(scores[None], epsilon=epsilon, noise=BatchLaneDraws([noise]),
+                                     sensitivity=sensitivity, monotonic=monotonic)[0])
 
 
-def report_noisy_max_rows(scores: np.ndarray, *, epsilon: float, noise: NoiseSource,
+def report_noisy_max_rows(scores: np.ndarray, *, epsilon: float, noise: BatchLaneDraws,
                           sensitivity: float = 1.0, monotonic: bool = True) -> np.ndarray:
-    """:func:`report_noisy_max` on every row of the 2-D ``scores`` (one row per partition).
+    """:func:`report_noisy_max` on every row of the 2-D ``scores`` (one row per partition, with
+    that partition's draws in ``noise``).
 
     Each row's index has exactly the distribution :func:`report_noisy_max` gives it alone
-    (same lattice, same contenders, i.i.d. draws); the draws of all rows' contenders come
-    from one sampler call, row after row. Scores must be finite and, with the largest
+    (same lattice, same contenders, the same addressed draws). Scores must be finite and, with the largest
     possible draw, below ``2**53`` lattice units in magnitude
     (:class:`~dpsql.errors.InvalidParameter` otherwise; see the module docstring).
 
     Examples
     --------
     >>> import dpsql
-    >>> with dpsql.testing.seeded(0) as source:
-    ...     report_noisy_max_rows(np.array([[0.0, 100.0, 3.0], [50.0, 0.0, 0.0]]), epsilon=10.0, noise=source)
+    >>> with dpsql.testing.seeded(0) as keys:
+    ...     draws = keys.partitions([b"a", b"b"]).lane(dpsql.noise.Lane.NOISY_MAX)
+    ...     report_noisy_max_rows(np.array([[0.0, 100.0, 3.0], [50.0, 0.0, 0.0]]), epsilon=10.0, noise=draws)
     array([1, 0])
     """
     lap = noisy_max_lattice(epsilon, sensitivity=sensitivity, monotonic=monotonic)
@@ -85,13 +88,14 @@ def noisy_max_lattice(epsilon: float, *, sensitivity: float = 1.0, monotonic: bo
 
 
 def _noisy_argmax(alive_units: np.ndarray, alive: np.ndarray, shape: tuple[int, int], lap: LaplaceLattice,
-                  noise: NoiseSource) -> np.ndarray:
+                  noise: BatchLaneDraws) -> np.ndarray:
     """Per row of a ``shape`` array of scores, the index of the first largest noisy score among
     the contenders ``alive`` (flat, row-major, each row's maximum among them) whose scores on
-    the lattice are the int64 ``alive_units`` (magnitudes below ``2**62``): one sampler call
-    for all rows, drawn as ``lap.release`` draws them. ``alive_units + Z`` is exact in int64
-    (``|Z| < 2**40`` at the largest scale allowed)."""
-    noisy = alive_units + lap.noise_units(noise, alive.size)
+    the lattice are the int64 ``alive_units`` (magnitudes below ``2**62``); candidate ``c`` of
+    row ``k`` gets the draw at index ``c`` of row ``k``'s lane. ``alive_units + Z`` is exact in
+    int64 (``|Z| < 2**40`` at the largest scale allowed)."""
+    rows, columns = np.divmod(alive, shape[1])
+    noisy = alive_units + noise.discrete_laplace_at(lap.scale_units, rows, columns)
     row_starts = np.arange(shape[0]) * shape[1]
     starts = np.searchsorted(alive, row_starts)
     return alive[_first_argmax(noisy, starts)] - row_starts
@@ -333,7 +337,7 @@ _SCORES_AT_ONCE = 1 << 18
 
 def nm_threshold(holdout_sorted: np.ndarray, *, epsilon: float, upper: float, epsilon_perturber: float, r: int,
                  fanout: int = 16, c: float = 60.0, step: float | None = None, levels_for_nm: str = "paper",
-                 noise: NoiseSource) -> float:
+                 noise: LaneDraws) -> float:
     """ToPS threshold optimizer (ALGORITHMS.md 4.2 Phase 1): Report-Noisy-Max over Eq. 6.
 
     Balances the hierarchy's noise, which grows with the threshold, against the truncation
@@ -350,26 +354,26 @@ def nm_threshold(holdout_sorted: np.ndarray, *, epsilon: float, upper: float, ep
     --------
     >>> import dpsql
     >>> holdout = np.sort(np.r_[np.full(990, 10.0), np.full(10, 1000.0)])
-    >>> with dpsql.testing.seeded(3) as source:
-    ...     theta = nm_threshold(holdout, epsilon=5.0, upper=1000.0, epsilon_perturber=0.1, r=4096, noise=source)
+    >>> with dpsql.testing.seeded(3) as keys:
+    ...     theta = nm_threshold(holdout, epsilon=5.0, upper=1000.0, epsilon_perturber=0.1, r=4096,
+    ...                          noise=keys.partition().lane(dpsql.noise.Lane.NOISY_MAX))
     >>> theta
     10.0
     """
     return float(nm_thresholds(np.asarray(holdout_sorted)[None], epsilon=epsilon, upper=upper,
                                epsilon_perturber=epsilon_perturber, r=r, fanout=fanout, c=c, step=step,
-                               levels_for_nm=levels_for_nm, noise=noise)[0])
+                               levels_for_nm=levels_for_nm, noise=BatchLaneDraws([noise]))[0])
 
 
 def nm_thresholds(holdouts: np.ndarray, *, epsilon: float, upper: float, epsilon_perturber: float, r: int,
                   fanout: int = 16, c: float = 60.0, step: float | None = None, levels_for_nm: str = "paper",
-                  is_sorted: bool = True, noise: NoiseSource) -> np.ndarray:
-    """:func:`nm_threshold` for every row of ``holdouts`` (partitions' hold-outs of one length),
-    each with exactly the distribution it has alone (see :func:`report_noisy_max_rows`).
+                  is_sorted: bool = True, noise: BatchLaneDraws) -> np.ndarray:
+    """:func:`nm_threshold` for every row of ``holdouts`` (partitions' hold-outs of one length,
+    row ``k`` drawing from ``noise``'s partition ``k``), each with exactly the distribution it
+    has alone (see :func:`report_noisy_max_rows`).
 
     Rows are scored in groups of about ``2**18`` scores (cache-sized), so memory stays
-    proportional to the hold-outs and the contenders; all rows' contenders are drawn for in
-    one sampler call, from words the source may read ahead while later groups are scored
-    (:meth:`~dpsql.noise.NoiseSource.prefetch`). Scores are formed in lattice units exactly
+    proportional to the hold-outs and the contenders. Scores are formed in lattice units exactly
     (:func:`nm_score_units`), so the noisy argmax is exact for any ``upper`` and epsilon.
     """
     candidates = candidate_grid(upper, default_step(upper) if step is None else step)
@@ -381,7 +385,6 @@ def nm_thresholds(holdouts: np.ndarray, *, epsilon: float, upper: float, epsilon
     for a in range(0, len(holdouts), group):
         units = nm_score_units(holdouts[a:a + group], candidates, slope, lap, is_sorted=is_sorted)
         index = contenders(units, lap.scale_units)
-        noise.prefetch(len(index))  # their words are read while the next group is scored
         alive.append(index + a * len(candidates))
         alive_units.append(units.ravel()[index])
     chosen = _noisy_argmax(np.concatenate(alive_units), np.concatenate(alive), (len(holdouts), len(candidates)),

@@ -32,7 +32,7 @@ import numpy as np
 
 from dpsql import _validate
 from dpsql.errors import InvalidData, InvalidParameter
-from dpsql.noise import MAX_SCALE, NoiseSource
+from dpsql.noise import MAX_SCALE, LaneDraws
 
 # The threshold is released as gamma * integer; gamma is chosen from public quantities so
 # that the integer noise scale stays at most 2**28 + 2**8 / a units even when SS = upper.
@@ -220,7 +220,7 @@ def check_pak_threshold(*, epsilon, delta, upper, tail_p, lam, beta_lt, rho) -> 
 
 
 def pak_threshold(holdout_sorted, *, epsilon: float, delta: float, upper: float, tail_p: float = 0.005,
-                  lam: float = 0.85, beta_lt: float = 0.006, rho: float = 1.0, noise: NoiseSource) -> float:
+                  lam: float = 0.85, beta_lt: float = 0.006, rho: float = 1.0, noise: LaneDraws) -> float:
     """PAK's private threshold (Mechanism 1): the empirical upper ``lam * tail_p``
     quantile of the hold-out, raised by a smooth-sensitivity margin so that it falls
     below the true upper-``tail_p`` quantile with probability about ``beta_lt``.
@@ -248,8 +248,8 @@ def pak_threshold(holdout_sorted, *, epsilon: float, delta: float, upper: float,
         ``0 < beta_lt < 0.5``.
     rho : float
         Public multiplier ``>= 1`` (PAK §V-B), applied after release (post-processing).
-    noise : NoiseSource
-        Where the one noise draw comes from.
+    noise : LaneDraws
+        The one noise draw is the draw at index 0 of this lane.
 
     Returns
     -------
@@ -289,8 +289,9 @@ def pak_threshold(holdout_sorted, *, epsilon: float, delta: float, upper: float,
     --------
     >>> import numpy as np, dpsql
     >>> data = np.sort(np.minimum(np.arange(20_000) % 97, 60.0))
-    >>> with dpsql.testing.seeded(3) as source:
-    ...     tau = pak_threshold(data, epsilon=1.0, delta=1e-8, upper=100.0, noise=source)
+    >>> with dpsql.testing.seeded(3) as keys:
+    ...     tau = pak_threshold(data, epsilon=1.0, delta=1e-8, upper=100.0,
+    ...                         noise=keys.partition().lane(dpsql.noise.Lane.SMOOTH_SENSITIVITY))
     >>> 60.0 <= tau <= 100.0
     True
     """
@@ -310,5 +311,5 @@ def pak_threshold(holdout_sorted, *, epsilon: float, delta: float, upper: float,
     gamma = 2.0 ** (math.ceil(math.log2(max(p.kappa / a, 1.0) * p.upper)) - _THRESHOLD_LATTICE_BITS)
     bound_units = p.kappa * smooth / gamma + _SENSITIVITY_FLOOR_UNITS
     centre_units = round((float(holdout[rank]) + p.kappa * smooth * offset / a) / gamma)
-    tau = gamma * float(centre_units + int(noise.discrete_laplace(bound_units / a, 1)[0]))
+    tau = gamma * float(centre_units + int(noise.discrete_laplace(bound_units / a, 0, 1)[0]))
     return float(min(p.upper, p.rho * min(max(tau, 0.0), p.upper)))

@@ -88,6 +88,13 @@ class BlockSmoother(ABC):
         """The smoother's own public parameters, for the release record."""
         return {}
 
+    def snapshot(self) -> dict:
+        """The smoother's state (released sums only: public), for a continual stream."""
+        return {}
+
+    def restore(self, state: dict) -> None:  # noqa: B027  (a smoother without state has nothing to restore)
+        """Continue from :meth:`snapshot`'s ``state``."""
+
 
 class Recent(BlockSmoother):
     def predict(self, sums):
@@ -104,7 +111,9 @@ class Mean(BlockSmoother):
         self._count = 0
 
     def predict(self, sums):
-        totals = self._total + np.cumsum(sums, axis=-1)
+        # accumulated left to right from the carried total: bit-identical whatever the chunks
+        carried = np.broadcast_to(self._total, (*sums.shape[:-1], 1))
+        totals = np.add.accumulate(np.concatenate([carried, sums], axis=-1), axis=-1)[..., 1:]
         counts = self._count + np.arange(1, sums.shape[-1] + 1)
         if sums.shape[-1]:
             self._total, self._count = totals[..., -1:], int(counts[-1])
@@ -112,6 +121,12 @@ class Mean(BlockSmoother):
 
     def _prediction_terms(self, blocks, partition):
         return blocks[:, None], (1.0 / blocks)[:, None]
+
+    def snapshot(self):
+        return {"total": self._total, "count": self._count}
+
+    def restore(self, state):
+        self._total, self._count = state["total"], int(state["count"])
 
 
 class Moving(BlockSmoother):
@@ -123,13 +138,17 @@ class Moving(BlockSmoother):
 
     def predict(self, sums):
         history = sums if self._recent is None else np.concatenate([self._recent, sums], axis=-1)
-        lead = history.shape[:-1]
-        cumulative = np.concatenate([np.zeros((*lead, 1)), np.cumsum(history, axis=-1)], axis=-1)
-        ends = history.shape[-1] - sums.shape[-1] + np.arange(1, sums.shape[-1] + 1)
-        widths = np.minimum(self.window, self._count + np.arange(1, sums.shape[-1] + 1))
+        new = sums.shape[-1]
+        ends = history.shape[-1] - new + np.arange(new)  # position of each new sum in history
+        widths = np.minimum(self.window, self._count + np.arange(1, new + 1))
+        # each window summed newest first, one term per pass: the same additions whatever the chunks
+        totals = history[..., ends].copy()
+        for back in range(1, self.window):
+            inside = back < widths
+            totals[..., inside] += history[..., ends[inside] - back]
         self._recent = history[..., -self.window:]
-        self._count += sums.shape[-1]
-        return (cumulative[..., ends] - cumulative[..., ends - widths]) / (widths * self.block)
+        self._count += new
+        return totals / (widths * self.block)
 
     def _prediction_terms(self, blocks, partition):
         widths = np.minimum(self.window, blocks)
@@ -139,22 +158,28 @@ class Moving(BlockSmoother):
     def params(self):
         return {"window": self.window}
 
+    def snapshot(self):
+        return {"recent": self._recent, "count": self._count}
+
+    def restore(self, state):
+        self._recent, self._count = state["recent"], int(state["count"])
+
 
 class Exponential(BlockSmoother):
     def __init__(self, block, initial_sum, alpha: float):
         super().__init__(block, initial_sum)
         self.alpha = alpha
-        self._level: np.ndarray | None = None
+        self._filter: dict | None = None
         decay = 1.0 - alpha
         self._memory = 1 if decay == 0 else max(1, math.ceil(math.log(_EXPONENTIAL_TAIL) / math.log(decay)))
 
     def predict(self, sums):
         if not sums.shape[-1]:
             return np.empty(sums.shape)
-        start = sums[..., 0] if self._level is None else self._level
-        levels = _exponential_filter(sums, self.alpha, start)
-        self._level = levels[..., -1]
-        return levels / self.block
+        if self._filter is None:  # the filter starts at the first released sum: e_0 = u_0
+            self._filter = {"count": 0, "piece_start": np.array(sums[..., 0], dtype=np.float64),
+                            "partial": np.zeros(sums.shape[:-1])}
+        return _exponential_filter(sums, self.alpha, self._filter) / self.block
 
     def _prediction_terms(self, blocks, partition):
         """``e_{t-1} = sum_j w_j u_j`` with ``w_0 = (1-alpha)^(t-1)``, ``w_j = alpha (1-alpha)^(t-1-j)``,
@@ -177,6 +202,12 @@ class Exponential(BlockSmoother):
     def params(self):
         return {"alpha": self.alpha}
 
+    def snapshot(self):
+        return {"filter": self._filter}
+
+    def restore(self, state):
+        self._filter = state["filter"]
+
 
 class Median(BlockSmoother):
     """Loops over the partitions: the heaps are per partition and the step per block is Python."""
@@ -188,6 +219,17 @@ class Median(BlockSmoother):
         self._low: list[list[tuple[float, int]]] = []
         self._high: list[list[tuple[float, int]]] = []
         self._positions: list[list[tuple[int, int]]] = []
+
+    def snapshot(self):
+        # every released sum so far: a running median needs them all (O(blocks), not kilobytes)
+        return {"low": [np.array(heap, dtype=np.float64).reshape(-1, 2) for heap in self._low],
+                "high": [np.array(heap, dtype=np.float64).reshape(-1, 2) for heap in self._high],
+                "positions": [np.array(p, dtype=np.int64).reshape(-1, 2) for p in self._positions]}
+
+    def restore(self, state):
+        self._low = [[(float(v), int(i)) for v, i in heap] for heap in state["low"]]
+        self._high = [[(float(v), int(i)) for v, i in heap] for heap in state["high"]]
+        self._positions = [[(int(a), int(b)) for a, b in p] for p in state["positions"]]
 
     def predict(self, sums):
         # A piece that completes no block still has its partitions: reshape by them, not by -1.
@@ -253,25 +295,35 @@ def make_smoother(name: str, *, block: int, initial_sum: float | np.ndarray, win
     return {"recent": Recent, "mean": Mean, "median": Median, "none": Unsmoothed}[name](block, initial_sum)
 
 
-def _exponential_filter(values: np.ndarray, alpha: float, start) -> np.ndarray:
-    """``y_j = alpha * x_j + (1 - alpha) * y_{j-1}`` with ``y_{-1} = start``, vectorised along
-    the last axis (``start`` one value per row of ``values``).
+def _exponential_filter(values: np.ndarray, alpha: float, state: dict) -> np.ndarray:
+    """``y_j = alpha * x_j + (1 - alpha) * y_{j-1}``, vectorised along the last axis, continuing
+    from ``state`` (updated in place): ``count`` values filtered so far, ``piece_start`` the output
+    before the current piece, ``partial`` the piece's running sum.
 
-    Closed form ``y_j = d^(j+1) (start + alpha * sum_{i<=j} x_i d^-(i+1))`` (``d = 1 - alpha``),
-    evaluated in pieces short enough that ``d^-len`` stays below 1e100; the absolute rounding
-    error stays about 1e-16 of the inputs. The pieces restart at each call, so a stream fed
-    in other chunks (a batched release's chunks, say) may differ in the last bits (about
-    1e-12 relative): post-processing of the same released sums, privacy unaffected.
+    Closed form ``y_j = d^(j+1) (y_start + alpha * sum_{i<=j} x_i d^-(i+1))`` (``d = 1 - alpha``)
+    within pieces short enough that ``d^-len`` stays below 1e100; the absolute rounding error
+    stays about 1e-16 of the inputs. Pieces sit at fixed stream positions and their running sums
+    are carried between calls and accumulated left to right, so a stream fed in any chunks
+    gives bit-identical outputs.
     """
     decay = 1.0 - alpha
     if decay == 0.0:
+        state["count"] += values.shape[-1]
         return np.array(values, dtype=np.float64)
     piece = max(1, int(100 / -math.log10(decay)))
     out = np.empty(values.shape, dtype=np.float64)
-    previous = np.asarray(start, dtype=np.float64)[..., None]
-    for a in range(0, values.shape[-1], piece):
-        x = values[..., a:a + piece]
-        powers = decay ** np.arange(1, x.shape[-1] + 1, dtype=np.float64)
-        out[..., a:a + x.shape[-1]] = powers * (previous + alpha * np.cumsum(x / powers, axis=-1))
-        previous = out[..., a + x.shape[-1] - 1:a + x.shape[-1]]
+    at = 0
+    while at < values.shape[-1]:
+        offset = state["count"] % piece
+        take = min(piece - offset, values.shape[-1] - at)
+        powers = decay ** np.arange(offset + 1, offset + take + 1, dtype=np.float64)
+        x = values[..., at:at + take] / powers
+        running = np.add.accumulate(np.concatenate([state["partial"][..., None], x], axis=-1), axis=-1)[..., 1:]
+        out[..., at:at + take] = powers * (state["piece_start"][..., None] + alpha * running)
+        state["count"] += take
+        if offset + take == piece:
+            state["piece_start"], state["partial"] = out[..., at + take - 1].copy(), np.zeros(running.shape[:-1])
+        else:
+            state["partial"] = running[..., -1].copy()
+        at += take
     return out

@@ -28,24 +28,25 @@ from fractions import Fraction
 import numpy as np
 
 from dpsql.mechanisms.laplace import LaplaceLattice
-from dpsql.noise import NoiseSource
+from dpsql.noise import Draws, Lane
 
 
 @dataclass(frozen=True)
 class AboveThreshold:
     """Calibrated noise of AboveThreshold sessions for queries of sensitivity ``sensitivity``.
 
-    Draws are batched so that callers can pre-draw one threshold per *possible* session
-    start and one query noise per *possible* query; each session uses its own threshold
-    draw and each query its own query draw, which has exactly the distribution of the
-    sequential algorithm.
+    Draws are addressed by time step (:class:`~dpsql.noise.Lane` ``SVT_THRESHOLD`` for the
+    threshold of a session opening at step ``t``, ``SVT_QUERY`` for the test at step ``t``),
+    so callers can compute one threshold per *possible* session start and one query noise
+    per *possible* query; each session uses its own threshold draw and each query its own
+    query draw, which has exactly the distribution of the sequential algorithm.
 
     Examples
     --------
     >>> import dpsql
-    >>> svt = AboveThreshold(sensitivity=2.0, epsilon=1.0)
-    >>> with dpsql.testing.seeded(3) as source:
-    ...     session = svt.session(theta=10.0, noise=source)
+    >>> svt = AboveThreshold(sensitivity=2.0, epsilon=10.0)
+    >>> with dpsql.testing.seeded(3) as keys:
+    ...     session = svt.session(theta=10.0, noise=keys.partition())
     ...     answers = [session.above(q) for q in (0.0, 1.0, 500.0)]
     >>> answers
     [False, False, True]
@@ -61,15 +62,15 @@ class AboveThreshold:
         object.__setattr__(self, "threshold_noise", LaplaceLattice(2.0 * self.sensitivity, epsilon))
         object.__setattr__(self, "query_noise", LaplaceLattice(4.0 * self.sensitivity, epsilon))
 
-    def thresholds(self, theta: float, noise: NoiseSource, size: int) -> np.ndarray:
-        """``size`` independent noisy thresholds ``theta + Lap(2 sensitivity / epsilon)``,
-        one per session (never accumulated across sessions)."""
-        return self.threshold_noise.release(np.full(size, float(theta)), noise)
+    def thresholds(self, theta: float, noise: Draws, start: int, size: int) -> np.ndarray:
+        """The noisy thresholds ``theta + Lap(2 sensitivity / epsilon)`` of sessions opening at
+        steps ``start .. start + size - 1`` (each its own draw, never accumulated across sessions)."""
+        return self.threshold_noise.release(np.full(size, float(theta)), noise.lane(Lane.SVT_THRESHOLD), start)
 
-    def query_noise_units(self, noise: NoiseSource, size: int) -> np.ndarray:
-        """``size`` independent query noise draws ``Lap(4 sensitivity / epsilon)`` in lattice
-        units, one per query."""
-        return self.query_noise.noise_units(noise, size)
+    def query_noise_units(self, noise: Draws, start: int, size: int) -> np.ndarray:
+        """The query noise ``Lap(4 sensitivity / epsilon)`` of the tests at steps ``start ..``, in
+        lattice units."""
+        return self.query_noise.noise_units(noise.lane(Lane.SVT_QUERY), start, size)
 
     def above(self, queries: np.ndarray, query_noise_units: np.ndarray, thresholds) -> np.ndarray:
         """The answers for true (private) ``queries``, each perturbed by its own pre-drawn
@@ -77,9 +78,10 @@ class AboveThreshold:
         lattice = self.query_noise
         return lattice.from_units(lattice.to_units(queries) + query_noise_units) >= thresholds
 
-    def session(self, theta: float, noise: NoiseSource) -> AboveThresholdSession:
-        """A new session with its own fresh noisy threshold."""
-        return AboveThresholdSession(self, self.thresholds(theta, noise, 1)[0], noise)
+    def session(self, theta: float, noise: Draws, step: int = 0) -> AboveThresholdSession:
+        """A new session opening at ``step`` with its own noisy threshold; its queries are the
+        steps after it."""
+        return AboveThresholdSession(self, self.thresholds(theta, noise, step, 1)[0], noise, step + 1)
 
 
 def _rounding_safe_epsilon(sensitivity: float, epsilon: float) -> float:
@@ -109,16 +111,18 @@ def _rounding_safe_epsilon(sensitivity: float, epsilon: float) -> float:
 class AboveThresholdSession:
     """One AboveThreshold session: ``above(q)`` until the first ``True``, then halted."""
 
-    def __init__(self, svt: AboveThreshold, threshold: float, noise: NoiseSource):
+    def __init__(self, svt: AboveThreshold, threshold: float, noise: Draws, step: int):
         self._svt = svt
         self._threshold = threshold
         self._noise = noise
+        self._step = step
         self.halted = False
 
     def above(self, query: float) -> bool:
         """Answer one query; a halted session refuses further queries (its budget is spent)."""
         if self.halted:
             raise RuntimeError("this AboveThreshold session has halted; start a new session")
-        units = self._svt.query_noise_units(self._noise, 1)
+        units = self._svt.query_noise_units(self._noise, self._step, 1)
+        self._step += 1
         self.halted = bool(self._svt.above(np.array([float(query)]), units, self._threshold)[0])
         return self.halted

@@ -2,7 +2,7 @@
 
 Every dpsql expression is a single ``map_batches`` call over a struct of the value,
 order and partition columns. The UDF sorts rows to time order within their partition,
-calls :func:`dpsql.api.publish` exactly once (the only charge), and scatters the result
+calls :func:`dpsql.publish.publish` exactly once (the only charge), and scatters the result
 back to the rows' physical order. What that guarantees, and why:
 
 * ``return_dtype`` is always given, so Polars never calls the UDF on dummy data to
@@ -40,9 +40,9 @@ import polars as pl
 
 from dpsql import _validate
 from dpsql.accountant import Budget
-from dpsql.api import PartitionedRelease
 from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
 from dpsql.ordering import duplicate_time_message, order_integer_keys
+from dpsql.publish import PartitionedRelease
 from dpsql.release import Release
 
 _NAME_PREFIX = "__dpsql_release_"
@@ -67,6 +67,8 @@ class RowsInTimeOrder:
         self.permutation = permutation
         self.offsets = offsets
         self.partitioned = partitioned
+        #: each partition's key (a tuple for several partition columns), set by :func:`time_order`
+        self.partition_keys: list | None = None
 
     def gather(self, values: np.ndarray) -> np.ndarray:
         return values[self.permutation]
@@ -140,9 +142,20 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
         ordered = order_integer_keys([physical.to_numpy()], values, partition=partition,
                                      permutation=True, refuse_duplicate=refuse)
         if ordered is not None:
-            return RowsInTimeOrder(ordered.permutation, ordered.offsets, bool(partition_names)), ordered.values
+            rows = RowsInTimeOrder(ordered.permutation, ordered.offsets, bool(partition_names))
+            _set_partition_keys(rows, frame, partition_names)
+            return rows, ordered.values
     rows = _sorted_by_columns(frame, order_name, partition_names, labels)
+    _set_partition_keys(rows, frame, partition_names)
     return rows, rows.gather(values)
+
+
+def _set_partition_keys(rows: RowsInTimeOrder, frame: pl.DataFrame, partition_names: Sequence[str]) -> None:
+    if not partition_names:
+        return
+    first_rows = frame.select(partition_names)[rows.permutation[rows.offsets[:-1]]]
+    keys = first_rows.rows()
+    rows.partition_keys = [key[0] for key in keys] if len(partition_names) == 1 else keys
 
 
 #: Integer types numpy holds that fit an int64 (the physical types of Date, Datetime,
@@ -201,7 +214,7 @@ def private_expression(value: pl.Expr, release: Callable[[np.ndarray, RowsInTime
         The private value column.
     release : callable
         ``(values in time order, rows, column name) -> result``. It must call
-        :func:`dpsql.api.publish` (directly or through a function that does), once.
+        :func:`dpsql.publish.publish` (directly or through a function that does), once.
     order_by, partition_by :
         Column names or expressions; ``order_by=None`` keeps the frame's row order.
     output : callable

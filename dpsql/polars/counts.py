@@ -3,7 +3,7 @@
 An event table (one row per event) becomes private count streams, one row per
 (partition, bucket) of the public time domain, released with PeGaSus or per-bucket
 Laplace through :func:`dpsql.counts.release_event_counts` (one call of
-:func:`dpsql.api.publish`, one charge). The output is a new frame, not a column of the
+:func:`dpsql.publish.publish`, one charge). The output is a new frame, not a column of the
 input (its rows are buckets, not events), so this is a frame function rather than an
 expression. A count column that is already bucketed can be released as an expression
 with ``pl.col("n").dpsql.range_sum(method="pegasus", epsilon=..., order_by="ts")``.

@@ -13,12 +13,13 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from dpsql.api import check_method, publish
 from dpsql.errors import InvalidParameter
 from dpsql.ldp import du
 from dpsql.ldp._linear import ALIGNS
+from dpsql.methods import check_method
 from dpsql.polars._machinery import RowsInTimeOrder, check_budget, private_expression
 from dpsql.polars._namespace import namespace_method
+from dpsql.publish import publish
 
 FIELDS = {"value": pl.Float64, "report": pl.Float64, "dp_report": pl.Int64}
 
@@ -75,7 +76,8 @@ def ldp(value: pl.Expr, *, method: str = "capp", order_by, partition_by=None, bu
 
     def release(values: np.ndarray, rows: RowsInTimeOrder, column: str):
         return publish(method, values, budget=budget, column=column, note=note,
-                       partition_offsets=rows.offsets if rows.partitioned else None, **params)
+                       partition_offsets=rows.offsets if rows.partitioned else None,
+                       partition_keys=rows.partition_keys, **params)
 
     def output(result, rows: RowsInTimeOrder) -> pl.Series:
         reports, index = du.report_view(result)

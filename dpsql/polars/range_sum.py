@@ -15,8 +15,8 @@ import itertools
 import numpy as np
 import polars as pl
 
-from dpsql.api import PartitionedRelease, check_method, publish
 from dpsql.errors import InvalidParameter
+from dpsql.methods import check_method
 from dpsql.polars._machinery import (
     RowsInTimeOrder,
     check_budget,
@@ -25,6 +25,7 @@ from dpsql.polars._machinery import (
     release_for_key,
 )
 from dpsql.polars._namespace import namespace_method
+from dpsql.publish import PartitionedRelease, publish
 from dpsql.release import Release
 
 #: Field names of the ``errors=True`` struct.
@@ -37,7 +38,7 @@ def range_sum(value: pl.Expr, *, method: str, order_by, partition_by=None, budge
     """Release the column ``value`` as a private stream, one value per row.
 
     Rows are put in time order (``order_by``, within each ``partition_by`` group),
-    released by :func:`dpsql.api.publish` and returned in the frame's own row order,
+    released by :func:`dpsql.publish.publish` and returned in the frame's own row order,
     whatever it is. Sums of the released values over any rows estimate the true sums;
     their noise follows the method's error model.
 
@@ -56,7 +57,7 @@ def range_sum(value: pl.Expr, *, method: str, order_by, partition_by=None, budge
         The private numeric column. Nulls, NaN, infinities and non-numeric types are
         refused (:class:`dpsql.InvalidData`, naming the column).
     method : str
-        A registered stream method (``dpsql.api.METHODS``): ``"laplace"``, ``"tops"``,
+        A registered stream method (``dpsql.methods.METHODS``): ``"laplace"``, ``"tops"``,
         ``"pak"``, ``"binary_tree"``, ...
     order_by : str or polars.Expr
         The public time key. Nulls or duplicates within a partition are refused
@@ -101,7 +102,8 @@ def range_sum(value: pl.Expr, *, method: str, order_by, partition_by=None, budge
 
     def release(values: np.ndarray, rows: RowsInTimeOrder, column: str):
         return publish(method, values, budget=budget, column=column, note=note,
-                       partition_offsets=rows.offsets if rows.partitioned else None, **params)
+                       partition_offsets=rows.offsets if rows.partitioned else None,
+                       partition_keys=rows.partition_keys, **params)
 
     def output(result, rows: RowsInTimeOrder) -> pl.Series:
         values = pl.Series(rows.scatter(result.values), dtype=pl.Float64)
@@ -121,7 +123,7 @@ def range_sum(value: pl.Expr, *, method: str, order_by, partition_by=None, budge
 def threshold(value: pl.Expr, *, order_by=None, budget=None, note: str | None = None, **params) -> pl.Expr:
     """Release one private clipping threshold of the column ``value`` (a Float64 scalar).
 
-    Runs the registered ``"threshold"`` method through :func:`dpsql.api.publish`, in
+    Runs the registered ``"threshold"`` method through :func:`dpsql.publish.publish`, in
     ``order_by`` order (the frame's row order when omitted). Privacy cost: that of the
     threshold method and its ``params`` (``epsilon``-DP for noisy max,
     ``(epsilon, delta)`` for the smooth-sensitivity PAK threshold), replace-one-value

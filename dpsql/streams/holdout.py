@@ -31,26 +31,23 @@ import numpy as np
 
 from dpsql import _validate
 from dpsql.accountant import largest_share
+from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.laplace import LatticeBatch
-from dpsql.noise import NoiseSource
-from dpsql.release import SegmentedNoise, SharedTotalNoise, StreamMachine, written_in_place
+from dpsql.noise import Draws, DrawsBatch, Lane
+from dpsql.release import IndependentNoise, SegmentedNoise, SharedTotalNoise, StreamMachine, written_in_place
 
-#: The ToPS paper's hold-out length; by default capped at a quarter of the stream.
-PAPER_HOLDOUT = 65_536
+#: The hold-out length when none is given: fixed (a stream's length is unknown).
+DEFAULT_HOLDOUT = 4096
 _MIN_THRESHOLD = 2.0**-30
-
-
-def default_holdout(n: int) -> int:
-    """``min(65536, n // 4)``, at least 1: the paper's m for long streams, a quarter of
-    short ones. Smaller hold-outs make noisier thresholds (PAK's smooth sensitivity
-    barely decays below tens of thousands of rows); pass ``m`` to trade threshold
-    quality for fewer flat hold-out rows."""
-    return max(1, min(PAPER_HOLDOUT, n // 4))
+# The stream phase's segment of the error model reaches as far as any range asked for.
+_ANY_LENGTH = 1 << 62
 
 
 class ThresholdedStream(StreamMachine):
     """Buffer the first ``m`` rows, choose the threshold, release the hold-out's total,
-    then delegate every later row to the stream phase.
+    then delegate every later row to the stream phase. With ``threshold`` given (a value
+    released before, whose cost was charged then) there is no hold-out: every row goes to
+    the stream phase, which gets the whole ``epsilon``.
 
     Subclasses implement :meth:`_choose_thresholds`, :meth:`_stream_phase` and
     :meth:`_method_params`, and set ``method`` and, for (epsilon, delta) thresholds,
@@ -59,46 +56,62 @@ class ThresholdedStream(StreamMachine):
     Partitions: :meth:`batched` gives this machine for ``k`` equal-length partitions at once,
     fed ``(k, rows)`` chunks (for subclasses whose threshold and stream phase work per row;
     ``batchable`` says so). A single stream is the case ``k = 1``. Each partition gets its own
-    threshold, hold-out total (on its own lattice) and stream phase, exactly as alone.
+    threshold, hold-out total (on its own lattice, from its own draws) and stream phase,
+    exactly as alone.
     """
 
     method: str
     threshold_delta: float = 0.0
     writes_out = True
 
-    def __init__(self, n: int, *, epsilon: float, upper: float, lower: float = 0.0, m: int | None = None,
-                 holdout_share: float = 0.15, noise: NoiseSource):
-        self.n = n
+    def __init__(self, n: int | None = None, *, epsilon: float, upper: float, lower: float = 0.0,
+                 m: int | None = None, holdout_share: float = 0.15, threshold: float | None = None,
+                 noise: Draws):
         self.epsilon = _validate.epsilon(epsilon)
         self.lower, self.upper = _validate.bounds(lower, upper)
         self.bound = self.upper - self.lower
-        self.m = _validate.holdout(m, n, default=default_holdout(n))
+        self.given_threshold = None
+        if threshold is not None:
+            theta = _validate.real(threshold, "threshold") - self.lower
+            if not 0 < theta <= self.bound:
+                raise InvalidParameter(f"threshold must satisfy lower < threshold <= upper, got {threshold!r}")
+            self.given_threshold = theta
+            if m is not None:
+                raise InvalidParameter("m (hold-out length) does not apply when a threshold is given")
+            self.m = 0
+        else:
+            self.m = DEFAULT_HOLDOUT if m is None else _validate.integer(m, "m", minimum=1)
+            if n is not None and self.m >= n:
+                raise InvalidParameter(f"m (hold-out length) must be < the number of values ({n}), got m={self.m}; "
+                                       f"pass a smaller m, or a threshold released before (threshold=)")
         self.holdout_share = _validate.probability(holdout_share, "holdout_share")
         self.epsilon_threshold = (1.0 - self.holdout_share) * self.epsilon
         # rounded so that the two hold-out charges never add up to more than epsilon
         self.epsilon_total = largest_share(self.epsilon, self.holdout_share * self.epsilon,
                                            rest=self.epsilon_threshold)
-        self.noise = noise
-        self._start(1)
+        self._start(DrawsBatch([noise]))
 
-    def batched(self, k: int) -> ThresholdedStream:
+    def batched(self, draws: DrawsBatch) -> ThresholdedStream:
         machine = copy.copy(self)
-        machine._start(k)
+        machine._start(draws)
         return machine
 
-    def _start(self, partitions: int):
-        """State for ``partitions`` streams, nothing fed yet."""
-        self.partitions = partitions
+    def _start(self, draws: DrawsBatch):
+        """State for ``len(draws)`` streams, nothing fed yet."""
+        self.partitions = len(draws)
+        self._draws = draws
         self.thresholds: np.ndarray | None = None
         self._held: list[np.ndarray] = []
         self._held_rows = 0
         self._stream: StreamMachine | None = None
         self._holdout_variance: np.ndarray | None = None
         self._lead = ()
+        if self.given_threshold is not None:
+            self._begin_stream(np.full(self.partitions, self.given_threshold), None)
 
     @property
     def cost(self) -> tuple[float, float]:
-        return self.epsilon, self.threshold_delta
+        return self.epsilon, (0.0 if self.given_threshold is not None else self.threshold_delta)
 
     @abstractmethod
     def _choose_thresholds(self, holdout: np.ndarray) -> np.ndarray:
@@ -106,10 +119,11 @@ class ThresholdedStream(StreamMachine):
         partition's hold-out per row, in time order, C-contiguous)."""
 
     @abstractmethod
-    def _stream_phase(self, n_rest: int, thresholds: np.ndarray) -> StreamMachine:
+    def _stream_phase(self, thresholds: np.ndarray, initials: np.ndarray | None) -> StreamMachine:
         """The machine releasing the remaining rows of every partition, fed values shifted
         to ``[0, bound]`` shaped like this machine's input; it clips partition ``j`` at
-        ``thresholds[j]`` itself."""
+        ``thresholds[j]`` itself. ``initials``: each partition's hold-out mean as released
+        (clipped to its threshold), or None without a hold-out."""
 
     @abstractmethod
     def _method_params(self) -> dict:
@@ -121,7 +135,7 @@ class ThresholdedStream(StreamMachine):
         holdout = None
         if self._stream is None:
             take = rows[:, : self.m - self._held_rows]
-            self._held.append(take)
+            self._held.append(take.copy())
             self._held_rows += take.shape[1]
             rows = rows[:, take.shape[1]:]
             if self._held_rows == self.m:
@@ -151,6 +165,8 @@ class ThresholdedStream(StreamMachine):
         return buffer.reshape((*self._lead, -1))
 
     def close(self) -> np.ndarray:
+        if self._stream is None:  # a one-shot release is refused before it is this short
+            return np.empty((*self._lead, 0))
         return self._shift_back(self._stream.close())
 
     # A zero lower bound is the common case; skipping the no-op shifts saves two passes per chunk.
@@ -166,23 +182,54 @@ class ThresholdedStream(StreamMachine):
         holdout = np.clip(self._shift(held), 0.0, self.bound)
         self._held = []
         thresholds = np.clip(self._choose_thresholds(holdout), _MIN_THRESHOLD * self.bound, self.bound)
-        self.thresholds = thresholds
         totals = LatticeBatch(thresholds, self.epsilon_total)
-        noisy_totals = totals.release(np.minimum(holdout, thresholds[:, None]).sum(axis=1), self.noise)
+        noisy_totals = totals.release(np.minimum(holdout, thresholds[:, None]).sum(axis=1),
+                                      self._draws.lane(Lane.HOLDOUT_TOTAL), 0)
         self._holdout_variance = totals.variance
-        self._stream = self._stream_phase(self.n - self.m, thresholds)
+        self._begin_stream(thresholds, np.clip(noisy_totals / self.m, 0.0, thresholds))
         return noisy_totals / self.m + self.lower
+
+    def _begin_stream(self, thresholds: np.ndarray, initials: np.ndarray | None) -> None:
+        self.thresholds = thresholds
+        self._initials = initials
+        self._stream = self._stream_phase(thresholds, initials)
+
+    def snapshot(self) -> dict:
+        held = self._held[0] if len(self._held) == 1 else np.concatenate(self._held or [np.empty((1, 0))], axis=1)
+        return {"held": held, "thresholds": self.thresholds, "initials": self._initials if self._stream else None,
+                "holdout_variance": self._holdout_variance,
+                "stream": None if self._stream is None else self._stream.snapshot()}
+
+    def restore(self, state: dict) -> None:
+        held = np.asarray(state["held"], dtype=np.float64).reshape(self.partitions, -1)
+        self._held, self._held_rows = [held], held.shape[1]
+        if state["stream"] is not None:
+            self._holdout_variance = state["holdout_variance"]
+            initials = None if state["initials"] is None else np.asarray(state["initials"], dtype=np.float64)
+            self._begin_stream(np.asarray(state["thresholds"], dtype=np.float64), initials)
+            self._stream.restore(state["stream"])
 
     def describe(self) -> dict:
         return self.describe_partition(0)
 
     def describe_partition(self, partition: int) -> dict:
-        stream = self._stream.describe_partition(partition) if self.partitions > 1 else self._stream.describe()
         params = {"epsilon": self.epsilon, "lower": self.lower, "upper": self.upper, "m": self.m,
                   "holdout_share": self.holdout_share, **self._method_params()}
-        components = {"threshold": (self.epsilon_threshold, self.threshold_delta),
-                      "holdout_total": (self.epsilon_total, 0.0), **stream.get("components", {})}
-        holdout_error = SharedTotalNoise(float(self._holdout_variance[partition]), self.m)
+        if self.given_threshold is not None:
+            params["threshold"] = self.given_threshold + self.lower
+            components = {}
+        else:
+            components = {"threshold": (self.epsilon_threshold, self.threshold_delta),
+                          "holdout_total": (self.epsilon_total, 0.0)}
+        if self._stream is None:  # a stream still filling its hold-out has released nothing
+            return dict(method=self.method, params=params, error=IndependentNoise(0.0, 0), components=components)
+        stream = self._stream.describe_partition(partition) if self.partitions > 1 else self._stream.describe()
+        components.update(stream.get("components", {}))
+        if self.m:
+            holdout_error = SharedTotalNoise(float(self._holdout_variance[partition]), self.m)
+            error = SegmentedNoise([0, self.m, _ANY_LENGTH], [holdout_error, stream["error"]])
+        else:
+            error = stream["error"]
         return dict(method=self.method, params=params, threshold=float(self.thresholds[partition]) + self.lower,
-                    error=SegmentedNoise([0, self.m, self.n], [holdout_error, stream["error"]]),
-                    components=components)
+                    error=error, components=components)
+

@@ -22,47 +22,68 @@ from __future__ import annotations
 import numpy as np
 
 from dpsql import _validate
+from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.smooth_sensitivity import check_pak_threshold, pak_threshold
-from dpsql.noise import NoiseSource
+from dpsql.noise import Draws, Lane
 from dpsql.streams.binary_tree import BinaryTreeStream
 from dpsql.streams.holdout import ThresholdedStream
 
 
 class PakStream(ThresholdedStream):
     """PAK as an online state machine: the hold-out is buffered until its threshold is
-    chosen, then every row streams through the binary counter.
+    chosen, then every row streams through the binary counter (unbounded unless a
+    ``horizon`` is declared, see :class:`~dpsql.streams.binary_tree.BinaryTreeStream`).
 
     Examples
     --------
     >>> import numpy as np, dpsql
-    >>> with dpsql.testing.seeded(2) as source:
-    ...     rel = dpsql.streams.run("pak", np.arange(200_000) % 10, noise=source, epsilon=1.0, upper=100.0)
+    >>> with dpsql.testing.seeded(2) as keys:
+    ...     rel = dpsql.methods.run("pak", np.arange(200_000) % 10, noise=keys, epsilon=1.0, upper=100.0,
+    ...                             m=50_000)
     >>> rel.delta == 1 / 200_000**2, rel.params["m"], 9.0 <= rel.threshold < 50.0
     (True, 50000, True)
     """
 
     method = "pak"
 
-    def __init__(self, n: int, *, epsilon: float, upper: float, delta: float | None = None, lower: float = 0.0,
-                 m: int | None = None, holdout_share: float = 0.15, tail_p: float = 0.005, lam: float = 0.85,
-                 beta_lt: float = 0.006, rho: float = 1.0, noise: NoiseSource):
-        super().__init__(n, epsilon=epsilon, upper=upper, lower=lower, m=m, holdout_share=holdout_share, noise=noise)
-        delta = 1.0 / n**2 if delta is None else _validate.delta(delta, pure=False, method="pak")
-        self._threshold_params = check_pak_threshold(epsilon=self.epsilon_threshold, delta=delta, upper=self.bound,
-                                                     tail_p=tail_p, lam=lam, beta_lt=beta_lt, rho=rho)
-        self.threshold_delta = delta
+    def __init__(self, n: int | None = None, *, epsilon: float, upper: float, delta: float | None = None,
+                 lower: float = 0.0, m: int | None = None, holdout_share: float = 0.15, tail_p: float = 0.005,
+                 lam: float = 0.85, beta_lt: float = 0.006, rho: float = 1.0, horizon: int | None = None,
+                 threshold: float | None = None, noise: Draws):
+        super().__init__(n, epsilon=epsilon, upper=upper, lower=lower, m=m, holdout_share=holdout_share,
+                         threshold=threshold, noise=noise)
+        if threshold is not None:  # chosen (and paid for) before: no hold-out, no delta
+            if delta:
+                raise InvalidParameter("delta does not apply to PAK with a given threshold (its stream phase is pure "
+                                       "epsilon-DP)")
+            self._threshold_params = None
+        else:
+            if delta is None:
+                if n is None:
+                    raise InvalidParameter("delta is required for a PAK stream (its one-shot default, 1 / n**2, "
+                                           "needs the stream's length)")
+                delta = 1.0 / n**2
+            self._threshold_params = check_pak_threshold(epsilon=self.epsilon_threshold, delta=delta,
+                                                         upper=self.bound, tail_p=tail_p, lam=lam, beta_lt=beta_lt,
+                                                         rho=rho)
+            self.threshold_delta = self._threshold_params.delta
+        self.horizon = None if horizon is None else _validate.integer(horizon, "horizon", minimum=1)
 
     def _choose_thresholds(self, holdout):
         p = self._threshold_params
         return np.array([pak_threshold(row, epsilon=p.epsilon, delta=p.delta, upper=p.upper, tail_p=p.tail_p,
-                                       lam=p.lam, beta_lt=p.beta_lt, rho=p.rho, noise=self.noise)
+                                       lam=p.lam, beta_lt=p.beta_lt, rho=p.rho,
+                                       noise=self._draws[0].lane(Lane.SMOOTH_SENSITIVITY))
                          for row in np.sort(holdout, axis=1)])
 
-    def _stream_phase(self, n_rest: int, thresholds):
+    def _stream_phase(self, thresholds, initials):
         # one partition: PAK's binary tree is not batchable
-        return BinaryTreeStream(n_rest, epsilon=self.epsilon, upper=float(thresholds.item()), noise=self.noise)
+        return BinaryTreeStream(epsilon=self.epsilon, upper=float(thresholds.item()), horizon=self.horizon,
+                                noise=self._draws[0])
 
     def _method_params(self) -> dict:
         p = self._threshold_params
+        if p is None:
+            return {"horizon": self.horizon}
         return {"delta": p.delta, "tail_p": p.tail_p, "lam": p.lam, "beta_lt": p.beta_lt, "rho": p.rho,
-                "kappa": p.kappa}
+                "kappa": p.kappa, "horizon": self.horizon}

@@ -49,8 +49,9 @@ from dpsql import _validate
 from dpsql.accountant import largest_share
 from dpsql.mechanisms import LaplaceLattice
 from dpsql.mechanisms.svt import AboveThreshold
-from dpsql.noise import NoiseSource
-from dpsql.release import ADD_REMOVE_EVENT, ErrorModel, IndependentNoise, Release, StreamMachine
+from dpsql.noise import Draws, Lane
+from dpsql.release import ADD_REMOVE_EVENT, ErrorModel, Release, StreamMachine
+from dpsql.streams.laplace import RowNoiseStream
 
 SMOOTHERS = ("median", "average", "js")
 #: Steps after a group's start for which the first "above" is searched for every possible
@@ -74,51 +75,46 @@ def count_neighbour(sensitivity: float) -> str:
             "step; time domain and partition keys public)")
 
 
-def perturb_units(counts: np.ndarray, lattice: LaplaceLattice, noise: NoiseSource) -> np.ndarray:
+def perturb_units(counts: np.ndarray, lattice: LaplaceLattice, noise: Draws, start: int) -> np.ndarray:
     """Noisy counts in lattice units: negative counts are clipped to 0 (a count's public
-    lower bound), then lattice Laplace noise is added."""
+    lower bound), then lattice Laplace noise (step ``t``'s draw: index ``t`` of the ``ROWS``
+    lane) is added."""
     units = lattice.to_units(np.maximum(counts, 0.0))
-    units += lattice.noise_units(noise, units.size)
+    units += lattice.noise_units(noise.lane(Lane.ROWS), start, units.size)
     return units
 
 
-class CountLaplaceStream(StreamMachine):
+class CountLaplaceStream(RowNoiseStream):
     """Per-step Laplace on counts (the PeGaSus Perturber alone, ``eps_p = epsilon``):
     ``c_t + Lap(sensitivity / epsilon)``, negatives clipped to 0 first.
 
     Privacy: ``epsilon``-DP for add/remove-one-event neighbours (one count moves by at
-    most ``sensitivity``). The baseline PeGaSus is compared against. Rows are
-    independent (``rows_independent``).
+    most ``sensitivity``). The baseline PeGaSus is compared against.
 
     Examples
     --------
     >>> import numpy as np, dpsql
-    >>> with dpsql.testing.seeded(0) as source:
-    ...     rel = dpsql.streams.run("count_laplace", np.array([3.0, 0.0, 7.0]), noise=source, epsilon=1.0)
+    >>> with dpsql.testing.seeded(0) as keys:
+    ...     rel = dpsql.methods.run("count_laplace", np.array([3.0, 0.0, 7.0]), noise=keys, epsilon=1.0)
     >>> len(rel), rel.range_variance(0, 3) > 0
     (3, True)
     """
 
-    rows_independent = True
+    method = "count_laplace"
+    component = "perturber"
 
-    def __init__(self, n: int, *, epsilon: float, sensitivity: float = 1.0, noise: NoiseSource):
+    def __init__(self, n: int | None = None, *, epsilon: float, sensitivity: float = 1.0, noise: Draws):
         self.epsilon = _validate.epsilon(epsilon)
         self.sensitivity = _validate.real(sensitivity, "sensitivity", minimum=0.0, strict=True)
-        self.n = n
         self.cost = (self.epsilon, 0.0)
         self.neighbour = count_neighbour(self.sensitivity)
-        self._lattice = LaplaceLattice(self.sensitivity, self.epsilon)
-        self._noise = noise
+        self._start(self.sensitivity, self.epsilon, noise)
 
-    def feed(self, chunk: np.ndarray) -> np.ndarray:
-        return self._lattice.from_units(perturb_units(chunk, self._lattice, self._noise))
+    def _values_to_release(self, rows: np.ndarray) -> np.ndarray:
+        return np.maximum(rows, 0.0)
 
-    def close(self) -> np.ndarray:
-        return np.empty(0)
-
-    def describe(self) -> dict:
-        return dict(method="count_laplace", params={"epsilon": self.epsilon, "sensitivity": self.sensitivity},
-                    error=IndependentNoise(self._lattice.variance, self.n), components={"perturber": self.cost})
+    def params(self) -> dict:
+        return {"epsilon": self.epsilon, "sensitivity": self.sensitivity}
 
 
 class PegasusStream(StreamMachine):
@@ -127,8 +123,8 @@ class PegasusStream(StreamMachine):
 
     Parameters
     ----------
-    n : int
-        Public stream length.
+    n : int or None
+        Unused (a count stream needs no length).
     epsilon : float
         Total budget; ``eps_g = grouper_share * epsilon`` goes to the Grouper and
         ``eps_p = epsilon - eps_g`` to the Perturber.
@@ -143,14 +139,22 @@ class PegasusStream(StreamMachine):
     sensitivity : float
         The most one neighbour changes one count (1 for event counts).
 
+    Noise addresses: step ``t``'s perturbation is index ``t`` of the ``ROWS`` lane, the
+    threshold of a group opening at ``t`` index ``t`` of ``SVT_THRESHOLD`` and the test at
+    ``t`` index ``t`` of ``SVT_QUERY``. The state is the open group (its true counts are
+    secret); every released row also carries its group's first step (``public_rows``: the
+    released partition, which the error model needs).
+
     The Smoother's ``ErrorModel`` (:class:`GroupPrefixNoise`) is exact for ``average``
     and ``js``, which are linear in the Perturber noise given the released partition;
     for ``median`` it is a bound (see that class).
     """
 
-    def __init__(self, n: int, *, epsilon: float, grouper_share: float = DEFAULT_GROUPER_SHARE,
+    public_columns = ("group",)
+
+    def __init__(self, n: int | None = None, *, epsilon: float, grouper_share: float = DEFAULT_GROUPER_SHARE,
                  theta: float | None = None, smoother: str = "median", sensitivity: float = 1.0,
-                 noise: NoiseSource):
+                 noise: Draws):
         self.epsilon = _validate.epsilon(epsilon)
         self.grouper_share = _validate.probability(grouper_share, "grouper_share")
         self.smoother = _validate.choice(smoother, "smoother", SMOOTHERS)
@@ -161,16 +165,17 @@ class PegasusStream(StreamMachine):
         _validate.epsilon(self.eps_p, "(1 - grouper_share) * epsilon")
         default_theta = THETA_TIMES_SCALE * self.sensitivity / self.eps_g
         self.theta = default_theta if theta is None else _validate.real(theta, "theta")
-        self.n = n
         self.cost = (self.epsilon, 0.0)
         self.neighbour = count_neighbour(self.sensitivity)
         self._perturber = LaplaceLattice(self.sensitivity, self.eps_p)
         # dev() has sensitivity 2 s (Lemma 3.3).
         self._svt = AboveThreshold(2.0 * self.sensitivity, self.eps_g)
         self._noise = noise
-        self._offset = 0  # global index of the first row of the current buffer
+        self._rows = 0  # steps fed
+        self._offset = 0  # global index of the first row of the open group
         self._open = _OpenGroup.empty()
         self._group_starts: list[np.ndarray] = []
+        self._public: list[np.ndarray] = []
 
     def feed(self, chunk: np.ndarray) -> np.ndarray:
         size = len(chunk)
@@ -178,14 +183,18 @@ class PegasusStream(StreamMachine):
             return np.empty(0)
         carried = self._open
         true = np.concatenate([carried.true, np.maximum(chunk, 0.0)])
-        units = np.concatenate([carried.units, perturb_units(chunk, self._perturber, self._noise)])
-        thresholds = np.concatenate([carried.thresholds, self._svt.thresholds(self.theta, self._noise, size)])
-        query_units = np.concatenate([carried.query_units, self._svt.query_noise_units(self._noise, size)])
+        units = np.concatenate([carried.units, perturb_units(chunk, self._perturber, self._noise, self._rows)])
+        thresholds = np.concatenate([carried.thresholds,
+                                     self._svt.thresholds(self.theta, self._noise, self._rows, size)])
+        query_units = np.concatenate([carried.query_units,
+                                      self._svt.query_noise_units(self._noise, self._rows, size)])
+        self._rows += size
         starts, open_from = partition(true, thresholds, query_units, self._svt, tested=len(carried.true))
         group_start = group_start_per_row(starts, len(true))
-        estimates = smooth(self._perturber.from_units(units), group_start, self.smoother)
+        estimates = smooth(units, self._perturber.granularity, group_start, self.smoother)
         new_starts = starts[1:] if len(carried.true) else starts
         self._group_starts.append(new_starts + self._offset)
+        self._public.append(group_start[len(carried.true):] + self._offset)
         self._offset += open_from
         self._open = _OpenGroup(true[open_from:], units[open_from:], thresholds[open_from:],
                                 query_units[open_from:])
@@ -194,9 +203,30 @@ class PegasusStream(StreamMachine):
     def close(self) -> np.ndarray:
         return np.empty(0)
 
+    def take_public(self) -> dict[str, np.ndarray]:
+        """Each row output since the last call: the first step of its group (public)."""
+        groups = np.concatenate(self._public) if self._public else np.empty(0, dtype=np.int64)
+        self._public = []
+        return {"group": groups}
+
+    def restore_public(self, public: dict[str, np.ndarray]) -> None:
+        """The released partition of every row output before (a restored stream's error model)."""
+        self._group_starts = [np.unique(np.asarray(public["group"], dtype=np.int64))]
+
+    def snapshot(self) -> dict:
+        o = self._open
+        return {"rows": self._rows, "offset": self._offset, "true": o.true, "units": o.units,
+                "thresholds": o.thresholds, "query_units": o.query_units}
+
+    def restore(self, state: dict) -> None:
+        self._rows, self._offset = int(state["rows"]), int(state["offset"])
+        self._open = _OpenGroup(state["true"], state["units"], state["thresholds"], state["query_units"])
+
     def describe(self) -> dict:
         starts = np.concatenate(self._group_starts) if self._group_starts else np.zeros(1, dtype=np.int64)
-        error = GroupPrefixNoise(starts, self.n, self._perturber.variance, self.smoother)
+        if not len(starts) or starts[0] != 0:
+            starts = np.concatenate([[0], starts])
+        error = GroupPrefixNoise(starts, self._rows, self._perturber.variance, self.smoother)
         params = {"epsilon": self.epsilon, "grouper_share": self.grouper_share, "eps_p": self.eps_p,
                   "eps_g": self.eps_g, "theta": self.theta, "smoother": self.smoother,
                   "sensitivity": self.sensitivity}
@@ -352,26 +382,29 @@ def group_start_per_row(starts: np.ndarray, m: int) -> np.ndarray:
 # -- Smoother (post-processing: noisy counts and the partition at time t only) ---------------
 
 
-def smooth(noisy: np.ndarray, group_start: np.ndarray, smoother: str) -> np.ndarray:
-    """Estimate of every row from the noisy counts of its group's rows up to itself.
+def smooth(units: np.ndarray, granularity: float, group_start: np.ndarray, smoother: str) -> np.ndarray:
+    """Estimate of every row from the noisy counts of its group's rows up to itself, the
+    counts given as integer lattice ``units`` of ``granularity`` (sums of them are exact, so
+    a stream fed in any chunks gets the same estimates).
 
     Examples
     --------
-    The paper's Example 3.5 (partition ``{1,2,3}, {4}, {5}``):
+    The paper's Example 3.5 (partition ``{1,2,3}, {4}, {5}``), on a lattice of 0.1:
 
-    >>> noisy = np.array([5.6, 4.4, 6.7, 9.5, 10.2]); starts = np.array([0, 0, 0, 3, 4])
-    >>> smooth(noisy, starts, "median").round(4).tolist()
+    >>> units = np.array([56, 44, 67, 95, 102]); starts = np.array([0, 0, 0, 3, 4])
+    >>> smooth(units, 0.1, starts, "median").round(4).tolist()
     [5.6, 5.0, 5.6, 9.5, 10.2]
-    >>> smooth(noisy, starts, "average").round(4).tolist()
+    >>> smooth(units, 0.1, starts, "average").round(4).tolist()
     [5.6, 5.0, 5.5667, 9.5, 10.2]
-    >>> smooth(noisy, starts, "js").round(4).tolist()
+    >>> smooth(units, 0.1, starts, "js").round(4).tolist()
     [5.6, 4.7, 5.9444, 9.5, 10.2]
     """
+    noisy = units.astype(np.float64) * granularity
     size = np.arange(len(noisy)) - group_start + 1
     if smoother == "median":
         return _prefix_medians(noisy, group_start, size)
-    cumulative = np.concatenate([[0.0], np.cumsum(noisy)])
-    average = (cumulative[1:] - cumulative[group_start]) / size
+    cumulative = np.concatenate([[0], np.cumsum(units, dtype=np.int64)])
+    average = (cumulative[1:] - cumulative[group_start]).astype(np.float64) * granularity / size
     if smoother == "average":
         return average
     return (noisy - average) / size + average
@@ -519,8 +552,8 @@ def window_sums(release: Release, *, window: int) -> tuple[np.ndarray, np.ndarra
     Examples
     --------
     >>> import numpy as np, dpsql
-    >>> with dpsql.testing.seeded(2):
-    ...     rel = dpsql.pegasus(np.full(100, 10.0), epsilon=1.0, smoother="average")
+    >>> with dpsql.testing.seeded(2) as keys:
+    ...     rel = dpsql.methods.run("pegasus", np.full(100, 10.0), noise=keys, epsilon=1.0, smoother="average")
     >>> sums, variances = window_sums(rel, window=24)
     >>> sums.shape, bool(abs(sums[-1] - 240.0) < 4 * variances[-1] ** 0.5)
     ((100,), True)
@@ -539,8 +572,8 @@ def window_alarms(release: Release, *, window: int, threshold: float) -> np.ndar
     --------
     >>> import numpy as np, dpsql
     >>> counts = np.r_[np.zeros(50), np.full(50, 40.0)]
-    >>> with dpsql.testing.seeded(4):
-    ...     rel = dpsql.pegasus(counts, epsilon=1.0)
+    >>> with dpsql.testing.seeded(4) as keys:
+    ...     rel = dpsql.methods.run("pegasus", counts, noise=keys, epsilon=1.0)
     >>> alarms = window_alarms(rel, window=5, threshold=100.0)
     >>> bool(alarms[:45].any()), bool(alarms[60:].all())
     (False, True)

@@ -20,7 +20,7 @@ from dpsql import _validate
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_threshold
 from dpsql.mechanisms.smooth_sensitivity import check_pak_threshold, pak_threshold
-from dpsql.noise import NoiseSource
+from dpsql.noise import Draws, Lane
 from dpsql.release import ErrorModel, StreamMachine
 
 ESTIMATORS = ("nm", "pak")
@@ -47,20 +47,22 @@ class ThresholdRelease(StreamMachine):
     Examples
     --------
     >>> import numpy as np, dpsql
-    >>> with dpsql.testing.seeded(0) as source:
-    ...     machine = ThresholdRelease(1000, epsilon=5.0, upper=100.0, r=4096, epsilon_perturber=0.1, noise=source)
+    >>> with dpsql.testing.seeded(0) as keys:
+    ...     machine = ThresholdRelease(1000, epsilon=5.0, upper=100.0, r=4096, epsilon_perturber=0.1,
+    ...                                noise=keys.partition())
     ...     _ = machine.feed(np.full(1000, 7.0))
     ...     float(machine.close()[0])
     7.0
     """
 
     n_outputs = 1
+    streamable = False
 
     def __init__(self, n: int, *, epsilon: float, upper: float, lower: float = 0.0, estimator: str = "nm",
                  delta: float | None = None, r: int | None = None, fanout: int | None = None, c: float | None = None,
                  step: float | None = None, levels_for_nm: str | None = None, epsilon_perturber: float | None = None,
                  tail_p: float | None = None, lam: float | None = None, beta_lt: float | None = None,
-                 rho: float | None = None, noise: NoiseSource):
+                 rho: float | None = None, noise: Draws):
         self.epsilon = _validate.epsilon(epsilon)
         self.lower, self.upper = _validate.bounds(lower, upper)
         self.estimator = _validate.choice(estimator, "method", ESTIMATORS)
@@ -109,9 +111,11 @@ class ThresholdRelease(StreamMachine):
         holdout = np.sort(np.clip(np.concatenate(self._held) - self.lower, 0.0, bound))
         self._held = []
         if self.estimator == "nm":
-            theta = nm_threshold(holdout, epsilon=self.epsilon, upper=bound, noise=self._noise, **self.options)
+            theta = nm_threshold(holdout, epsilon=self.epsilon, upper=bound, noise=self._noise.lane(Lane.NOISY_MAX),
+                                 **self.options)
         else:
-            theta = pak_threshold(holdout, epsilon=self.epsilon, upper=bound, noise=self._noise, **self.options)
+            theta = pak_threshold(holdout, epsilon=self.epsilon, upper=bound,
+                                  noise=self._noise.lane(Lane.SMOOTH_SENSITIVITY), **self.options)
         self.threshold = self.lower + theta
         return np.array([self.threshold])
 

@@ -1,0 +1,103 @@
+"""The method registry: every release algorithm by name, above the machines and below
+:mod:`dpsql.publish` and the front ends.
+
+A method is a :class:`~dpsql.release.StreamMachine` factory ``(n, *, noise, **params)``;
+:func:`machine_for` validates the parameters a caller passes (unknown or missing ones
+are refused, naming them) and builds the machine, drawing nothing. :func:`run` releases
+an array without any ledger (tests and benchmarks).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+from dpsql import _validate
+from dpsql.errors import InvalidParameter
+from dpsql.ldp.du import MACHINES as DU_MACHINES
+from dpsql.ldp.topl import PmDirectStream, ToplStream
+from dpsql.noise import Draws, Keystream
+from dpsql.release import Release, StreamMachine, chunks_of, release_from
+from dpsql.streams.binary_tree import BinaryTreeStream
+from dpsql.streams.laplace import LaplaceStream
+from dpsql.streams.pak import PakStream
+from dpsql.streams.pegasus import CountLaplaceStream, PegasusStream
+from dpsql.streams.threshold import ThresholdRelease
+from dpsql.streams.tops import HierarchyStream, ToPS
+
+#: name -> machine factory ``(n, *, noise, **params) -> StreamMachine``.
+METHODS: dict[str, Callable[..., StreamMachine]] = {
+    "laplace": LaplaceStream,
+    "binary_tree": BinaryTreeStream,
+    "pak": PakStream,
+    "hierarchy": HierarchyStream,
+    "tops": ToPS,
+    "threshold": ThresholdRelease,
+    "pegasus": PegasusStream,
+    "count_laplace": CountLaplaceStream,
+    "topl": ToplStream,
+    "pm_direct": PmDirectStream,
+    **DU_MACHINES,
+}
+
+#: Methods releasing counts of events per time bucket (the input is an event table's time column).
+COUNT_METHODS = ("pegasus", "count_laplace")
+
+
+@functools.cache
+def _parameters(factory: Callable[..., StreamMachine]):
+    # Cached: a partitioned release builds one machine per partition (thousands).
+    return inspect.signature(factory).parameters
+
+
+def parameter_names(method: str) -> list[str]:
+    """The parameters ``method`` accepts (besides ``n`` and ``noise``), sorted."""
+    check_method(method)
+    return sorted(set(_parameters(METHODS[method])) - {"n", "noise"})
+
+
+def check_method(method: str, *, per_row: bool = False, online: bool = False) -> None:
+    """Refuse an unknown method (:class:`InvalidParameter`) before anything runs; with
+    ``per_row``, also a method that does not release one value per row (a threshold), for
+    front ends that return one private value per input row; with ``online``, a method that
+    has no online form (for continual streams)."""
+    if method not in METHODS:
+        raise InvalidParameter(f"unknown method {method!r}; expected one of {', '.join(map(repr, sorted(METHODS)))}")
+    factory = METHODS[method]
+    outputs = getattr(factory, "n_outputs", None)
+    if per_row and outputs is not None:
+        raise InvalidParameter(f"method {method!r} releases {outputs} value(s) per stream, not one per row: release "
+                               "it with the front end's threshold function (dp_threshold, .dpsql.threshold)")
+    if online and not getattr(factory, "streamable", True):
+        raise InvalidParameter(f"method {method!r} has no online form: it needs all of its rows at once, so it "
+                               "cannot be a continual stream")
+
+
+def machine_for(method: str, n: int | None, noise: Draws, params: dict) -> StreamMachine:
+    """The validated state machine for ``method`` (``n`` rows, or None for a continual
+    stream), drawing from ``noise``; draws nothing yet."""
+    check_method(method)
+    factory = METHODS[method]
+    accepted = _parameters(factory)
+    params = dict(params)
+    if "delta" in params and "delta" not in accepted:
+        _validate.delta(params.pop("delta"), pure=True, method=method)
+    unknown = sorted(set(params) - set(accepted) - {"n", "noise"})
+    if unknown:
+        known = sorted(set(accepted) - {"n", "noise"})
+        raise InvalidParameter(f"unknown parameter(s) {', '.join(map(repr, unknown))} for method {method!r}; "
+                               f"expected {', '.join(map(repr, known))}")
+    missing = [name for name, p in accepted.items()
+               if p.kind is p.KEYWORD_ONLY and p.default is p.empty and name not in params and name != "noise"]
+    if missing:
+        raise InvalidParameter(f"missing required parameter(s) {', '.join(map(repr, missing))} for method {method!r}")
+    return factory(n, noise=noise, **params)
+
+
+def run(method: str, values, *, noise: Keystream, chunk: int = 1 << 20, **params) -> Release:
+    """Pure release of one unpartitioned stream: ``values`` through ``method`` with the
+    keystream ``noise``; charges nothing (tests and benchmarks)."""
+    data = _validate.values(values)
+    machine = machine_for(method, len(data), noise.partition(), params)
+    return release_from(machine, chunks_of(data, chunk), len(data), private=noise.private)
