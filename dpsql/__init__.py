@@ -6,8 +6,8 @@ into a DuckDB connection.
 """
 
 from dpsql import duckdb, ldp, polars, testing
-from dpsql.accountant import Budget
-from dpsql.api import binary_tree, hierarchy, laplace_stream, pak, threshold, tops
+from dpsql.api import binary_tree, hierarchy, laplace, pak, threshold, tops
+from dpsql.budget import Budget, use_budget
 from dpsql.counts import count_stream, pegasus
 from dpsql.duckdb import register
 from dpsql.errors import (
@@ -25,8 +25,8 @@ from dpsql.errors import (
     UnknownRelease,
     UnknownStream,
 )
-from dpsql.publish import PartitionedRelease, publish
-from dpsql.release import Release
+from dpsql.publishing import publish
+from dpsql.release import PartitionedRelease, Release
 
 __all__ = [
     "Budget",
@@ -49,7 +49,7 @@ __all__ = [
     "count_stream",
     "duckdb",
     "hierarchy",
-    "laplace_stream",
+    "laplace",
     "ldp",
     "pak",
     "pegasus",
@@ -59,4 +59,5 @@ __all__ = [
     "testing",
     "threshold",
     "tops",
+    "use_budget",
 ]

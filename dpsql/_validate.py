@@ -16,9 +16,17 @@ import pyarrow as pa
 from dpsql._memory import pooled_array
 from dpsql.errors import InvalidData, InvalidParameter
 
+#: The epsilons dpsql accepts. Below, no lattice can carry the noise (its scale would pass the
+#: sampler's 2**33 units for any sensitivity); above, e**epsilon overflows in local-DP
+#: randomisers and every mechanism is indistinguishable from publishing the data.
+EPSILON_RANGE = (1e-9, 100.0)
+#: The widest and narrowest public bounds (``upper - lower``): the power-of-two lattices
+#: under them stay normal floats, and every error model's variance stays finite.
+BOUND_RANGE = (1e-100, 1e100)
+
 
 def epsilon(value, name: str = "epsilon") -> float:
-    """A finite, strictly positive real number."""
+    """A finite real number in :data:`EPSILON_RANGE`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidParameter(f"{name} must be a real number, got {value!r}")
     value = float(value)
@@ -26,6 +34,11 @@ def epsilon(value, name: str = "epsilon") -> float:
         raise InvalidParameter(f"{name} must be finite, got {value!r}")
     if value <= 0:
         raise InvalidParameter(f"{name} must be > 0, got {value!r}")
+    low, high = EPSILON_RANGE
+    if not low <= value <= high:
+        raise InvalidParameter(f"{name} must be between {low:g} and {high:g}, got {value!r}: below, no noise "
+                               "scale dpsql can draw is wide enough; above, the release is not private in any "
+                               "useful sense")
     return value
 
 
@@ -74,11 +87,15 @@ def probability(value, name: str) -> float:
 
 
 def bounds(lower, upper) -> tuple[float, float]:
-    """Public clipping bounds with lower < upper, both finite."""
+    """Public clipping bounds with lower < upper, both finite, ``upper - lower`` in :data:`BOUND_RANGE`."""
     lower = real(lower, "lower")
     upper = real(upper, "upper")
     if not lower < upper:
         raise InvalidParameter(f"upper must be > lower, got lower={lower!r}, upper={upper!r}")
+    low, high = BOUND_RANGE
+    if not low <= upper - lower <= high:
+        raise InvalidParameter(f"upper - lower must be between {low:g} and {high:g}, got lower={lower!r}, "
+                               f"upper={upper!r}: rescale the data (a public unit change) first")
     return lower, upper
 
 
@@ -96,6 +113,10 @@ def holdout(m, n: int, *, default: int) -> int:
     if m >= n:
         raise InvalidParameter(f"m (hold-out length) must be < the number of values ({n}), got m={m}")
     return m
+
+
+#: The largest integer magnitude every float64 holds exactly.
+_EXACT_INTEGERS = 2**53
 
 
 def _joined(column: pa.ChunkedArray) -> np.ndarray:
@@ -149,6 +170,9 @@ def numeric(data, column: str = "values") -> np.ndarray:
                               "drop or impute them before a private release")
     if arr.dtype.kind not in "biuf" and arr.dtype != object:
         raise InvalidData(f"column {column!r} must be numeric, got dtype {arr.dtype}")
+    if arr.dtype.kind in "iu" and arr.size and max(int(arr.max()), -int(arr.min())) > _EXACT_INTEGERS:
+        raise InvalidData(f"column {column!r} holds integers beyond 2**53, which float64 arithmetic cannot hold "
+                          "exactly; rescale them (or subtract a public offset) first")
     try:
         arr = arr.astype(np.float64, copy=False)
     except (TypeError, ValueError):

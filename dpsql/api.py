@@ -1,18 +1,18 @@
 """Private releases of numpy arrays (and anything array-like), one function per method.
 
-Each function validates its arguments and calls :func:`dpsql.publish.publish`, the single
+Each function validates its arguments and calls :func:`dpsql.publishing.publish`, the single
 charging path; see :mod:`dpsql.methods` for the algorithms behind the names.
 """
 
 from __future__ import annotations
 
-from dpsql.accountant import Budget
-from dpsql.publish import publish
+from dpsql.budget import Budget
+from dpsql.publishing import publish
 from dpsql.release import Release
 
 
-def laplace_stream(values, *, epsilon: float, upper: float, lower: float = 0.0,
-                   budget: Budget | None = None, note: str | None = None) -> Release:
+def laplace(values, *, epsilon: float, upper: float, lower: float = 0.0, budget: Budget | None = None,
+            note: str | None = None, fresh: bool = False) -> Release:
     """Per-value Laplace baseline: every value clipped to ``[lower, upper]`` plus
     Laplace noise of scale ``(upper - lower) / epsilon``.
 
@@ -24,17 +24,18 @@ def laplace_stream(values, *, epsilon: float, upper: float, lower: float = 0.0,
     >>> import numpy as np, dpsql
     >>> budget = dpsql.Budget.in_memory(epsilon=1.0)
     >>> with dpsql.testing.seeded(0):
-    ...     rel = dpsql.laplace_stream(np.full(1000, 5.0), epsilon=0.5, upper=10.0, budget=budget)
+    ...     rel = dpsql.laplace(np.full(1000, 5.0), epsilon=0.5, upper=10.0, budget=budget)
     >>> budget.spent
     (0.5, 0.0)
     >>> abs(rel.range_sum(0, 1000) - 5000.0) < 4 * rel.range_variance(0, 1000) ** 0.5
     True
     """
-    return publish("laplace", values, budget=budget, note=note, epsilon=epsilon, upper=upper, lower=lower)
+    return publish("laplace", values, budget=budget, note=note, fresh=fresh, epsilon=epsilon, upper=upper,
+                   lower=lower)
 
 
 def binary_tree(values, *, epsilon: float, upper: float, lower: float = 0.0, horizon: int | None = None,
-                budget: Budget | None = None, note: str | None = None) -> Release:
+                budget: Budget | None = None, note: str | None = None, fresh: bool = False) -> Release:
     """Binary-tree continual counter (Dwork et al. 2010, Chan et al. 2011) for real values.
 
     With ``horizon=H``: ``L = ceil(log2 H)`` levels of dyadic nodes, each with Laplace noise
@@ -59,14 +60,15 @@ def binary_tree(values, *, epsilon: float, upper: float, lower: float = 0.0, hor
     >>> abs(rel.range_sum(0, 1024) - 5120.0) < 5 * rel.range_variance(0, 1024) ** 0.5
     True
     """
-    return publish("binary_tree", values, budget=budget, note=note, epsilon=epsilon, upper=upper, lower=lower,
+    return publish("binary_tree", values, budget=budget, note=note, fresh=fresh, epsilon=epsilon, upper=upper,
+                   lower=lower,
                    horizon=horizon)
 
 
 def pak(values, *, epsilon: float, upper: float, delta: float | None = None, lower: float = 0.0,
         m: int | None = None, holdout_share: float = 0.15, tail_p: float = 0.005, lam: float = 0.85,
         beta_lt: float = 0.006, rho: float = 1.0, horizon: int | None = None, threshold: float | None = None,
-        budget: Budget | None = None, note: str | None = None) -> Release:
+        budget: Budget | None = None, note: str | None = None, fresh: bool = False) -> Release:
     """PAK (Perrier, Asghar, Kaafar, NDSS 2019): a private threshold from the first ``m``
     rows by smooth sensitivity, then the binary-tree counter clipped at that threshold.
 
@@ -95,7 +97,8 @@ def pak(values, *, epsilon: float, upper: float, delta: float | None = None, low
     >>> budget.spent == (1.0, 1 / 200_000**2), 19.0 <= rel.threshold < 70.0
     (True, True)
     """
-    return publish("pak", values, budget=budget, note=note, epsilon=epsilon, upper=upper, delta=delta, lower=lower,
+    return publish("pak", values, budget=budget, note=note, fresh=fresh, epsilon=epsilon, upper=upper, delta=delta,
+                   lower=lower,
                    m=m, holdout_share=holdout_share, tail_p=tail_p, lam=lam, beta_lt=beta_lt, rho=rho,
                    horizon=horizon, threshold=threshold)
 
@@ -103,7 +106,8 @@ def pak(values, *, epsilon: float, upper: float, delta: float | None = None, low
 def tops(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | None = None, r: int | None = None,
          fanout: int = 16, smoother: str = "recent", window: int = 8, alpha: float = 0.6,
          holdout_share: float = 0.15, c: float = 60.0, step: float | None = None, levels_for_nm: str = "paper",
-         threshold: float | None = None, budget: Budget | None = None, note: str | None = None) -> Release:
+         threshold: float | None = None, budget: Budget | None = None, note: str | None = None,
+         fresh: bool = False) -> Release:
     """ToPS (Wang et al., CCS 2021): a Noisy-Max threshold from the first ``m`` rows, then an
     online consistent fanout-16 hierarchy over blocks clipped at that threshold, then a smoother.
 
@@ -137,14 +141,16 @@ def tops(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | N
     >>> bool(low <= values[100_000:200_000].sum() <= high)
     True
     """
-    return publish("tops", values, budget=budget, note=note, epsilon=epsilon, upper=upper, lower=lower, m=m, r=r,
+    return publish("tops", values, budget=budget, note=note, fresh=fresh, epsilon=epsilon, upper=upper, lower=lower,
+                   m=m, r=r,
                    fanout=fanout, smoother=smoother, window=window, alpha=alpha, holdout_share=holdout_share, c=c,
                    step=step, levels_for_nm=levels_for_nm, threshold=threshold)
 
 
 def hierarchy(values, *, epsilon: float, upper: float, lower: float = 0.0, r: int | None = None, fanout: int = 16,
               consistency: bool = True, smoother: str = "recent", window: int = 8, alpha: float = 0.6,
-              depth: int | None = None, budget: Budget | None = None, note: str | None = None) -> Release:
+              depth: int | None = None, budget: Budget | None = None, note: str | None = None,
+              fresh: bool = False) -> Release:
     """The ToPS perturber and smoother with a known public bound (the paper's ``H^c_16``).
 
     Values are clipped to ``[lower, upper]``. Per chunk of ``r`` rows (default
@@ -168,13 +174,14 @@ def hierarchy(values, *, epsilon: float, upper: float, lower: float = 0.0, r: in
     >>> bool(abs(rel.range_sum(0, 2**16) - 3.0 * 2**16) < 5 * rel.range_variance(0, 2**16) ** 0.5)
     True
     """
-    return publish("hierarchy", values, budget=budget, note=note, epsilon=epsilon, upper=upper, lower=lower, r=r,
+    return publish("hierarchy", values, budget=budget, note=note, fresh=fresh, epsilon=epsilon, upper=upper,
+                   lower=lower, r=r,
                    fanout=fanout, consistency=consistency, smoother=smoother, window=window, alpha=alpha,
                    depth=depth)
 
 
 def threshold(values, *, epsilon: float, upper: float, lower: float = 0.0, method: str = "nm",
-              budget: Budget | None = None, note: str | None = None, **params) -> Release:
+              budget: Budget | None = None, note: str | None = None, fresh: bool = False, **params) -> Release:
     """A private clipping threshold for ``values`` in ``[lower, upper]``, released on its own.
 
     ``method="nm"``: the ToPS Noisy-Max optimizer, ``epsilon``-DP; options ``r`` (the query
@@ -198,5 +205,5 @@ def threshold(values, *, epsilon: float, upper: float, lower: float = 0.0, metho
     >>> rel.threshold, len(rel), budget.spent
     (20.0, 1, (0.5, 0.0))
     """
-    return publish("threshold", values, budget=budget, note=note, epsilon=epsilon, upper=upper, lower=lower,
-                   estimator=method, **params)
+    return publish("threshold", values, budget=budget, note=note, fresh=fresh, epsilon=epsilon, upper=upper,
+                   lower=lower, estimator=method, **params)

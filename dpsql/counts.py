@@ -38,10 +38,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpsql import _validate
-from dpsql.accountant import Budget
+from dpsql.budget import Budget
 from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
-from dpsql.publish import PartitionedRelease, publish
-from dpsql.release import Release
+from dpsql.publishing import publish
+from dpsql.release import PartitionedRelease, Release
 from dpsql.streams.pegasus import DEFAULT_GROUPER_SHARE, largest_share, window_sums
 
 #: Front-end method names -> registered machines.

@@ -3,18 +3,20 @@
 A :class:`Release` holds the private values (one per input row, input order), the
 privacy cost, the public parameters actually used, and an :class:`ErrorModel` from
 which error bars of any range sum follow. Releases are built by pure functions that
-never touch a ledger; :func:`dpsql.publish.publish` charges for them.
+never touch a ledger; :func:`dpsql.publishing.publish` charges for them.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from statistics import NormalDist
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -32,15 +34,72 @@ class ErrorModel(ABC):
     The variance is that of the *noise only*. Clipping to the public bounds or to a
     private threshold, and block smoothing, add a data-dependent bias that no error
     bar drawn from the release can know; :meth:`Release.range_ci` says so.
+
+    An error model is public (its arguments are public parameters and functions of
+    released values) and is recorded in the ledger with its release: every subclass's
+    constructor arguments are remembered, and :meth:`to_state` / :meth:`from_state` turn the
+    model into plain data and back (only registered subclasses, only plain data: reading a
+    ledger never runs code).
     """
 
     #: An upper bound on the excess kurtosis of the noise of any range sum. Any
     #: weighted sum of i.i.d. Laplace variables has excess kurtosis <= 3.
     excess_kurtosis: float = 3.0
+    _registry: ClassVar[dict[str, type[ErrorModel]]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        ErrorModel._registry[cls.__name__] = cls
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+        signature = inspect.signature(init)
+
+        @functools.wraps(init)
+        def remembering(self, *args, **kw):
+            if "_arguments" not in self.__dict__:  # the outermost constructor's arguments
+                bound = signature.bind(self, *args, **kw)
+                bound.apply_defaults()
+                self._arguments = dict(list(bound.arguments.items())[1:])
+            init(self, *args, **kw)
+
+        cls.__init__ = remembering
 
     @abstractmethod
     def range_variance(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
         """Noise variance of ``values[start:stop].sum()`` for each pair (int64 arrays)."""
+
+    def to_state(self) -> dict:
+        """This model as plain data (see :meth:`from_state`)."""
+        return {"kind": type(self).__name__, "arguments": _plain(self.__dict__.get("_arguments", {}))}
+
+    @staticmethod
+    def from_state(state: dict) -> ErrorModel:
+        """The model :meth:`to_state` described."""
+        kind = ErrorModel._registry.get(state.get("kind"))
+        if kind is None:
+            raise InvalidParameter(f"unknown error model {state.get('kind')!r} in a release record")
+        return kind(**_models(state["arguments"]))
+
+
+def _plain(value):
+    if isinstance(value, ErrorModel):
+        return {"error_model": value.to_state()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _models(value):
+    if isinstance(value, dict):
+        if set(value) == {"error_model"}:
+            return ErrorModel.from_state(value["error_model"])
+        return {k: _models(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_models(v) for v in value]
+    return value
 
 
 class IndependentNoise(ErrorModel):
@@ -134,7 +193,10 @@ class Release:
     reports :
         Raw local-DP reports, for local-DP methods.
     release_id :
-        The ledger's id for this release, once charged.
+        The ledger's id (a UUID) for this release, once charged; the ledger keeps its public
+        description and error model (:meth:`dpsql.Budget.release`, :meth:`from_arrow`).
+    first_handle :
+        The ledger-wide row handle of the first value (``dp_row`` in SQL), once charged.
     """
 
     values: np.ndarray
@@ -150,6 +212,7 @@ class Release:
     components: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     reports: np.ndarray | None = None
     release_id: str | None = None
+    first_handle: int | None = None
 
     def __len__(self) -> int:
         return len(self.values)
@@ -193,8 +256,8 @@ class Release:
             return float(low), float(high)
         return low, high
 
-    def with_id(self, release_id: str) -> Release:
-        return replace(self, release_id=release_id)
+    def with_id(self, release_id: str, first_handle: int | None = None) -> Release:
+        return replace(self, release_id=release_id, first_handle=first_handle)
 
     def to_polars(self):
         """A Polars DataFrame: ``row`` (input position) and ``value``."""
@@ -203,21 +266,94 @@ class Release:
         return pl.DataFrame({"row": np.arange(len(self.values)), "value": self.values})
 
     def to_arrow(self):
-        """A pyarrow Table with the same columns; the cost and method travel in its metadata."""
+        """A pyarrow Table with the same columns; the cost, method and ``release_id`` travel in
+        its metadata, so :meth:`from_arrow` restores the error bars from the ledger (after a
+        round trip through Parquet, say)."""
         import pyarrow as pa
 
         table = pa.table({"row": np.arange(len(self.values)), "value": self.values})
-        meta = {"dpsql": json.dumps({"method": self.method, "epsilon": self.epsilon, "delta": self.delta,
-                                     "threshold": self.threshold, "private": self.private,
-                                     "release_id": self.release_id, "neighbour": self.neighbour,
-                                     "notion": self.notion}, default=str)}
-        return table.replace_schema_metadata(meta)
+        return table.replace_schema_metadata(_arrow_metadata(self))
+
+    @staticmethod
+    def from_arrow(table, *, budget) -> Release | PartitionedRelease:
+        """The release a :meth:`to_arrow` table holds, its error model read from ``budget``'s
+        ledger by the table's ``release_id`` (:class:`~dpsql.UnknownRelease` if that ledger
+        does not record it). The values are the table's; nothing is charged."""
+        from dpsql.records import restored
+
+        meta = _metadata_of(table)
+        record = budget.release(meta["release_id"])
+        values = np.asarray(table.column("value").to_numpy(), dtype=np.float64)
+        return restored(record, values)
 
     def __repr__(self) -> str:
         thr = "" if self.threshold is None else f", threshold={self.threshold:.6g}"
         priv = "" if self.private else ", private=False"
         return (f"Release({self.method}, n={len(self.values)}, epsilon={self.epsilon:g}, "
                 f"delta={self.delta:g}{thr}{priv})")
+
+
+@dataclass(frozen=True, eq=False)
+class PartitionedRelease:
+    """One release over disjoint partitions (parallel composition: charged once, at the max).
+
+    ``values`` are all partitions' values, concatenated in partition order;
+    ``offsets[k]:offsets[k+1]`` are partition ``k``'s rows, ``keys[k]`` its key and ``parts[k]``
+    its :class:`Release` (error bars within a partition come from there; each is made when
+    first looked at, see :class:`Parts`).
+    """
+
+    values: np.ndarray
+    offsets: np.ndarray
+    parts: Sequence[Release]
+    method: str
+    epsilon: float
+    delta: float
+    private: bool
+    release_id: str | None
+    keys: Sequence | None = None
+    first_handle: int | None = None
+
+    def part(self, k: int) -> Release:
+        return self.parts[k]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def to_arrow(self):
+        """A pyarrow Table: ``partition`` (the partition's position), ``row`` (within it) and
+        ``value``, with the release's ``release_id`` in its metadata (see :meth:`Release.to_arrow`)."""
+        import pyarrow as pa
+
+        lengths = np.diff(self.offsets)
+        partition = np.repeat(np.arange(len(lengths)), lengths)
+        row = np.arange(len(self.values)) - np.repeat(self.offsets[:-1], lengths)
+        table = pa.table({"partition": partition, "row": row, "value": self.values})
+        return table.replace_schema_metadata(_arrow_metadata(self))
+
+    def __repr__(self) -> str:
+        return (f"PartitionedRelease({self.method}, partitions={len(self.parts)}, n={len(self.values)}, "
+                f"epsilon={self.epsilon:g}, delta={self.delta:g})")
+
+
+def _arrow_metadata(release: Release | PartitionedRelease) -> dict:
+    facts = {"method": release.method, "epsilon": release.epsilon, "delta": release.delta,
+             "private": release.private, "release_id": release.release_id}
+    if isinstance(release, Release):
+        facts.update(threshold=release.threshold, neighbour=release.neighbour, notion=release.notion)
+    return {"dpsql": json.dumps(facts, default=str)}
+
+
+def _metadata_of(table) -> dict:
+    raw = (table.schema.metadata or {}).get(b"dpsql")
+    if raw is None:
+        raise InvalidParameter("this table carries no dpsql release metadata (make it with Release.to_arrow and "
+                               "keep its schema metadata, as Parquet does)")
+    meta = json.loads(raw)
+    if not meta.get("release_id"):
+        raise InvalidParameter("this release was never charged to a ledger (no release_id): its error model was "
+                               "not recorded")
+    return meta
 
 
 class StreamMachine(ABC):
@@ -407,16 +543,19 @@ class Parts(Sequence):
     Pickled as a tuple of its releases (the machines it describes from hold a noise source)."""
 
     def __init__(self, descriptions: Descriptions, values: Sequence[np.ndarray], *, private: bool,
-                 release_id: str | None = None):
+                 release_id: str | None = None, first_handles: Sequence[int] | None = None):
         self.descriptions = descriptions
         self._values = values
         self._private = private
         self._release_id = release_id
+        self._first_handles = first_handles
         self._made: list[Release | None] = [None] * len(values)
 
-    def with_id(self, release_id: str) -> Parts:
-        """The same partitions, each given the ledger id ``release_id``."""
-        return Parts(self.descriptions, self._values, private=self._private, release_id=release_id)
+    def with_id(self, release_id: str, first_handle: int, offsets: np.ndarray) -> Parts:
+        """The same partitions, each given the ledger id ``release_id`` and its first row handle
+        (the release's ``first_handle`` plus the partition's offset)."""
+        return Parts(self.descriptions, self._values, private=self._private, release_id=release_id,
+                     first_handles=[first_handle + int(a) for a in offsets[:-1]])
 
     @property
     def errors(self) -> ErrorModels:
@@ -432,6 +571,7 @@ class Parts(Sequence):
         release = self._made[k]
         if release is None:
             release = Release(values=self._values[k], private=self._private, release_id=self._release_id,
+                              first_handle=None if self._first_handles is None else self._first_handles[k],
                               **self.descriptions[k])
             self._made[k] = release
         return release

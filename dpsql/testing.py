@@ -2,9 +2,9 @@
 
 >>> import numpy as np, dpsql
 >>> with dpsql.testing.seeded(7):
-...     a = dpsql.laplace_stream(np.ones(4), epsilon=1.0, upper=2.0)
+...     a = dpsql.laplace(np.ones(4), epsilon=1.0, upper=2.0)
 >>> with dpsql.testing.seeded(7):
-...     b = dpsql.laplace_stream(np.ones(4), epsilon=1.0, upper=2.0)
+...     b = dpsql.laplace(np.ones(4), epsilon=1.0, upper=2.0)
 >>> bool((a.values == b.values).all()), a.private
 (True, False)
 """

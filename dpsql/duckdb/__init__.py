@@ -47,7 +47,7 @@ import contextlib
 
 import duckdb
 
-from dpsql.accountant import Budget
+from dpsql.budget import Budget
 from dpsql.duckdb import _machinery, counts, ldp, range_sum
 from dpsql.errors import InvalidParameter
 
@@ -63,7 +63,7 @@ def register(con: duckdb.DuckDBPyConnection, *, budget: Budget) -> None:
     first query. See :mod:`dpsql.duckdb.range_sum` for the functions.
 
     Accounting rules. Every execution of a query runs each dpsql macro call in it once:
-    one release, charged once to ``budget`` through :func:`dpsql.publish.publish` before
+    one release, charged once to ``budget`` through :func:`dpsql.publishing.publish` before
     any value reaches the query. Two macro calls in one query (or one query executed
     twice) are two releases, charged twice; noise is never shared between rows or
     calls (the UDFs are registered with ``side_effects=True``). A call that fails

@@ -20,27 +20,27 @@ all driven by one table macro::
    release run: it reads the source through a second connection (``con.cursor()``) as
    Arrow, puts the rows in stream order and validates the order and partition keys
    (:func:`release_ordered`: integer-like keys in numpy, others with DuckDB's ``ORDER
-   BY``), and calls :func:`dpsql.publish.publish` (the single charging path) with the
+   BY``), and calls :func:`dpsql.publishing.publish` (the single charging path) with the
    budget bound to the connection.
 3. **Return.** The slot's stream is the key columns in stream order, the private values and
    the row handles: DuckDB scans them like any Arrow object, no copy through lists
-   or UDF results. Every execution of the query asks for a new stream, so each is a
-   new release; DuckDB never caches a registered source between executions.
+   or UDF results. Every execution of the query asks for a new stream: an identical
+   one (same call, same data) is answered from the ledger's record of the first, free
+   (the answer cache of :func:`dpsql.publishing.publish`); DuckDB itself never caches a
+   registered source between executions.
 
 Row handles. Every output column costs its full length in DuckDB and in the Arrow
-export, so a stream release adds a single column for error bars: ``dp_row``, a
-*connection-wide row handle*. Each release takes the next contiguous block of
-handles from its :class:`Context`, numbered in output order (partition, then order
-key), so a partition owns a contiguous range and consecutive rows of a stream have
-consecutive handles. A connection's first handle is a random multiple of 2^32 below
-2^62, so handles saved from another connection are refused, not misread. The handle
-alone finds the release, the partition and the row within it (:class:`RowIndex`);
-the context keeps the error models of its last :data:`KEEP_ERROR_MODELS` releases.
+export, so a stream release adds a single column for error bars: ``dp_row``, the
+*ledger-wide row handle* the charge allocated to the row (:mod:`dpsql.handles`), numbered
+in output order (partition, then order key), so a partition owns a contiguous range and
+consecutive rows of a stream have consecutive handles. The handle alone finds the release,
+the partition and the row within it, through the ledger: from any connection registered
+with a budget of that ledger, in any process.
 
 Consequences, documented in the user-facing docstrings:
 
-* Each execution of a query is one release, charged once; two macro calls in one
-  query are two releases, charged twice (a common table expression that DuckDB reads
+* Each execution of a query is one release (charged once, or free when identical to an
+  earlier one); two macro calls in one query are two releases (a common table expression that DuckDB reads
   twice scans its slot once: one release). One query may hold up to
   :data:`RESULT_SLOTS` dpsql macro calls (a further call would share the first one's
   slot: not detected, because binding gives no statement boundary to count from).
@@ -62,10 +62,8 @@ import functools
 import inspect
 import itertools
 import json
-import os
-import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import duckdb
@@ -73,12 +71,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dpsql import _validate, methods, publish
+from dpsql import _validate, methods
 from dpsql._memory import count_into, pooled_array
-from dpsql.accountant import Budget
+from dpsql.budget import Budget
 from dpsql.errors import DPError, InvalidData, InvalidParameter, InvalidTimeKey
+from dpsql.handles import HandleResolver
 from dpsql.ordering import duplicate_time_message, order_integer_keys, where_in_partition
-from dpsql.release import ErrorModel, Release
+from dpsql.publishing import publish
+from dpsql.release import PartitionedRelease, Release
 
 NUMERIC_TYPES = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER",
                  "UBIGINT", "UHUGEINT", "FLOAT", "DOUBLE", "DECIMAL")
@@ -87,8 +87,6 @@ NUMERIC_TYPES = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYIN
 BATCH_ROWS = 1 << 20
 #: Rows per batch of a result stream handed to DuckDB.
 SCAN_BATCH_ROWS = 1 << 16
-#: How many releases' error models a connection keeps (bounded memory).
-KEEP_ERROR_MODELS = 32
 #: Result sources registered per connection (``dp__result_0`` ...): the most dpsql macro
 #: calls one query can hold. Binding a query assigns its calls consecutive slots, and the
 #: connection binds nothing else before it runs, so no slot is reassigned in between.
@@ -148,132 +146,21 @@ class Plan:
     numpy_order: bool = False
 
 
-@dataclass(frozen=True)
-class HeldRelease:
-    """What error bars need of one release: its ledger id, its block of row handles
-    (partition ``k`` is ``first_row + offsets[k] .. first_row + offsets[k + 1] - 1``)
-    and its partitions' :class:`ErrorModel` (described when error bars first ask)."""
-
-    release_id: str
-    first_row: int
-    offsets: np.ndarray
-    errors: Sequence[ErrorModel]
-
-
-@dataclass(frozen=True)
-class RowIndex:
-    """The partitions of the held releases in handle order, for mapping row handles to
-    (release, partition, local row) with :func:`numpy.searchsorted`. Rebuilt whenever
-    a release is remembered or forgotten, and replaced as a whole, so a UDF call reads
-    one consistent snapshot."""
-
-    starts: np.ndarray
-    stops: np.ndarray
-    releases: tuple[HeldRelease, ...]
-    release_of: np.ndarray
-    part_of: np.ndarray
-    first: int
-    issued: int
-
-    @classmethod
-    def of(cls, held: Iterable[HeldRelease], first: int, issued: int) -> RowIndex:
-        held = tuple(held)
-        empty = np.zeros(0, dtype=np.int64)
-        return cls(starts=np.concatenate([empty, *(r.first_row + r.offsets[:-1] for r in held)]),
-                   stops=np.concatenate([empty, *(r.first_row + r.offsets[1:] for r in held)]),
-                   releases=held,
-                   release_of=np.repeat(np.arange(len(held)), [len(r.errors) for r in held]),
-                   part_of=np.concatenate([empty, *(np.arange(len(r.errors)) for r in held)]),
-                   first=first, issued=issued)
-
-    def model(self, p: int) -> ErrorModel:
-        """The error model of held partition ``p`` (an index into :attr:`starts`)."""
-        return self.releases[self.release_of[p]].errors[self.part_of[p]]
-
-    def partitions(self, rows: np.ndarray) -> np.ndarray:
-        """Index (into :attr:`starts`) of the held partition owning each handle; refuses
-        handles never issued and handles of releases no longer held."""
-        never = (rows < self.first) | (rows >= self.issued)
-        if never.any():
-            raise InvalidParameter(f"dp_row {rows[never][0]} was never issued by this connection: pass the "
-                                   "dp_row column of a release made on this connection")
-        part = np.searchsorted(self.starts, rows, side="right") - 1
-        forgotten = part < 0
-        if forgotten.any():
-            raise InvalidParameter(f"dp_row {rows[forgotten][0]} belongs to a release that is not held by this "
-                                   f"connection: error bars are available for its last {KEEP_ERROR_MODELS} "
-                                   "releases")
-        return part
-
-    def ranges(self, starts: np.ndarray, stops: np.ndarray) -> Iterator[tuple[np.ndarray, ErrorModel,
-                                                                               np.ndarray, np.ndarray]]:
-        """Group the handle ranges ``[start, stop)`` by partition: yields ``(positions,
-        model, i, j)`` with ``i, j`` the rows within the partition. Every range must be
-        non-empty and lie within one partition of one release."""
-        if not len(starts):
-            return
-        backwards = starts >= stops
-        if backwards.any():
-            k = int(np.flatnonzero(backwards)[0])
-            raise InvalidParameter(f"a row range needs start_row < stop_row (dp_row handles, stop_row "
-                                   f"excluded), got start_row={starts[k]}, stop_row={stops[k]}")
-        part = self.partitions(starts)
-        beyond = stops > self.stops[part]
-        if beyond.any():
-            k = int(np.flatnonzero(beyond)[0])
-            release = self.releases[self.release_of[part[k]]]
-            if stops[k] > self.issued:
-                what = f"rows past the last dp_row issued by this connection ({self.issued - 1})"
-            elif stops[k] > release.first_row + release.offsets[-1]:
-                what = "two releases"
-            else:
-                what = f"two partitions of release {release.release_id}"
-            raise InvalidParameter(f"rows start_row={starts[k]} .. stop_row={stops[k]} span {what}: a range must "
-                                   "stay within one partition's stream (PARTITION BY the partition key)")
-        order = np.argsort(part, kind="stable")
-        bounds = np.flatnonzero(np.diff(part[order])) + 1
-        for positions in np.split(order, bounds):
-            p = part[positions[0]]
-            yield positions, self.model(p), starts[positions] - self.starts[p], stops[positions] - self.starts[p]
-
-
 class Context:
     """What one connection's dpsql functions share: the bound budget, the result slots,
-    the row-handle counter and the held releases' error models (:attr:`row_index`), and
-    recent typed errors."""
+    the row-handle resolver (through the budget's ledger) and recent typed errors."""
 
     def __init__(self, con: duckdb.DuckDBPyConnection, budget: Budget):
         self.con = con
-        self.budget = budget
         self.slots = [ResultSlot(f"dp__result_{i}") for i in range(RESULT_SLOTS)]
         self._next_slot = itertools.cycle(self.slots)
         self.recent_errors: _Bounded = _Bounded(32)
-        self._held: _Bounded = _Bounded(KEEP_ERROR_MODELS)
-        # Handles start at a random multiple of 2^32 below 2^62, so that the dp_row of a
-        # table saved from another connection (or an earlier session) is refused as "never
-        # issued" instead of being mistaken for a release of this one.
-        self._first_row = (int.from_bytes(os.urandom(8), 'big') >> 34) << 32
-        self._rows_issued = self._first_row
-        self.row_index = RowIndex.of((), self._first_row, self._first_row)
-        self._lock = threading.Lock()
-        self._counter = itertools.count(1)
+        self.bind(budget)
 
-    def next_id(self) -> int:
-        with self._lock:
-            return next(self._counter)
-
-    def remember_release(self, release) -> int:
-        """Give ``release`` the next block of row handles and keep its error models
-        (forgetting the oldest release beyond :data:`KEEP_ERROR_MODELS`); returns the
-        block's first handle."""
-        offsets = release_offsets(release)
-        errors = release.parts.errors if isinstance(release, publish.PartitionedRelease) else (release.error,)
-        with self._lock:
-            first_row = self._rows_issued
-            self._rows_issued += int(offsets[-1])
-            self._held[first_row] = HeldRelease(release.release_id, first_row, offsets, errors)
-            self.row_index = RowIndex.of(self._held.values(), self._first_row, self._rows_issued)
-        return first_row
+    def bind(self, budget: Budget) -> None:
+        """Charge ``budget`` from now on, and resolve row handles through its ledger."""
+        self.budget = budget
+        self.handles = HandleResolver(budget)
 
     # -- registering functions ---------------------------------------------------------
 
@@ -456,9 +343,9 @@ def arrow_fields(context: Context, source: Source, names: Iterable[str]) -> list
 # -- execution time ----------------------------------------------------------------------
 
 def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedArray | pa.Array],
-                                                          Release | publish.PartitionedRelease]:
+                                                          Release | PartitionedRelease]:
     """Read ``plan.source``, put its rows in stream order (partition, then order key) and
-    release the values with :func:`dpsql.publish.publish` (the one charge of the release);
+    release the values with :func:`dpsql.publishing.publish` (the one charge of the release);
     returns the key columns in that order and the release.
 
     Integer-like order keys (integers, dates, timestamps, times) with no partition key or an
@@ -488,12 +375,14 @@ def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedA
     finally:
         cur.close()
     keys, values, offsets = ordered
+    params = dict(plan.params)
+    fresh = bool(params.pop("fresh", False))
     partition_keys = None
     if offsets is not None:
         partition_keys = pa.chunked_array(keys[plan.partition_by]).take(pa.array(offsets[:-1])).to_pylist()
-    return keys, publish.publish(plan.method, values, budget=context.budget, column=plan.value_col,
-                                 partition_offsets=offsets, partition_keys=partition_keys, note=plan.note,
-                                 **plan.params)
+    return keys, publish(plan.method, values, budget=context.budget, column=plan.value_col,
+                                 partition_offsets=offsets, partition_keys=partition_keys,
+                                 order_keys=list(keys.values()), fresh=fresh, note=plan.note, **params)
 
 
 def orders_in_numpy(order_type: str, partition_type: str | None) -> bool:
@@ -669,18 +558,17 @@ class _KeyChecker:
 
 def release_offsets(release) -> np.ndarray:
     """Row offsets of a release's partitions (``[0, n]`` for one stream)."""
-    if isinstance(release, publish.PartitionedRelease):
+    if isinstance(release, PartitionedRelease):
         return np.asarray(release.offsets, dtype=np.int64)
     return np.array([0, len(release)], dtype=np.int64)
 
 
-def row_handles(context: Context, release) -> pa.Array:
-    """The ``dp_row`` column of ``release``: its block of row handles, one per row in
-    output order (partition, then order key); its error models are kept for error bars."""
-    first_row = context.remember_release(release)
+def row_handles(release) -> pa.Array:
+    """The ``dp_row`` column of ``release``: its block of ledger row handles, one per row in
+    output order (partition, then order key), which error bars resolve through the ledger."""
     # from Arrow's memory pool, which keeps freed blocks for the next release (a fresh numpy
     # array would be faulted in again, page by page, at every release)
-    return _as_arrow(count_into(pooled_array(len(release), np.int64), first_row), pa.int64())
+    return _as_arrow(count_into(pooled_array(len(release), np.int64), release.first_handle), pa.int64())
 
 
 def typed_error(error: BaseException) -> BaseException:
@@ -710,7 +598,7 @@ def context_for(con: duckdb.DuckDBPyConnection, budget: Budget) -> Context:
     """The connection's context, created or rebound to ``budget``."""
     existing = _CONTEXTS.get(id(con))
     if existing is not None and existing.con is con:
-        existing.budget = budget
+        existing.bind(budget)
         return existing
     context = Context(con, budget)
     _CONTEXTS[id(con)] = context
@@ -719,8 +607,9 @@ def context_for(con: duckdb.DuckDBPyConnection, budget: Budget) -> Context:
 
 # -- the generic one-value-per-row stream macro --------------------------------------------
 
-#: Core parameter names every stream macro accepts, whatever is registered yet.
-CORE_PARAMETERS = ("epsilon", "delta", "upper", "lower", "m", "r", "fanout", "smoother", "holdout_share")
+#: Core parameter names every stream macro accepts, whatever is registered yet; ``fresh``
+#: asks for a new, charged release even when an identical one's answer is recorded.
+CORE_PARAMETERS = ("epsilon", "delta", "upper", "lower", "m", "r", "fanout", "smoother", "holdout_share", "fresh")
 #: The one column a stream macro adds to the keys and the private value: the row handle.
 ROW_COLUMN = "dp_row"
 #: The ledger id column of one-row results (``dp_threshold``).
@@ -730,8 +619,6 @@ RELEASE_COLUMN = "release_id"
 def method_parameters(exclude: Iterable[str] = ()) -> list[str]:
     """Parameter names of every registered method (plus :data:`CORE_PARAMETERS`), in a
     stable order: the named macro parameters passed through to publish unchanged."""
-    from dpsql import streams  # noqa: F401  (registers the methods)
-
     names = dict.fromkeys(CORE_PARAMETERS)
     for factory in methods.METHODS.values():
         for parameter in inspect.signature(factory).parameters.values():
@@ -751,7 +638,7 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
     """Install table macro ``macro(tbl, order_col, value_col, method := default_method,
     partition_by := NULL, <every method parameter> := NULL)``.
 
-    It releases one private value per row with ``dpsql.publish.publish(method, ...)``
+    It releases one private value per row with ``dpsql.publishing.publish(method, ...)``
     (NULL parameters are left to the core's defaults) and returns the partition key (if
     any), the order key, the private value under the value column's name and ``dp_row``
     (the connection-wide row handle that error bars and ``dp_release_id`` take): rows
@@ -793,7 +680,7 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
 
     def run(stream: Plan, schema: pa.Schema) -> pa.Table:
         keys, release = release_ordered(context, stream)
-        columns = [*keys.values(), pa.array(release.values), row_handles(context, release)]
+        columns = [*keys.values(), pa.array(release.values), row_handles(release)]
         if extra_outputs:
             computed = extra_outputs[1](release)
             columns += [computed[name] for name in extra_names]

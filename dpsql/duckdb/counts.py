@@ -12,7 +12,7 @@ Table macro. Counts the events (rows) of table, view, file or data-frame variabl
 domain ``[start, stop)`` (required: never read from the data; the last bucket may be
 shorter) and releases every count stream with PeGaSus (``method := 'pegasus'``) or
 per-bucket Laplace (``'laplace'``) through :func:`dpsql.counts.release_event_counts`:
-one call of :func:`dpsql.publish.publish`, one charge. Empty buckets are released; events
+one call of :func:`dpsql.publishing.publish`, one charge. Empty buckets are released; events
 outside the domain are dropped and counted nowhere. ``every`` must have a fixed length
 (an INTERVAL without months or years, or text such as ``'5m'``, ``'1h30m'``);
 ``time_col`` may be TIMESTAMP (any precision, with or without time zone: buckets are
@@ -135,7 +135,7 @@ def install(con, context: Context) -> None:
         # The core's per-stream bucket and stream indices give way to row handles: its
         # rows are in the release's order (stream, then bucket).
         del columns[PART]
-        columns[ROW] = row_handles(context, result.release)
+        columns[ROW] = row_handles(result.release)
         columns[count_plan.time_col] = _bucket_times(columns[count_plan.time_col], count_plan.time_type)
         return pa.Table.from_arrays([pa.array(columns[f.name], f.type) if not isinstance(columns[f.name], pa.Array)
                                      else columns[f.name] for f in schema], schema=schema)

@@ -43,8 +43,9 @@ SQL surface (installed by :func:`dpsql.duckdb.register`):
     (core method ``threshold``; ``method`` picks its estimator, ``'nm'`` or ``'pak'``),
     with its ``epsilon``, ``delta`` and ``release_id``.
 
-Error bars come from the connection's last few releases (see
-:data:`dpsql.duckdb._machinery.KEEP_ERROR_MODELS`); older releases are refused.
+Error bars resolve ``dp_row`` handles through the bound budget's ledger (:mod:`dpsql.handles`):
+a table of released rows saved in a DuckDB file keeps them in a new process, once the
+connection is registered with a budget of the same ledger.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def _install_error_bars(context: Context) -> None:
     def variance(starts, stops):
         valid, (i, j) = _valid_handles(starts, stops)
         out = np.empty(len(i), dtype=np.float64)
-        for positions, model, part_i, part_j in context.row_index.ranges(i, j):
+        for positions, model, part_i, part_j in context.handles.ranges(i, j):
             out[positions] = model.range_variance(part_i, part_j)
         return _with_nulls(out, valid, pa.float64())
 
@@ -119,7 +120,7 @@ def _install_error_bars(context: Context) -> None:
         if bad.size:
             raise InvalidParameter(f"level must satisfy 0 < level < 1, got {bad[0]!r}")
         out = np.empty(len(i), dtype=np.float64)
-        for positions, model, part_i, part_j in context.row_index.ranges(i, j):
+        for positions, model, part_i, part_j in context.handles.ranges(i, j):
             # A level is usually one constant: one multiplier per distinct level.
             distinct, which = np.unique(level[positions], return_inverse=True)
             multiplier = np.array([_quantile_multiplier(lv, model.excess_kurtosis) for lv in distinct])
@@ -128,10 +129,8 @@ def _install_error_bars(context: Context) -> None:
 
     def release_id(rows):
         valid, (handles,) = _valid_handles(rows)
-        index = context.row_index
-        owners = index.release_of[index.partitions(handles)]
         ids = np.full(len(valid), None, dtype=object)
-        ids[valid] = np.array([r.release_id for r in index.releases], dtype=object)[owners]
+        ids[valid] = context.handles.release_ids(handles)
         return pa.array(ids, pa.string())
 
     context.udf("dp_range_variance", variance, ["BIGINT", "BIGINT"], "DOUBLE", arrow=True)

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dpsql import _validate
-from dpsql.accountant import largest_share
+from dpsql.accounting import Neighbour, Notion, largest_share
 from dpsql.errors import InvalidData, InvalidParameter
 from dpsql.ldp._feedback import (
     BOUNDS_MODES,
@@ -68,9 +68,8 @@ from dpsql.mechanisms.ldp import SQUARE_WAVE, report_uniforms
 from dpsql.noise import Draws, DrawsBatch, Keystream, Lane
 from dpsql.release import StreamMachine
 
-NOTION = "w-event-ldp"
-W_EVENT_USER = ("w-event (one user's values in any w consecutive slots may change; time domain and "
-                "stream length public)")
+NOTION = Notion.W_EVENT_LDP
+W_EVENT_USER = Neighbour.LDP_W_EVENT
 ACCOUNTINGS = ("strict", "paper")
 BASES = ("ipp", "app", "capp")
 
@@ -370,7 +369,7 @@ class DeviceEncoder:
         return self.plan.to_data(reports[0])
 
 
-# -- the machines (device + collector, for dpsql.publish.publish) -------------------------------------
+# -- the machines (device + collector, for dpsql.publishing.publish) -------------------------------------
 
 class _DUStream(StreamMachine):
     """A user's device followed by the collector's published stream, online.
@@ -535,7 +534,7 @@ MACHINES = {"sw_direct": SWDirectStream, "sampling": SamplingStream, "ba_sw": BA
 # -- public API: one user's stream -----------------------------------------------------------------
 
 def _publish(method: str, values, budget, note, params):
-    from dpsql.publish import publish
+    from dpsql.publishing import publish
 
     return publish(method, values, budget=budget, note=note, **params)
 
@@ -613,7 +612,7 @@ def ipp(values, *, epsilon: float, w: int, lower: float, upper: float, budget=No
     >>> import numpy as np, dpsql
     >>> with dpsql.testing.seeded(0):
     ...     rel = dpsql.ldp.ipp(np.linspace(0, 1, 50), epsilon=2.0, w=3, lower=0.0, upper=1.0)
-    >>> rel.params["epsilon_report"], rel.notion
+    >>> rel.params["epsilon_report"], str(rel.notion)
     (0.5, 'w-event-ldp')
     """
     return _publish("ipp", values, budget, note, dict(epsilon=epsilon, w=w, lower=lower, upper=upper, **params))

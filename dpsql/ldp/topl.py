@@ -35,7 +35,8 @@ from __future__ import annotations
 import numpy as np
 
 from dpsql import _validate
-from dpsql.accountant import Budget, largest_share
+from dpsql.accounting import largest_share
+from dpsql.budget import Budget
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.ldp import (
     EVENT_LDP_NEIGHBOUR,
@@ -300,7 +301,7 @@ def topl(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | N
         Eq. 8 as in the paper (``theta^2/4``, ``r^2/6``) or the reference code (``theta^2``, ``r^2/24``).
     budget : Budget, optional
         An ``"ldp"`` scope; charged ``max(threshold_epsilon, epsilon)`` once through
-        :func:`dpsql.publish.publish`. A central-DP scope refuses the release (NotionMismatch).
+        :func:`dpsql.publishing.publish`. A central-DP scope refuses the release (NotionMismatch).
 
     Returns
     -------
@@ -324,7 +325,7 @@ def topl(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | N
     >>> 0 < rel.threshold <= 20.0
     True
     """
-    from dpsql.publish import publish
+    from dpsql.publishing import publish
 
     return publish("topl", values, budget=budget, note=note, epsilon=epsilon, upper=upper, lower=lower, m=m,
                    threshold_epsilon=threshold_epsilon, r=r, pruning=pruning, variance_units=variance_units,
@@ -384,7 +385,7 @@ def pm_direct(values, *, epsilon: float, w: int, lower: float = 0.0, upper: floa
     Values are clipped to ``[lower, upper]`` (part of the mechanism). Privacy: w-event
     ``epsilon``-LDP (one user's values may change arbitrarily within any ``w`` consecutive
     slots); ``budget`` must be a ``"w-event-ldp"`` scope with the same ``w`` and is
-    charged ``epsilon`` through :func:`dpsql.publish.publish`.
+    charged ``epsilon`` through :func:`dpsql.publishing.publish`.
 
     Examples
     --------
@@ -397,6 +398,6 @@ def pm_direct(values, *, epsilon: float, w: int, lower: float = 0.0, upper: floa
     >>> bool(abs(rel.values.mean() - 0.25) < 4 * rel.range_variance(0, 5000) ** 0.5 / 5000)
     True
     """
-    from dpsql.publish import publish
+    from dpsql.publishing import publish
 
     return publish("pm_direct", values, budget=budget, note=note, epsilon=epsilon, w=w, lower=lower, upper=upper)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpsql.mechanisms.laplace import LaplaceLattice, LatticeBatch
+from dpsql.mechanisms.smoothers import prefix_terms_of
 from dpsql.noise import BatchLaneDraws, LaneDraws
 from dpsql.release import ErrorModel
 
@@ -192,6 +193,7 @@ class BlockStreamNoise(ErrorModel):
     """Noise of range sums of a stream released block by block from consecutive forests.
 
     Rows form blocks of ``block`` values; a block's noisy sum is released with its last row.
+    ``smoother`` describes the block smoother (:meth:`~dpsql.mechanisms.smoothers.BlockSmoother.partition_terms`).
     Rows of an incomplete last block carry predictions only, unless ``short_last_block`` (a
     one-shot release with the unpredictive ``none`` smoother, which releases that block's
     partial sum). Chunks of ``chunk_blocks`` blocks each get their own forest with
@@ -212,14 +214,14 @@ class BlockStreamNoise(ErrorModel):
     _PAIRWISE_TERMS = 24
 
     def __init__(self, *, n_rows: int, block: int, chunk_blocks: int, fanout: int, levels: int,
-                 node_variance: float, consistent: bool, prefix_terms, short_last_block: bool = False):
+                 node_variance: float, consistent: bool, smoother: dict, short_last_block: bool = False):
         self._n_rows = n_rows
         self._block = block
         self._chunk_blocks = chunk_blocks
         self._short_last = short_last_block
         self._n_blocks = -(-n_rows // block) if short_last_block else n_rows // block
         self._interval = dict(fanout=fanout, levels=levels, node_variance=node_variance, consistent=consistent)
-        self._prefix_terms = prefix_terms
+        self._prefix_terms = prefix_terms_of(smoother)
 
     # Built on the first query, not with the release: many releases (one per partition) never
     # get one.

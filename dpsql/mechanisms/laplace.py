@@ -88,8 +88,8 @@ class LaplaceLattice:
         if self.sensitivity > 0:
             gamma = 2.0 ** (math.floor(math.log2(self.sensitivity)) - LATTICE_BITS)
             sensitivity_units = math.ceil(self.sensitivity / gamma) + 1
-            units = sensitivity_units / self.epsilon
-            if Fraction(units) * Fraction(self.epsilon) < sensitivity_units:
+            units = sensitivity_units / self.epsilon if self.epsilon > 0 else math.inf
+            if math.isfinite(units) and Fraction(units) * Fraction(self.epsilon) < sensitivity_units:
                 units = math.nextafter(units, math.inf)  # the scale must never round below s_units / eps
             if not units <= MAX_SCALE:
                 raise InvalidParameter(
@@ -115,8 +115,15 @@ class LaplaceLattice:
         return self.granularity**2 * 2.0 * a / (1.0 - a) ** 2
 
     def to_units(self, values: np.ndarray) -> np.ndarray:
-        """Private values rounded to the lattice, as int64 lattice units."""
-        return np.rint(np.asarray(values, dtype=np.float64) / self.granularity).astype(np.int64)
+        """Private values rounded to the lattice, as int64 lattice units; values too large for
+        that (with room for noise) are refused, never wrapped."""
+        units = np.rint(np.asarray(values, dtype=np.float64) / self.granularity)
+        if not largest_magnitude(units) + draw_bound(self.scale_units) < 2.0**53:
+            raise InvalidParameter(f"values of magnitude {largest_magnitude(units) * self.granularity:g} are too "
+                                   f"large for lattice noise at sensitivity {self.sensitivity:g} (values plus noise "
+                                   "must stay below 2**53 lattice units): shift or rescale the data by a public "
+                                   "amount first")
+        return units.astype(np.int64)
 
     def noise_units(self, draws: LaneDraws, start: int, size: int) -> np.ndarray:
         """The noise draws at indices ``start .. start + size - 1`` of ``draws``, in lattice units (int64)."""

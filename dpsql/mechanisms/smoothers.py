@@ -71,9 +71,10 @@ class BlockSmoother(ABC):
         """``g * pred_t`` for blocks ``t >= 1`` as ``sum_k coefs[:, k] * U(points[:, k])``,
         ``U(p)`` the sum of the first ``p`` released block sums (of row ``partition``)."""
 
-    def partition_terms(self, partition: int):
-        """:meth:`prefix_terms` of one partition's stream (the row ``partition`` of the sums)."""
-        return functools.partial(self.prefix_terms, partition=partition)
+    def partition_terms(self, partition: int) -> dict:
+        """What :meth:`prefix_terms` needs for one partition's stream (the row ``partition`` of
+        the sums), as plain public data for a release record (see :func:`prefix_terms_of`)."""
+        return {"name": self.name, "block": self.block, **self.params()}
 
     def prefix_terms(self, blocks, offsets, lengths, partition: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """The random part of ``values[:x].sum()`` for a row ``x`` at ``offset`` in block
@@ -97,6 +98,7 @@ class BlockSmoother(ABC):
 
 
 class Recent(BlockSmoother):
+    name = "recent"
     def predict(self, sums):
         return sums / self.block
 
@@ -105,6 +107,7 @@ class Recent(BlockSmoother):
 
 
 class Mean(BlockSmoother):
+    name = "mean"
     def __init__(self, block, initial_sum):
         super().__init__(block, initial_sum)
         self._total = 0.0
@@ -130,6 +133,7 @@ class Mean(BlockSmoother):
 
 
 class Moving(BlockSmoother):
+    name = "moving"
     def __init__(self, block, initial_sum, window: int):
         super().__init__(block, initial_sum)
         self.window = window
@@ -166,6 +170,7 @@ class Moving(BlockSmoother):
 
 
 class Exponential(BlockSmoother):
+    name = "exponential"
     def __init__(self, block, initial_sum, alpha: float):
         super().__init__(block, initial_sum)
         self.alpha = alpha
@@ -212,6 +217,8 @@ class Exponential(BlockSmoother):
 class Median(BlockSmoother):
     """Loops over the partitions: the heaps are per partition and the step per block is Python."""
 
+    name = "median"
+
     def __init__(self, block, initial_sum):
         super().__init__(block, initial_sum)
         # per partition: max-heap of the smaller half (stored negated), min-heap of the larger
@@ -225,6 +232,10 @@ class Median(BlockSmoother):
         return {"low": [np.array(heap, dtype=np.float64).reshape(-1, 2) for heap in self._low],
                 "high": [np.array(heap, dtype=np.float64).reshape(-1, 2) for heap in self._high],
                 "positions": [np.array(p, dtype=np.int64).reshape(-1, 2) for p in self._positions]}
+
+    def partition_terms(self, partition):
+        positions = self._positions[partition] if partition < len(self._positions) else []
+        return {**super().partition_terms(partition), "positions": np.asarray(positions, dtype=np.int64).reshape(-1, 2)}
 
     def restore(self, state):
         self._low = [[(float(v), int(i)) for v, i in heap] for heap in state["low"]]
@@ -265,6 +276,7 @@ class Median(BlockSmoother):
 
 
 class Unsmoothed(BlockSmoother):
+    name = "none"
     predictive = False
 
     def predict(self, sums):
@@ -293,6 +305,16 @@ def make_smoother(name: str, *, block: int, initial_sum: float | np.ndarray, win
     if name == "exponential":
         return Exponential(block, initial_sum, alpha)
     return {"recent": Recent, "mean": Mean, "median": Median, "none": Unsmoothed}[name](block, initial_sum)
+
+
+def prefix_terms_of(terms: dict):
+    """The ``prefix_terms(blocks, offsets, lengths)`` function :meth:`BlockSmoother.partition_terms`
+    described (for error models read back from a release record)."""
+    smoother = make_smoother(terms["name"], block=terms["block"], initial_sum=0.0, window=terms.get("window", 1),
+                             alpha=terms.get("alpha", 1.0))
+    if "positions" in terms:
+        smoother._positions = [[(int(a), int(b)) for a, b in np.asarray(terms["positions"]).reshape(-1, 2)]]
+    return functools.partial(smoother.prefix_terms, partition=0)
 
 
 def _exponential_filter(values: np.ndarray, alpha: float, state: dict) -> np.ndarray:

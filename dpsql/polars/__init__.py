@@ -11,7 +11,7 @@ Importing :mod:`dpsql.polars` registers the namespace (it coexists with OpenDP's
                                       partition_by="meter", budget=budget).alias("kwh_dp"))
 
 Each evaluation of a dpsql expression is one release through
-:func:`dpsql.publish.publish`, charged once (partitions at the maximum), in eager or lazy
+:func:`dpsql.publishing.publish`, charged once (partitions at the maximum), in eager or lazy
 mode and on any engine; see :mod:`dpsql.polars._machinery` for how that is enforced
 (no dtype-inference calls, no chunking, no CSE merging, group-wise evaluation such
 as ``.over()`` refused in favour of ``partition_by``).
@@ -28,7 +28,7 @@ Write a module under ``dpsql/polars/`` with a function taking the value expressi
 first and keyword-only options, build the expression with
 :func:`dpsql.polars._machinery.private_expression` (it does the struct input, time
 ordering, partitions, refusals and scatter; your ``release`` callback calls
-:func:`dpsql.publish.publish` once), decorate the function with
+:func:`dpsql.publishing.publish` once), decorate the function with
 :func:`dpsql.polars._namespace.namespace_method`, and add one import line for your
 module below. ``pl.col(x).dpsql.<your function>(...)`` then works.
 """

@@ -2,7 +2,7 @@
 
 Every dpsql expression is a single ``map_batches`` call over a struct of the value,
 order and partition columns. The UDF sorts rows to time order within their partition,
-calls :func:`dpsql.publish.publish` exactly once (the only charge), and scatters the result
+calls :func:`dpsql.publishing.publish` exactly once (the only charge), and scatters the result
 back to the rows' physical order. What that guarantees, and why:
 
 * ``return_dtype`` is always given, so Polars never calls the UDF on dummy data to
@@ -39,11 +39,10 @@ import numpy as np
 import polars as pl
 
 from dpsql import _validate
-from dpsql.accountant import Budget
+from dpsql.budget import Budget
 from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
 from dpsql.ordering import duplicate_time_message, order_integer_keys
-from dpsql.publish import PartitionedRelease
-from dpsql.release import Release
+from dpsql.release import PartitionedRelease, Release
 
 _NAME_PREFIX = "__dpsql_release_"
 _VALUE, _ORDER = "__dpsql_value", "__dpsql_order"
@@ -69,6 +68,8 @@ class RowsInTimeOrder:
         self.partitioned = partitioned
         #: each partition's key (a tuple for several partition columns), set by :func:`time_order`
         self.partition_keys: list | None = None
+        #: the order key column in time order (what identifies the data for the answer cache)
+        self.order_keys: list = []
 
     def gather(self, values: np.ndarray) -> np.ndarray:
         return values[self.permutation]
@@ -143,14 +144,16 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
                                      permutation=True, refuse_duplicate=refuse)
         if ordered is not None:
             rows = RowsInTimeOrder(ordered.permutation, ordered.offsets, bool(partition_names))
-            _set_partition_keys(rows, frame, partition_names)
+            _set_partition_keys(rows, frame, partition_names, order_name)
             return rows, ordered.values
     rows = _sorted_by_columns(frame, order_name, partition_names, labels)
-    _set_partition_keys(rows, frame, partition_names)
+    _set_partition_keys(rows, frame, partition_names, order_name)
     return rows, rows.gather(values)
 
 
-def _set_partition_keys(rows: RowsInTimeOrder, frame: pl.DataFrame, partition_names: Sequence[str]) -> None:
+def _set_partition_keys(rows: RowsInTimeOrder, frame: pl.DataFrame, partition_names: Sequence[str],
+                        order_name: str) -> None:
+    rows.order_keys = [frame.get_column(order_name).to_physical().to_numpy()[rows.permutation]]
     if not partition_names:
         return
     first_rows = frame.select(partition_names)[rows.permutation[rows.offsets[:-1]]]
@@ -214,7 +217,7 @@ def private_expression(value: pl.Expr, release: Callable[[np.ndarray, RowsInTime
         The private value column.
     release : callable
         ``(values in time order, rows, column name) -> result``. It must call
-        :func:`dpsql.publish.publish` (directly or through a function that does), once.
+        :func:`dpsql.publishing.publish` (directly or through a function that does), once.
     order_by, partition_by :
         Column names or expressions; ``order_by=None`` keeps the frame's row order.
     output : callable
@@ -258,23 +261,3 @@ def private_expression(value: pl.Expr, release: Callable[[np.ndarray, RowsInTime
     released = pl.struct(fields).alias(struct_name).map_batches(
         evaluate, return_dtype=return_dtype, is_elementwise=False, returns_scalar=returns_scalar)
     return released.alias(name)
-
-
-def keep(result: Release | PartitionedRelease) -> int:
-    """Hold ``result`` for later error bars; return its key (an int stored in the output)."""
-    with _kept_lock:
-        key = next(_keys)
-        _KEPT[key] = result
-        while len(_KEPT) > KEEP_RELEASES:
-            _KEPT.popitem(last=False)
-    return key
-
-
-def release_for_key(key: int) -> Release | PartitionedRelease:
-    """The release an ``errors=True`` column came from."""
-    with _kept_lock:
-        result = _KEPT.get(key)
-    if result is None:
-        raise InvalidParameter(f"release {key} is no longer held (only the {KEEP_RELEASES} most recent "
-                               "releases made with errors=True are kept); re-run the release")
-    return result

@@ -3,7 +3,7 @@
 An event table (one row per event) becomes private count streams, one row per
 (partition, bucket) of the public time domain, released with PeGaSus or per-bucket
 Laplace through :func:`dpsql.counts.release_event_counts` (one call of
-:func:`dpsql.publish.publish`, one charge). The output is a new frame, not a column of the
+:func:`dpsql.publishing.publish`, one charge). The output is a new frame, not a column of the
 input (its rows are buckets, not events), so this is a frame function rather than an
 expression. A count column that is already bucketed can be released as an expression
 with ``pl.col("n").dpsql.range_sum(method="pegasus", epsilon=..., order_by="ts")``.
@@ -16,7 +16,7 @@ import datetime as dt
 import numpy as np
 import polars as pl
 
-from dpsql.accountant import Budget
+from dpsql.budget import Budget
 from dpsql.counts import release_event_counts
 from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
 from dpsql.polars._machinery import check_budget

@@ -19,7 +19,7 @@ from dpsql.ldp._linear import ALIGNS
 from dpsql.methods import check_method
 from dpsql.polars._machinery import RowsInTimeOrder, check_budget, private_expression
 from dpsql.polars._namespace import namespace_method
-from dpsql.publish import publish
+from dpsql.publishing import publish
 
 FIELDS = {"value": pl.Float64, "report": pl.Float64, "dp_report": pl.Int64}
 

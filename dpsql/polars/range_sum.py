@@ -10,35 +10,30 @@ have correlated noise, so per-row variances do not add up).
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import polars as pl
 
+from dpsql import handles
+from dpsql.budget import default_budget
 from dpsql.errors import InvalidParameter
 from dpsql.methods import check_method
-from dpsql.polars._machinery import (
-    RowsInTimeOrder,
-    check_budget,
-    keep,
-    private_expression,
-    release_for_key,
-)
+from dpsql.polars._machinery import RowsInTimeOrder, check_budget, private_expression
 from dpsql.polars._namespace import namespace_method
-from dpsql.publish import PartitionedRelease, publish
-from dpsql.release import Release
+from dpsql.publishing import publish
+from dpsql.release import PartitionedRelease, Release, _quantile_multiplier
 
-#: Field names of the ``errors=True`` struct.
-ERROR_FIELDS = {"value": pl.Float64, "sd": pl.Float64, "position": pl.Int64, "release": pl.Int64}
+#: Field names of the ``errors=True`` struct: the released value, its noise standard
+#: deviation and its ledger row handle (``dp_row``, as in SQL).
+ERROR_FIELDS = {"value": pl.Float64, "sd": pl.Float64, "dp_row": pl.Int64}
 
 
 @namespace_method
-def range_sum(value: pl.Expr, *, method: str, order_by, partition_by=None, budget=None, note: str | None = None,
-              errors: bool = False, **params) -> pl.Expr:
+def range_sum(value: pl.Expr, *, order_by, method: str = "tops", partition_by=None, budget=None,
+              note: str | None = None, errors: bool = False, fresh: bool = False, **params) -> pl.Expr:
     """Release the column ``value`` as a private stream, one value per row.
 
     Rows are put in time order (``order_by``, within each ``partition_by`` group),
-    released by :func:`dpsql.publish.publish` and returned in the frame's own row order,
+    released by :func:`dpsql.publishing.publish` and returned in the frame's own row order,
     whatever it is. Sums of the released values over any rows estimate the true sums;
     their noise follows the method's error model.
 
@@ -47,7 +42,8 @@ def range_sum(value: pl.Expr, *, method: str, order_by, partition_by=None, budge
     method's neighbour relation (replace one value; time keys and partition keys are
     public). Partitions are disjoint, so a partitioned release costs the maximum over
     partitions. Each evaluation of the expression is one release, charged once to
-    ``budget``: collecting a lazy query twice draws fresh noise and charges twice.
+    ``budget``; evaluating it again on the same data (collecting a lazy query twice,
+    re-running a notebook cell) returns the recorded answer, free, unless ``fresh=True``.
     Values outside the public ``[lower, upper]`` are clipped; that is part of the
     mechanism, not an error.
 
@@ -67,14 +63,15 @@ def range_sum(value: pl.Expr, *, method: str, order_by, partition_by=None, budge
         partition. Use this, not ``.over()``: a dpsql expression evaluated group by
         group is refused.
     budget : dpsql.Budget, optional
-        Charged once per evaluation. Without it the caller accounts for the cost.
+        Charged once per evaluation; default: the budget set by :func:`dpsql.use_budget`.
     note : str, optional
         Recorded in the ledger.
     errors : bool, default False
         Return a struct instead of the Float64 values: ``value`` (the release),
-        ``sd`` (that row's noise standard deviation), ``position`` (the row's
-        position in the release's time order) and ``release`` (a key to the
-        release's error model, read by :func:`window_ci` and :func:`bucket_ci`).
+        ``sd`` (that row's noise standard deviation) and ``dp_row`` (the row's ledger
+        handle, as in SQL; :func:`window_ci` and :func:`bucket_ci` read error models by it).
+    fresh : bool, default False
+        Release anew, and charge, even when an identical release's answer is recorded.
     **params
         The method's parameters: ``epsilon``, ``upper``, ``lower``, ``delta``, ``m``,
         ``r``, ``fanout``, ``smoother``, ``holdout_share``, ... passed through unchanged.
@@ -103,16 +100,20 @@ def range_sum(value: pl.Expr, *, method: str, order_by, partition_by=None, budge
     def release(values: np.ndarray, rows: RowsInTimeOrder, column: str):
         return publish(method, values, budget=budget, column=column, note=note,
                        partition_offsets=rows.offsets if rows.partitioned else None,
-                       partition_keys=rows.partition_keys, **params)
+                       partition_keys=rows.partition_keys, order_keys=rows.order_keys, fresh=fresh, **params)
 
     def output(result, rows: RowsInTimeOrder) -> pl.Series:
         values = pl.Series(rows.scatter(result.values), dtype=pl.Float64)
         if not errors:
             return values
-        positions = rows.positions()
+        if result.first_handle is None:
+            raise InvalidParameter("errors=True needs a release recorded in a ledger: pass budget= (or set one "
+                                   "with dpsql.use_budget)")
+        handles.remember(result.first_handle, len(result), budget or default_budget())
+        positions = np.arange(len(result), dtype=np.int64)
         sd = np.sqrt(range_variance(result, positions, positions + 1))
-        return pl.DataFrame({"value": values, "sd": sd, "position": positions,
-                             "release": np.full(len(positions), keep(result), dtype=np.int64)}).to_struct()
+        return pl.DataFrame({"value": values, "sd": rows.scatter(sd),
+                             "dp_row": rows.scatter(result.first_handle + positions)}).to_struct()
 
     dtype = pl.Struct(ERROR_FIELDS) if errors else pl.Float64
     return private_expression(value, release, order_by=order_by, partition_by=partition_by, output=output,
@@ -123,7 +124,7 @@ def range_sum(value: pl.Expr, *, method: str, order_by, partition_by=None, budge
 def threshold(value: pl.Expr, *, order_by=None, budget=None, note: str | None = None, **params) -> pl.Expr:
     """Release one private clipping threshold of the column ``value`` (a Float64 scalar).
 
-    Runs the registered ``"threshold"`` method through :func:`dpsql.publish.publish`, in
+    Runs the registered ``"threshold"`` method through :func:`dpsql.publishing.publish`, in
     ``order_by`` order (the frame's row order when omitted). Privacy cost: that of the
     threshold method and its ``params`` (``epsilon``-DP for noisy max,
     ``(epsilon, delta)`` for the smooth-sensitivity PAK threshold), replace-one-value
@@ -156,66 +157,55 @@ def threshold(value: pl.Expr, *, order_by=None, budget=None, note: str | None = 
                               return_dtype=pl.Float64, returns_scalar=True)
 
 
-def _per_partition(result: Release | PartitionedRelease, starts, stops, query) -> list[np.ndarray]:
-    """``query(release, starts, stops)`` on time-order position ranges, partition by partition.
-
-    Positions are those of the ``position`` field (all partitions concatenated); each
-    range must lie within one partition, as every Polars window over a partitioned
-    release does. ``query`` returns a tuple of arrays; they come back in input order.
-    """
+def range_variance(result: Release | PartitionedRelease, starts, stops) -> np.ndarray:
+    """Noise variance of the sums of the release's rows ``starts[i]:stops[i]`` (positions in
+    its output order: partition, then time); each range within one partition."""
     starts = np.asarray(starts, dtype=np.int64)
     stops = np.asarray(stops, dtype=np.int64)
     if isinstance(result, Release):
-        return [np.asarray(a, dtype=np.float64) for a in query(result, starts, stops)]
+        return np.asarray(result.range_variance(starts, stops), dtype=np.float64)
     offsets = result.offsets
     part = np.searchsorted(offsets, starts, side="right") - 1
     if np.any(stops > offsets[np.minimum(part + 1, len(offsets) - 1)]):
         raise InvalidParameter("a range crosses a partition boundary; windows must stay within one partition")
-    by_part = np.argsort(part, kind="stable")
-    bounds = np.searchsorted(part[by_part], np.arange(len(offsets)))
-    outputs = None
-    for k, (a, b) in enumerate(itertools.pairwise(bounds)):
-        rows = by_part[a:b]
-        if not rows.size:
-            continue
-        pieces = query(result.part(k), starts[rows] - offsets[k], stops[rows] - offsets[k])
-        outputs = outputs or [np.empty(len(starts), dtype=np.float64) for _ in pieces]
-        for out, piece in zip(outputs, pieces):
-            out[rows] = piece
-    return outputs or []
+    out = np.empty(len(starts))
+    for k in np.unique(part).tolist():
+        rows = part == k
+        out[rows] = result.part(k).range_variance(starts[rows] - offsets[k], stops[rows] - offsets[k])
+    return out
 
 
-def range_variance(result: Release | PartitionedRelease, starts, stops) -> np.ndarray:
-    """Noise variance of the sums of time-order positions ``starts[i]:stops[i]``
-    (positions as in the ``errors=True`` struct's ``position`` field)."""
-    return _per_partition(result, starts, stops, lambda rel, i, j: (rel.range_variance(i, j),))[0]
-
-
-def _interval_columns(frame, column: str, starts: pl.Expr, stops: pl.Expr, key: pl.Expr, level: float):
-    """Add ``{column}_sum``, ``_low``, ``_high``: each range's sum and its
-    :meth:`dpsql.Release.range_ci` interval, from the release held under ``key``."""
+def _interval_columns(frame, column: str, sums: pl.Expr, starts: pl.Expr, stops: pl.Expr, level: float, budget):
+    """Add ``{column}_sum``, ``_low``, ``_high``: each window's sum of released values and its
+    :meth:`dpsql.Release.range_ci` interval, the window's rows given as ledger row handles
+    ``starts .. stops - 1``, resolved through ``budget``'s ledger (default: the budget of the
+    release in this process, else :func:`dpsql.use_budget`'s)."""
     if not 0 < level < 1:
         raise InvalidParameter(f"level must satisfy 0 < level < 1, got {level!r}")
     names = [f"{column}_sum", f"{column}_low", f"{column}_high"]
 
     def intervals(batch: pl.Series) -> pl.Series:
         fields = batch.struct.unnest()
-        keys = fields.get_column("key").drop_nulls().unique().to_list()
-        if len(keys) != 1:
-            raise InvalidParameter(f"column {column!r} must hold exactly one release (errors=True output)")
+        total = fields.get_column("sum").fill_null(0.0).to_numpy()
         start = fields.get_column("start").fill_null(0).to_numpy()
-        stop = np.maximum(fields.get_column("stop").fill_null(0).to_numpy(), start)
-        sums = _per_partition(release_for_key(keys[0]), start, stop,
-                              lambda rel, i, j: (rel.range_sum(i, j), *rel.range_ci(i, j, level)))
-        return pl.DataFrame(dict(zip(names, sums))).to_struct()
+        stop = np.maximum(fields.get_column("stop").fill_null(0).to_numpy(), start + 1)
+        owner = budget if budget is not None else handles.budget_of(int(start[0]), default_budget()) if len(
+            start) else None
+        if owner is None:
+            raise InvalidParameter(f"the error bars of column {column!r} are in the ledger of the budget its release "
+                                   "was charged to: pass budget=")
+        half = np.empty(len(start))
+        for positions, model, i, j in handles.HandleResolver(owner).ranges(start, stop):
+            half[positions] = _quantile_multiplier(level, model.excess_kurtosis) * np.sqrt(model.range_variance(i, j))
+        return pl.DataFrame(dict(zip(names, [total, total - half, total + half]))).to_struct()
 
-    bands = pl.struct(key.alias("key"), starts.alias("start"), stops.alias("stop")).map_batches(
+    bands = pl.struct(sums.alias("sum"), starts.alias("start"), stops.alias("stop")).map_batches(
         intervals, return_dtype=pl.Struct(dict.fromkeys(names, pl.Float64)))
     return frame.with_columns(bands.alias("__dpsql_bands")).unnest("__dpsql_bands")
 
 
 def window_ci(frame, column: str, *, order_by: str, period, partition_by=None, closed: str = "right",
-              level: float = 0.95):
+              level: float = 0.95, budget=None):
     """Trailing-window sums of a released column with their confidence intervals.
 
     For each row, the window holds the rows of its partition whose ``order_by`` lies
@@ -239,9 +229,10 @@ def window_ci(frame, column: str, *, order_by: str, period, partition_by=None, c
     --------
     >>> import polars as pl, dpsql, dpsql.polars
     >>> df = pl.DataFrame({"ts": range(100), "kwh": [1.0] * 100})
+    >>> budget = dpsql.Budget.in_memory(epsilon=1.0)
     >>> with dpsql.testing.seeded(0):
     ...     rel = df.with_columns(pl.col("kwh").dpsql.range_sum(
-    ...         method="laplace", epsilon=1.0, upper=2.0, order_by="ts", errors=True).alias("dp"))
+    ...         method="laplace", epsilon=1.0, upper=2.0, order_by="ts", errors=True, budget=budget).alias("dp"))
     >>> out = dpsql.polars.window_ci(rel, "dp", order_by="ts", period=10)
     >>> bool(((out["dp_low"] <= 10.0) & (10.0 <= out["dp_high"])).tail(90).mean() > 0.8)
     True
@@ -254,12 +245,14 @@ def window_ci(frame, column: str, *, order_by: str, period, partition_by=None, c
 
     window = f"{period}i" if isinstance(period, int) else period
     options = dict(window_size=window, closed=closed)
-    starts = windowed(field("position").rolling_min_by(order_by, **options))
-    stops = windowed(field("position").rolling_max_by(order_by, **options)) + 1
-    return _interval_columns(frame, column, starts, stops, field("release"), level)
+    sums = windowed(field("value").rolling_sum_by(order_by, **options))
+    starts = windowed(field("dp_row").rolling_min_by(order_by, **options))
+    stops = windowed(field("dp_row").rolling_max_by(order_by, **options)) + 1
+    return _interval_columns(frame, column, sums, starts, stops, level, budget)
 
 
-def bucket_ci(frame, column: str, *, order_by: str, every, partition_by=None, level: float = 0.95, **dynamic):
+def bucket_ci(frame, column: str, *, order_by: str, every, partition_by=None, level: float = 0.95, budget=None,
+              **dynamic):
     """Sums of a released column per time bucket (``group_by_dynamic``) with intervals.
 
     One row per bucket (and partition): ``order_by`` (the bucket start),
@@ -271,7 +264,7 @@ def bucket_ci(frame, column: str, *, order_by: str, every, partition_by=None, le
     --------
     >>> import polars as pl, dpsql, dpsql.polars
     >>> df = pl.DataFrame({"ts": range(48), "kwh": [2.0] * 48})
-    >>> with dpsql.testing.seeded(0):
+    >>> with dpsql.testing.seeded(0), dpsql.use_budget(dpsql.Budget.in_memory(epsilon=1.0)):
     ...     rel = df.with_columns(pl.col("kwh").dpsql.range_sum(
     ...         method="laplace", epsilon=1.0, upper=4.0, order_by="ts", errors=True).alias("dp"))
     >>> daily = dpsql.polars.bucket_ci(rel, "dp", order_by="ts", every="24i")
@@ -282,9 +275,9 @@ def bucket_ci(frame, column: str, *, order_by: str, every, partition_by=None, le
     keys = [] if partition_by is None else ([partition_by] if isinstance(partition_by, str) else list(partition_by))
     buckets = (frame.sort([*keys, order_by])
                .group_by_dynamic(order_by, every=every, group_by=keys or None, **dynamic)
-               .agg(field("position").min().alias("__start"),
-                    (field("position").max() + 1).alias("__stop"), field("release").first().alias("__key")))
-    out = _interval_columns(buckets, column, pl.col("__start"), pl.col("__stop"), pl.col("__key"), level)
+               .agg(field("value").sum().alias("__sum"), field("dp_row").min().alias("__start"),
+                    (field("dp_row").max() + 1).alias("__stop")))
+    out = _interval_columns(buckets, column, pl.col("__sum"), pl.col("__start"), pl.col("__stop"), level, budget)
     return out.select([*keys, order_by, f"{column}_sum", f"{column}_low", f"{column}_high"])
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from dpsql import _validate
-from dpsql.accountant import largest_share
+from dpsql.accounting import largest_share
 from dpsql.errors import HorizonExceeded
 from dpsql.mechanisms import LaplaceLattice
 from dpsql.noise import Draws, Lane

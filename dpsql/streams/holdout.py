@@ -30,7 +30,7 @@ from abc import abstractmethod
 import numpy as np
 
 from dpsql import _validate
-from dpsql.accountant import largest_share
+from dpsql.accounting import largest_share
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.laplace import LatticeBatch
 from dpsql.noise import Draws, DrawsBatch, Lane

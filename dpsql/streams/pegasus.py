@@ -46,7 +46,7 @@ from functools import cache
 import numpy as np
 
 from dpsql import _validate
-from dpsql.accountant import largest_share
+from dpsql.accounting import largest_share
 from dpsql.mechanisms import LaplaceLattice
 from dpsql.mechanisms.svt import AboveThreshold
 from dpsql.noise import Draws, Lane

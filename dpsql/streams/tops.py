@@ -34,7 +34,7 @@ import copy
 import numpy as np
 
 from dpsql import _validate
-from dpsql.accountant import largest_share
+from dpsql.accounting import largest_share
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.hierarchy import BlockStreamNoise, Forest, smoothing_depth, tree_height
 from dpsql.mechanisms.laplace import LatticeBatch
@@ -283,7 +283,7 @@ class HierarchyStream(StreamMachine):
         error = BlockStreamNoise(n_rows=self._rows, block=self.block, chunk_blocks=self.chunk_blocks,
                                  fanout=self.fanout, levels=self.levels,
                                  node_variance=float(self._lap.variance[partition]), consistent=self.consistency,
-                                 prefix_terms=self._smoother.partition_terms(partition),
+                                 smoother=self._smoother.partition_terms(partition),
                                  short_last_block=self._flushed)
         return dict(method="hierarchy", params=self.params(partition), error=error,
                     components={"hierarchy": self.cost})

@@ -1,0 +1,253 @@
+"""A privacy budget: one scope of a ledger, charged by every private release.
+
+A :class:`Budget` is a named scope (e.g. one data set) in a ledger: an SQLite file outside
+the analysed database (the default), a PostgreSQL database shared by a team
+(``postgresql://...``), or memory. Check-and-charge is one transaction; the charge is durable
+before any noisy value is returned; concurrent processes cannot overspend; a refused or
+failed call charges nothing. Sequential releases add up, exactly (see
+:mod:`dpsql.accounting`); one release over disjoint partitions costs the maximum over them.
+
+A scope's privacy notion is fixed when it is created: ``"central"`` (central DP, (epsilon,
+delta)), ``"ldp"`` (event-level local DP) or ``"w-event-ldp"`` (w-event local DP, with its
+window ``w``). Releases under another notion are refused: the losses of different notions
+do not compose by addition.
+
+The ledger file holds secrets besides the public record: the keys and open state of
+continual streams (raw rows still pending, partial sums). Keep it as safe as the raw data;
+only released rows may leave it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from dpsql import _state, _validate
+from dpsql.accounting import Charge, Kind, Neighbour, Notion, exact
+from dpsql.errors import InvalidParameter, NonPrivateRelease, NotionMismatch
+from dpsql.ledger import Ledger, Receipt, memory_ledger, open_ledger
+from dpsql.ledger.store import refuse_overspend
+from dpsql.records import ReleaseRecord
+
+
+class Budget:
+    """A privacy budget backed by a ledger. Create with :meth:`open` or :meth:`in_memory`.
+
+    Examples
+    --------
+    >>> import dpsql
+    >>> b = dpsql.Budget.in_memory(epsilon=1.0)
+    >>> b.total, b.spent, b.remaining
+    ((1.0, 0.0), (0.0, 0.0), (1.0, 0.0))
+    """
+
+    def __init__(self, *_args, **_kwargs):
+        raise TypeError("use Budget.open(path, ...) or Budget.in_memory(...)")
+
+    @classmethod
+    def open(cls, location: str | Path, *, scope: str = "default", epsilon: float | None = None,
+             delta: float = 0.0, notion: str = "central", w: int | None = None, cache: bool = True) -> Budget:
+        """Create or reopen scope ``scope`` of the ledger at ``location`` (an SQLite file path,
+        or a ``postgresql://user@host:port/db`` URL).
+
+        On creation ``epsilon`` is required. When the scope exists, ``epsilon`` / ``delta`` /
+        ``notion`` / ``w``, if given, must equal what it was created with: a budget can never be
+        silently raised. ``cache=False`` stores no answers (identical repeats are then charged).
+        """
+        return cls._make(open_ledger(location), scope, epsilon, delta, notion, w, cache)
+
+    @classmethod
+    def in_memory(cls, *, epsilon: float, delta: float = 0.0, notion: str = "central",
+                  w: int | None = None, cache: bool = True) -> Budget:
+        """A throw-away ledger for notebooks and tests, in this process only (a forked child
+        refuses to use it). It also accepts non-private (seeded) releases, recording them as such."""
+        return cls._make(memory_ledger(), "default", epsilon, delta, notion, w, cache)
+
+    @classmethod
+    def _make(cls, ledger: Ledger, scope, epsilon, delta, notion, w, cache) -> Budget:
+        if not isinstance(scope, str) or not scope:
+            raise InvalidParameter(f"scope must be a non-empty string, got {scope!r}")
+        notion = Notion(_validate.choice(notion, "notion", [n.value for n in Notion]))
+        if notion is Notion.W_EVENT_LDP:
+            w = _validate.integer(w, "w", minimum=1)
+        elif w is not None:
+            raise InvalidParameter(f"w is only meaningful for notion 'w-event-ldp', got w={w!r}")
+        if epsilon is not None:
+            epsilon = _validate.epsilon(epsilon)
+        delta = _validate.delta(delta, pure=False, method="Budget")
+        state = ledger.open_scope(scope, epsilon=epsilon, delta=delta, notion=notion, w=w)
+        self = object.__new__(cls)
+        self._ledger = ledger
+        self.scope = scope
+        self.notion = state.notion
+        self.w = state.w
+        self.caches = bool(cache)
+        return self
+
+    # -- public view -------------------------------------------------------------------
+
+    @property
+    def ledger(self) -> Ledger:
+        return self._ledger
+
+    @property
+    def persistent(self) -> bool:
+        return self._ledger.backend.persistent
+
+    @property
+    def location(self) -> str:
+        """The ledger's file, server (without password) or ``"in memory"``."""
+        return self._ledger.location
+
+    @property
+    def total(self) -> tuple[float, float]:
+        """(epsilon, delta) the scope was created with."""
+        state = self._ledger.scope(self.scope)
+        return float(state.epsilon), float(state.delta)
+
+    @property
+    def spent(self) -> tuple[float, float]:
+        """(epsilon, delta) charged so far, sequentially composed (read from the running total)."""
+        state = self._ledger.scope(self.scope)
+        return float(state.spent_epsilon), float(state.spent_delta)
+
+    @property
+    def remaining(self) -> tuple[float, float]:
+        """total - spent, per component."""
+        left_eps, left_delta = self._ledger.scope(self.scope).remaining
+        return float(left_eps), float(left_delta)
+
+    def history(self, *, full: bool = False):
+        """One row per charge and per identical repeat answered from the ledger (``kind``:
+        ``release``, ``stream`` or ``cache hit``, which costs 0), oldest first, as a Polars
+        DataFrame: time, kind, method, epsilon, delta, rows, note; ``full=True`` adds
+        release_id, params (JSON), partitions, neighbour, private, stream and, for a cache hit,
+        the release it answered with."""
+        import polars as pl
+
+        rows = self._ledger.history(self.scope)
+        names = ["time", "kind", "release_id", "method", "params", "epsilon", "delta", "rows", "partitions",
+                 "neighbour", "private", "note", "stream", "answers"]
+        data = {name: [row[k] for row in rows] for k, name in enumerate(names)}
+        data["epsilon"] = [float(x) for x in data["epsilon"]]
+        data["delta"] = [float(x) for x in data["delta"]]
+        data["private"] = [bool(x) for x in data["private"]]
+        schema = {name: pl.String for name in names} | {"epsilon": pl.Float64, "delta": pl.Float64,
+                                                        "rows": pl.Int64, "partitions": pl.Int64,
+                                                        "private": pl.Boolean}
+        frame = pl.DataFrame(data, schema=schema).with_columns(pl.col("time").str.to_datetime(time_zone="UTC"))
+        if full:
+            return frame
+        return frame.select("time", "kind", "method", "epsilon", "delta", "rows", "note")
+
+    def release(self, release_id: str) -> ReleaseRecord:
+        """What the ledger recorded of release ``release_id``: its public description and error
+        model (no values; :meth:`dpsql.Release.from_arrow` joins them with saved values)."""
+        record = ReleaseRecord.from_row(self._ledger.release(release_id))
+        if record.scope != self.scope:
+            raise InvalidParameter(f"release {release_id} belongs to scope {record.scope!r}, not {self.scope!r}")
+        return record
+
+    def clear_cache(self) -> int:
+        """Forget the stored answers of this scope (later repeats are charged); returns how many."""
+        return self._ledger.clear_answers(self.scope)
+
+    def __repr__(self) -> str:
+        state = self._ledger.scope(self.scope)
+        where = self.location
+        return (f"Budget(scope={self.scope!r}, notion={self.notion.value!r}, epsilon {float(state.spent_epsilon):g}/"
+                f"{float(state.epsilon):g} spent, delta {float(state.spent_delta):g}/{float(state.delta):g} spent, "
+                f"{where})")
+
+    # -- charging (dpsql.publish and continual streams only) ---------------------------------
+
+    def check(self, charge: Charge) -> None:
+        """Raise exactly what :meth:`charge` would raise now, without charging."""
+        self._refuse_incompatible(charge)
+        refuse_overspend(self._ledger.scope(self.scope), exact(charge.epsilon), exact(charge.delta), charge)
+
+    def charge(self, charge: Charge, *, handles: int = 0, description: dict | None = None,
+               answer: tuple[str, bytes] | None = None, then=None) -> Receipt:
+        """Atomically check the budget and record one release (see :meth:`Ledger.charge`).
+
+        Called only by :func:`dpsql.publishing.publish` (after the release is computed, before any
+        of its values is returned) and by a continual stream's registration. Raises
+        :class:`~dpsql.BudgetExhausted`, :class:`~dpsql.NonPrivateRelease`,
+        :class:`~dpsql.NotionMismatch` or :class:`~dpsql.LedgerError` and records nothing.
+        """
+        self._refuse_incompatible(charge)
+        packed = None if description is None else _state.pack(description)
+        return self._ledger.charge(self.scope, charge, handles=handles, description=packed,
+                                   answer=answer if self.caches else None, then=then)
+
+    def stored_answer(self, fingerprint: str) -> tuple[ReleaseRecord, bytes] | None:
+        """The record and stored answer of an identical earlier release, or None."""
+        if not self.caches:
+            return None
+        found = self._ledger.answer(self.scope, fingerprint)
+        if found is None:
+            return None
+        release_id, answer = found
+        return ReleaseRecord.from_row(self._ledger.release(release_id)), answer
+
+    def record_hit(self, record: ReleaseRecord, *, rows: int, note: str | None) -> None:
+        """Record that ``record``'s answer was given again, free."""
+        parts = record.description["parts"]
+        charge = Charge(method=record.method, epsilon=0.0, delta=0.0,
+                        neighbour=Neighbour(record.description["neighbour"]), notion=self.notion, w=self.w,
+                        rows=rows, partitions=len(parts),
+                        params=json.loads(json.dumps(parts[0]["params"], default=str)),
+                        private=record.description["private"], note=note, kind=Kind.CACHE_HIT)
+        self._ledger.record_hit(self.scope, charge, record.release_id)
+
+    def _refuse_incompatible(self, charge: Charge) -> None:
+        if self.persistent and not charge.private:
+            raise NonPrivateRelease("this release used seeded test noise (dpsql.testing.seeded) and is not "
+                                    "private; a persistent ledger refuses it")
+        if charge.notion != self.notion or (self.notion is Notion.W_EVENT_LDP and charge.w != self.w):
+            mine = self.notion.value + ("" if self.w is None else f" (w={self.w})")
+            theirs = Notion(charge.notion).value + ("" if charge.w is None else f" (w={charge.w})")
+            raise NotionMismatch(f"budget scope {self.scope!r} accounts for {mine}; a {theirs} release "
+                                 "cannot be composed with it")
+
+
+# -- the default budget ------------------------------------------------------------------------------
+
+_default: Budget | None = None
+
+
+class use_budget(contextlib.AbstractContextManager):
+    """Make ``budget`` the default of every release that passes no ``budget=``.
+
+    Called on its own (a notebook's first cell), it sets the default for the rest of the
+    session; as a context manager, for the block only, restoring the previous default after.
+
+    Examples
+    --------
+    >>> import numpy as np, dpsql
+    >>> budget = dpsql.Budget.in_memory(epsilon=1.0)
+    >>> with dpsql.use_budget(budget):
+    ...     release = dpsql.laplace(np.ones(10), epsilon=0.25, upper=1.0)
+    >>> budget.spent
+    (0.25, 0.0)
+    """
+
+    def __init__(self, budget: Budget | None):
+        global _default
+        if budget is not None and not isinstance(budget, Budget):
+            raise InvalidParameter(f"use_budget takes a dpsql.Budget, got {type(budget).__name__}")
+        self._previous, _default = _default, budget
+        self.budget = budget
+
+    def __enter__(self) -> Budget | None:
+        return self.budget
+
+    def __exit__(self, *exc) -> None:
+        global _default
+        _default = self._previous
+
+
+def default_budget() -> Budget | None:
+    """The budget set by :func:`use_budget`, if any."""
+    return _default

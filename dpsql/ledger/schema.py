@@ -1,0 +1,112 @@
+"""The ledger's tables, written once for every backend.
+
+``{blob}``, ``{serial}`` and ``{bigint}`` are the backend's names for binary data, an
+auto-incrementing key and a 64-bit integer. Amounts of budget are text: a charge as the
+decimal its float shows (exact), running totals as exact fractions ``"p/q"``.
+"""
+
+from __future__ import annotations
+
+#: Version of the table layout; older ledgers are upgraded when opened (see :func:`upgrades`).
+VERSION = 2
+
+TABLES = [
+    # key/value facts about the ledger itself: version, id, next row handle
+    """CREATE TABLE IF NOT EXISTS ledger_meta (
+        key TEXT PRIMARY KEY,
+        value TEXT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS scopes (
+        scope TEXT PRIMARY KEY,
+        notion TEXT NOT NULL,
+        w INTEGER,
+        epsilon TEXT NOT NULL,
+        delta TEXT NOT NULL,
+        created TEXT NOT NULL,
+        spent_epsilon TEXT NOT NULL DEFAULT '0/1',
+        spent_delta TEXT NOT NULL DEFAULT '0/1',
+        charges {bigint} NOT NULL DEFAULT 0)""",
+    # one row per charge and per cache hit (epsilon and delta '0'), in order
+    """CREATE TABLE IF NOT EXISTS charges (
+        seq {serial},
+        release_id TEXT NOT NULL UNIQUE,
+        scope TEXT NOT NULL REFERENCES scopes(scope),
+        time TEXT NOT NULL,
+        method TEXT NOT NULL,
+        params TEXT NOT NULL,
+        epsilon TEXT NOT NULL,
+        delta TEXT NOT NULL,
+        rows {bigint} NOT NULL,
+        partitions {bigint} NOT NULL,
+        neighbour TEXT NOT NULL,
+        private INTEGER NOT NULL,
+        note TEXT,
+        kind TEXT NOT NULL DEFAULT 'release',
+        stream TEXT,
+        answers TEXT)""",
+    "CREATE INDEX IF NOT EXISTS charges_scope ON charges(scope, seq)",
+    # the public record of a release: description and error models (never data), its row handles
+    """CREATE TABLE IF NOT EXISTS releases (
+        release_id TEXT PRIMARY KEY,
+        scope TEXT NOT NULL,
+        first_handle {bigint} NOT NULL,
+        handles {bigint} NOT NULL,
+        description {blob} NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS releases_handle ON releases(first_handle)",
+    # stored answers of releases, for identical repeats (fingerprint of release and data)
+    """CREATE TABLE IF NOT EXISTS answers (
+        fingerprint TEXT PRIMARY KEY,
+        scope TEXT NOT NULL,
+        release_id TEXT NOT NULL,
+        created TEXT NOT NULL,
+        answer {blob} NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS answers_scope ON answers(scope)",
+    # continual streams: registration, secret key, open state per partition, released rows
+    """CREATE TABLE IF NOT EXISTS streams (
+        scope TEXT NOT NULL,
+        name TEXT NOT NULL,
+        release_id TEXT NOT NULL UNIQUE,
+        method TEXT NOT NULL,
+        spec TEXT NOT NULL,
+        secret {blob} NOT NULL,
+        created TEXT NOT NULL,
+        version {bigint} NOT NULL DEFAULT 0,
+        rows {bigint} NOT NULL DEFAULT 0,
+        partitions {bigint} NOT NULL DEFAULT 0,
+        PRIMARY KEY (scope, name))""",
+    """CREATE TABLE IF NOT EXISTS stream_partitions (
+        release_id TEXT NOT NULL,
+        address {blob} NOT NULL,
+        ordinal {bigint} NOT NULL,
+        key_text TEXT NOT NULL,
+        first_handle {bigint} NOT NULL,
+        rows {bigint} NOT NULL,
+        watermark {blob},
+        state {blob} NOT NULL,
+        PRIMARY KEY (release_id, address))""",
+    """CREATE TABLE IF NOT EXISTS stream_rows (
+        release_id TEXT NOT NULL,
+        ordinal {bigint} NOT NULL,
+        first_row {bigint} NOT NULL,
+        rows {bigint} NOT NULL,
+        data {blob} NOT NULL,
+        PRIMARY KEY (release_id, ordinal, first_row))""",
+]
+
+#: Columns added since version 1 (round 1's ledger: scopes and charges only), per table.
+_ADDED = {
+    "scopes": [("spent_epsilon", "TEXT NOT NULL DEFAULT '0/1'"), ("spent_delta", "TEXT NOT NULL DEFAULT '0/1'"),
+               ("charges", "{bigint} NOT NULL DEFAULT 0")],
+    "charges": [("kind", "TEXT NOT NULL DEFAULT 'release'"), ("stream", "TEXT"), ("answers", "TEXT")],
+}
+
+
+def upgrades(existing_columns: dict[str, set[str]]) -> list[str]:
+    """``ALTER TABLE`` statements bringing an older ledger's tables to this version
+    (``existing_columns``: each existing table's column names). Running totals of an
+    upgraded scope are recomputed from its charges by the caller."""
+    statements = []
+    for table, columns in _ADDED.items():
+        if table in existing_columns:
+            statements += [f"ALTER TABLE {table} ADD COLUMN {name} {kind}" for name, kind in columns
+                           if name not in existing_columns[table]]
+    return statements

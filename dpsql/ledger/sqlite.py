@@ -1,0 +1,83 @@
+"""The SQLite backend: a ledger file beside the analyst (or a process's memory).
+
+A write transaction is ``BEGIN IMMEDIATE``: SQLite serialises writers across processes, so
+concurrent charges can never overspend. Persistent ledgers use write-ahead logging with
+``synchronous=FULL``: a committed charge is on disk before its release is returned.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import uuid
+from pathlib import Path
+
+from dpsql.errors import LedgerError
+
+#: Seconds a writer waits for another process's transaction before giving up (LedgerError).
+LOCK_TIMEOUT = 60.0
+
+_CAUSES = [
+    ("readonly", "the ledger file or its directory is read-only (dpsql needs to write the ledger and its -wal "
+                 "and -shm files beside it)"),
+    ("disk is full", "the disk is full"),
+    ("database or disk is full", "the disk is full"),
+    ("not a database", "the file is not a dpsql ledger (corrupt, or another kind of file)"),
+    ("malformed", "the ledger file is corrupt"),
+    ("locked", f"another process held the ledger's write lock for more than {LOCK_TIMEOUT:g} s"),
+    ("busy", f"another process held the ledger's write lock for more than {LOCK_TIMEOUT:g} s"),
+    ("unable to open", "the file cannot be opened (missing directory or no permission)"),
+    ("disk i/o error", "the disk failed to read or write the ledger"),
+]
+
+
+class SqliteBackend:
+    errors = (sqlite3.Error,)
+    lock_row = ""  # BEGIN IMMEDIATE already holds the database's write lock
+
+    def __init__(self, path: str | Path | None):
+        """``path``: the ledger file; None for a ledger in this process's memory."""
+        self.persistent = path is not None
+        self.location = str(Path(path)) if self.persistent else "in memory"
+        self._target = self.location if self.persistent else f"file:dpsql-{uuid.uuid4().hex}?mode=memory&cache=shared"
+
+    def connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self._target, uri=not self.persistent, timeout=LOCK_TIMEOUT, isolation_level=None,
+                               check_same_thread=False)
+        try:
+            if self.persistent:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA foreign_keys=ON")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def begin(self, conn) -> None:
+        conn.execute("BEGIN IMMEDIATE")
+
+    def commit(self, conn) -> None:
+        conn.execute("COMMIT")
+
+    def rollback(self, conn) -> None:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+
+    def execute(self, conn, sql: str, params=()):
+        return conn.execute(sql, params)
+
+    def ddl(self, statement: str) -> str:
+        return statement.format(blob="BLOB", serial="INTEGER PRIMARY KEY AUTOINCREMENT", bigint="INTEGER")
+
+    def blob(self, data: bytes):
+        return sqlite3.Binary(data)
+
+    def columns(self, conn) -> dict[str, set[str]]:
+        tables = [row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        return {t: {row[1] for row in conn.execute(f'PRAGMA table_info("{t}")')} for t in tables}
+
+    def failure(self, error: Exception, what: str) -> LedgerError:
+        text = str(error)
+        cause = next((c for needle, c in _CAUSES if needle in text.lower()), text)
+        return LedgerError(f"ledger {self.location}: cannot {what}: {cause} (SQLite: {text}). Nothing was charged "
+                           "or released.")

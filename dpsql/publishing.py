@@ -1,0 +1,280 @@
+"""The single charging path of one-shot releases.
+
+:func:`publish` is the only function in dpsql that hands private values of a one-shot
+release to a caller. It validates everything, gives the release a fresh secret key
+(:class:`dpsql.noise.Keystream`), runs the pure algorithm, charges the ledger once (one
+transaction, durable, recording the release's public description and, for identical repeats,
+its answer) and only then returns the release. Python functions, the DuckDB, Polars and Spark
+front ends all call it; none of them charges or draws noise by itself.
+
+Identical repeats cost nothing: the fingerprint of the request (method, parameters, scope and
+the exact data consumed, :mod:`dpsql._fingerprint`) finds the recorded answer of an earlier
+identical release, which is returned again and recorded as a free cache hit; it publishes
+nothing new. ``fresh=True`` makes a new, charged release instead.
+
+A refused or failed call leaves nothing noisy behind: everything drawn lives in one inner
+call whose frames are dropped, and the caller gets a fresh exception of the same type and
+message, with no traceback into them, no ``__context__`` and no ``__cause__``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from dpsql import _state, _validate
+from dpsql._fingerprint import fingerprint
+from dpsql._memory import pooled_array
+from dpsql.accounting import Charge, Neighbour, Notion, compose
+from dpsql.budget import Budget, default_budget
+from dpsql.errors import BudgetExhausted, DPError, InvalidParameter
+from dpsql.methods import machine_for
+from dpsql.noise import DrawsBatch, Keystream, partition_address
+from dpsql.records import describe, restored
+from dpsql.release import (
+    Descriptions,
+    PartitionedRelease,
+    Parts,
+    Release,
+    StreamMachine,
+    chunks_of,
+    release_batched,
+    run_machine,
+)
+
+_ANSWER_CODEC = "zstd"
+
+
+def publish(method: str, values, *, budget: Budget | None = None, column: str = "values",
+            partition_offsets: Sequence[int] | None = None, partition_keys: Sequence | None = None,
+            partition_levels: Sequence[int] | None = None, order_keys: Sequence = (), fresh: bool = False,
+            note: str | None = None, **params) -> Release | PartitionedRelease:
+    """Release ``values`` privately with ``method`` and charge ``budget`` once.
+
+    Parameters
+    ----------
+    method : str
+        A registered method name (:data:`dpsql.methods.METHODS`).
+    values : array-like
+        One numeric value per row, in time order. Errors name ``column``.
+    budget : Budget, optional
+        Charged once, atomically, before anything is returned; default: the budget set with
+        :func:`dpsql.use_budget`. A private release with neither is refused.
+    partition_offsets : sequence of int, optional
+        ``[0, o_1, ..., n]``: rows ``o_k:o_{k+1}`` form partition ``k`` (disjoint, rows
+        grouped by partition, each in time order). Each partition is released
+        independently; the charge is the maximum over partitions.
+    partition_keys : sequence, optional
+        The (public) key of each partition; a partition's noise is addressed by its key, so
+        the same partition gets the same draws whatever else is released with it (a
+        continual stream's appends, a Spark task). Default: the partitions' positions.
+    partition_levels : sequence of int, optional
+        One level per partition, for releases in which every event is counted once per
+        level (a hierarchy of aggregations): partitions of one level are disjoint
+        (parallel composition, maximum) and levels compose sequentially (their maxima
+        add up, exactly). Default: all partitions in one level.
+    order_keys : sequence of arrays
+        The public order (and partition) key columns in stream order, as the front end read
+        them: part of what identifies the data for the answer cache.
+    fresh : bool
+        Release anew (and charge) even if an identical release's answer is recorded.
+    note : str, optional
+        Recorded in the ledger with the release.
+    **params
+        The method's parameters (``epsilon``, ``upper``, ...).
+    """
+    if budget is None:
+        budget = default_budget()
+    elif not isinstance(budget, Budget):
+        raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
+    data = _validate.values(values, column)
+    offsets = _offsets(partition_offsets, len(data))
+    addresses = _addresses(partition_offsets, partition_keys, len(offsets) - 1)
+    request = _Request(method, data, offsets, addresses, partition_offsets is not None, partition_keys,
+                       partition_levels, list(order_keys), params, note)
+    failure = None
+    try:
+        return request.release(budget, fresh=fresh)
+    except BaseException as error:
+        failure = _scrubbed(error)
+    raise failure
+
+
+class _Request:
+    """One release request: everything :func:`publish` validated. :meth:`release` holds every
+    noisy value and key in its own frames, so that they die with a failure."""
+
+    def __init__(self, method, data, offsets, addresses, partitioned, keys, levels, order_keys, params, note):
+        self.method, self.data, self.offsets, self.addresses = method, data, offsets, addresses
+        self.partitioned, self.keys, self.levels, self.order_keys = partitioned, keys, levels, order_keys
+        self.params, self.note = params, note
+
+    def release(self, budget: Budget | None, *, fresh: bool) -> Release | PartitionedRelease:
+        keystream = Keystream.fresh()
+        lengths = np.diff(self.offsets).tolist()
+        # one template machine per partition length: machines of one length (and these
+        # parameters) are identical until fed, and cost the same
+        templates: dict[int, StreamMachine] = {}
+        for k, n in enumerate(lengths):
+            if n not in templates:
+                templates[n] = machine_for(self.method, n, keystream.partition(self.addresses[k]), self.params)
+        machines = [templates[n] for n in lengths]
+        levels = [0] * len(machines) if self.levels is None else list(self.levels)
+        if len(levels) != len(machines):
+            raise InvalidParameter(f"partition_levels must give one level per partition ({len(machines)}), "
+                                   f"got {len(levels)}")
+        first = machines[0]
+        charge = Charge(method=self.method, epsilon=compose([m.cost[0] for m in machines], levels),
+                        delta=compose([m.cost[1] for m in machines], levels), neighbour=Neighbour(first.neighbour),
+                        notion=Notion(first.notion), w=first.w, rows=len(self.data), partitions=len(machines),
+                        private=keystream.private, note=self.note)
+        if budget is None:
+            if keystream.private:
+                raise InvalidParameter("a private release needs a budget to be charged to: pass budget=dpsql.Budget."
+                                       "open(...) (or Budget.in_memory(...)), or set a default with "
+                                       "dpsql.use_budget(budget)")
+            parts, values = _run_partitions(self.method, templates, self.data, self.offsets, keystream,
+                                            self.addresses, self.params)
+            return self._assemble(parts, values, charge, release_id=None, first_handle=None)
+        digest = self._fingerprint(budget, charge) if budget.caches else None
+        if digest is not None and not fresh:
+            stored = budget.stored_answer(digest)
+            if stored is not None:
+                record, answer = stored
+                budget.record_hit(record, rows=len(self.data), note=self.note)
+                return restored(record, _unpacked_values(answer))
+        budget.check(charge)
+        parts, values = _run_partitions(self.method, templates, self.data, self.offsets, keystream, self.addresses,
+                                        self.params)
+        release = self._assemble(parts, values, charge, release_id=None, first_handle=None)
+        charge = Charge(**{**charge.__dict__, "method": parts[0].method, "params": _public(parts[0].params)})
+        receipt = budget.charge(charge, handles=len(values), description=describe(release),
+                                answer=None if digest is None else (digest, _packed_values(values)))
+        return self._assemble(parts, values, charge, release_id=receipt.release_id, first_handle=receipt.first_handle)
+
+    def _assemble(self, parts: Parts, values: np.ndarray, charge: Charge, *, release_id, first_handle):
+        if release_id is not None:
+            parts = parts.with_id(release_id, first_handle, self.offsets)
+        if not self.partitioned:
+            return parts[0]
+        return PartitionedRelease(values=values, offsets=self.offsets, parts=parts, method=parts[0].method,
+                                  epsilon=charge.epsilon, delta=charge.delta, private=charge.private,
+                                  release_id=release_id, keys=self.keys, first_handle=first_handle)
+
+    def _fingerprint(self, budget: Budget, charge: Charge) -> str:
+        header = {"version": 1, "scope": budget.scope, "notion": charge.notion.value, "method": self.method,
+                  "params": _public(self.params), "levels": self.levels, "partitioned": self.partitioned}
+        addresses = np.frombuffer(b"".join(len(a).to_bytes(4, "big") + a for a in self.addresses), dtype=np.uint8)
+        return fingerprint(header, [self.data, self.offsets, addresses, *self.order_keys])
+
+
+def _public(params: dict) -> dict:
+    """Parameters as plain JSON-able values (numpy scalars as Python numbers)."""
+    return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in params.items()}
+
+
+def _packed_values(values: np.ndarray) -> bytes:
+    codec = pa.Codec(_ANSWER_CODEC, compression_level=1)
+    return _state.pack({"codec": _ANSWER_CODEC, "size": int(values.nbytes),
+                        "values": codec.compress(np.ascontiguousarray(values, dtype=np.float64)).to_pybytes()})
+
+
+def _unpacked_values(answer: bytes) -> np.ndarray:
+    stored = _state.unpack(answer)
+    raw = pa.Codec(stored["codec"]).decompress(stored["values"], decompressed_size=stored["size"])
+    return np.frombuffer(raw, dtype=np.float64).copy()
+
+
+def _scrubbed(error: BaseException) -> BaseException:
+    """A fresh exception like ``error`` (type, message; a budget refusal's amounts) carrying
+    nothing else: no traceback into the frames that held noisy values, no context, no cause."""
+    kind = type(error)
+    if isinstance(error, BudgetExhausted):
+        return BudgetExhausted(str(error), remaining=error.remaining, requested=error.requested)
+    if isinstance(error, (DPError, KeyboardInterrupt, SystemExit, MemoryError)):
+        try:
+            return kind(*[a if isinstance(a, (str, int, float)) else str(a) for a in error.args])
+        except TypeError:
+            pass
+    return RuntimeError(f"{kind.__name__}: {error}")
+
+def _run_partitions(method: str, templates: dict[int, StreamMachine], data: np.ndarray, offsets: np.ndarray,
+                    keystream: Keystream, addresses: list[bytes], params: dict) -> tuple[Parts, np.ndarray]:
+    """One :class:`Release` per partition (made when looked at), and all their values in one array.
+
+    ``templates`` holds one unfed machine per partition length (built with the draws of the
+    first partition of that length). Batchable machines release each group of equal-length
+    partitions in one run over a ``(k, n)`` view of their rows, each partition drawing from
+    its own address (a group of one is the ordinary single stream); the others run partition
+    by partition.
+    """
+    lengths = np.diff(offsets)
+    spans = list(itertools.pairwise(offsets.tolist()))
+    first_of_length = {}
+    for k, n in enumerate(lengths.tolist()):
+        first_of_length.setdefault(n, k)
+    if next(iter(templates.values())).batchable and len(lengths) > 1:
+        values = pooled_array(len(data))
+        sources: list = [None] * len(lengths)
+        for n, template in templates.items():
+            group = np.flatnonzero(lengths == n)
+            if len(group) == 1:
+                span = slice(int(offsets[group[0]]), int(offsets[group[0]]) + n)
+                run_machine(template, chunks_of(data[span]), n, values[span])
+                sources[group[0]] = (template, None)
+                continue
+            draws = DrawsBatch([keystream.partition(addresses[j]) for j in group.tolist()])
+            for j, released in zip(group.tolist(), _release_group(template, data, values, offsets[group], n, draws)):
+                sources[j] = released
+    else:
+        machines = [templates[b - a] if first_of_length[b - a] == k
+                    else machine_for(method, b - a, keystream.partition(addresses[k]), params)
+                    for k, (a, b) in enumerate(spans)]
+        pieces = [run_machine(m, chunks_of(data[a:b]), b - a) for m, (a, b) in zip(machines, spans)]
+        values = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        sources = [(m, None) for m in machines]
+    # a partition's outputs: one per row, or the machine's fixed number (a threshold: one)
+    outputs = np.cumsum([0] + [templates[b - a].n_outputs or b - a for a, b in spans]).tolist()
+    parts = Parts(Descriptions(sources), [values[a:b] for a, b in itertools.pairwise(outputs)],
+                  private=keystream.private)
+    return parts, values
+
+
+def _release_group(machine: StreamMachine, data: np.ndarray, values: np.ndarray, starts: np.ndarray,
+                   n: int, draws: DrawsBatch) -> list[tuple[StreamMachine, int]]:
+    """Release the partitions of length ``n`` starting at ``starts`` (two or more) with the
+    batchable ``machine`` (unfed) and their ``draws``, writing their values into ``values``;
+    returns what describes each (see :class:`~dpsql.release.Descriptions`)."""
+    if starts[-1] - starts[0] == (len(starts) - 1) * n:  # adjacent partitions: views, no copies
+        span = slice(starts[0], starts[0] + len(starts) * n)
+        batch = release_batched(machine, data[span].reshape(-1, n), values[span].reshape(-1, n), draws)
+    else:
+        rows = starts[:, None] + np.arange(n)
+        out = np.empty(rows.shape)
+        batch = release_batched(machine, data[rows], out, draws)
+        values[rows] = out
+    return [(batch, j) for j in range(len(starts))]
+
+
+def _addresses(partition_offsets, partition_keys, count: int) -> list[bytes]:
+    if partition_offsets is None:
+        return [b""]
+    keys = range(count) if partition_keys is None else list(partition_keys)
+    if len(keys) != count:
+        raise InvalidParameter(f"partition_keys must give one key per partition ({count}), got {len(keys)}")
+    return [partition_address(key) for key in keys]
+
+
+def _offsets(partition_offsets, n: int) -> np.ndarray:
+    if partition_offsets is None:
+        return np.array([0, n])
+    offsets = np.asarray(partition_offsets, dtype=np.int64)
+    if offsets.ndim != 1 or offsets.size < 2 or offsets[0] != 0 or offsets[-1] != n or np.any(np.diff(offsets) <= 0):
+        raise InvalidParameter("partition_offsets must start at 0, end at the number of rows and strictly "
+                               "increase (every partition non-empty)")
+    return offsets
+
+
