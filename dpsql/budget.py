@@ -73,8 +73,8 @@ class Budget:
             w = _validate.integer(w, "w", minimum=1)
         elif w is not None:
             raise InvalidParameter(f"w is only meaningful for notion 'w-event-ldp', got w={w!r}")
-        if epsilon is not None:
-            epsilon = _validate.epsilon(epsilon)
+        if epsilon is not None:  # a budget's total, not a release's cost: any finite positive amount
+            epsilon = _validate.real(epsilon, "epsilon", minimum=0.0, strict=True)
         delta = _validate.delta(delta, pure=False, method="Budget")
         state = ledger.open_scope(scope, epsilon=epsilon, delta=delta, notion=notion, w=w)
         self = object.__new__(cls)

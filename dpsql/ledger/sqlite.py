@@ -23,8 +23,8 @@ _CAUSES = [
     ("database or disk is full", "the disk is full"),
     ("not a database", "the file is not a dpsql ledger (corrupt, or another kind of file)"),
     ("malformed", "the ledger file is corrupt"),
-    ("locked", f"another process held the ledger's write lock for more than {LOCK_TIMEOUT:g} s"),
-    ("busy", f"another process held the ledger's write lock for more than {LOCK_TIMEOUT:g} s"),
+    ("locked", "another process held the ledger's write lock for more than {timeout:g} s"),
+    ("busy", "another process held the ledger's write lock for more than {timeout:g} s"),
     ("unable to open", "the file cannot be opened (missing directory or no permission)"),
     ("disk i/o error", "the disk failed to read or write the ledger"),
 ]
@@ -78,6 +78,6 @@ class SqliteBackend:
 
     def failure(self, error: Exception, what: str) -> LedgerError:
         text = str(error)
-        cause = next((c for needle, c in _CAUSES if needle in text.lower()), text)
+        cause = next((c for needle, c in _CAUSES if needle in text.lower()), text).format(timeout=LOCK_TIMEOUT)
         return LedgerError(f"ledger {self.location}: cannot {what}: {cause} (SQLite: {text}). Nothing was charged "
                            "or released.")

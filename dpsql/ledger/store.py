@@ -84,8 +84,11 @@ class Ledger:
         self._conn = None
         self._pid = os.getpid()
         self._created_in = os.getpid()
-        with self.transaction("create the ledger's tables") as conn:
-            self._prepare(conn)
+        with self.reading("open the ledger") as conn:
+            ready = self._current(conn)
+        if not ready:
+            with self.transaction("create the ledger's tables") as conn:
+                self._prepare(conn)
 
     # -- connections and transactions --------------------------------------------------------
 
@@ -137,6 +140,16 @@ class Ledger:
     def execute(self, conn, sql: str, params=()):
         return self.backend.execute(conn, sql, params)
 
+    def _current(self, conn) -> bool:
+        """Does the ledger already have this version's tables (so opening writes nothing)?"""
+        if "ledger_meta" not in self.backend.columns(conn):
+            return False
+        row = self.execute(conn, "SELECT value FROM ledger_meta WHERE key = 'version'").fetchone()
+        if row is not None and int(row[0]) > schema.VERSION:
+            raise LedgerError(f"ledger {self.location} has table layout version {row[0]}, newer than this "
+                              f"dpsql understands ({schema.VERSION}): upgrade dpsql")
+        return row is not None and int(row[0]) == schema.VERSION
+
     def _prepare(self, conn) -> None:
         existing = self.backend.columns(conn)
         if "ledger_meta" not in existing:
@@ -145,9 +158,6 @@ class Ledger:
         for statement in schema.TABLES:
             self.execute(conn, self.backend.ddl(statement))
         meta = dict(self.execute(conn, "SELECT key, value FROM ledger_meta").fetchall())
-        if "version" in meta and int(meta["version"]) > schema.VERSION:
-            raise LedgerError(f"ledger {self.location} has table layout version {meta['version']}, newer than this "
-                              f"dpsql understands ({schema.VERSION}): upgrade dpsql")
         if "version" not in meta:
             origin = (secrets.randbits(_HANDLE_ORIGIN_BITS) + (1 << _HANDLE_ORIGIN_BITS)) << 32
             for key, value in {"version": schema.VERSION, "id": str(uuid.uuid4()), "next_handle": origin}.items():
@@ -169,16 +179,10 @@ class Ledger:
                    w: int | None) -> ScopeState:
         """Create scope ``scope`` (``epsilon`` required then) or check that the given budget
         equals the one it was created with: a budget is never raised silently."""
-        with self.transaction(f"open scope {scope!r}") as conn:
-            state = self._scope(conn, scope, lock=True)
-            if state is None:
-                if epsilon is None:
-                    raise InvalidParameter(f"scope {scope!r} does not exist yet in ledger {self.location}: pass "
-                                           "epsilon to create it")
-                self.execute(conn, "INSERT INTO scopes (scope, notion, w, epsilon, delta, created) "
-                                   "VALUES (?, ?, ?, ?, ?, ?)",
-                             (scope, notion.value, w, repr(float(epsilon)), repr(float(delta)), _now()))
-                return self._scope(conn, scope, lock=False)
+        with self.reading(f"open scope {scope!r}") as conn:
+            state = self._scope(conn, scope, lock=False)
+        if state is None:
+            state = self._create_scope(scope, epsilon=epsilon, delta=delta, notion=notion, w=w)
         for name, given, stored in (("epsilon", epsilon, state.epsilon), ("delta", delta, state.delta)):
             if given is not None and exact(given) != stored and not (name == "delta" and given == 0.0):
                 raise InvalidParameter(f"scope {scope!r} exists with {name}={float(stored)!r}; reopening with "
@@ -187,6 +191,19 @@ class Ledger:
             raise NotionMismatch(f"scope {scope!r} was created for notion {state.notion.value!r}"
                                  f"{'' if state.w is None else f' (w={state.w})'}; asked for {notion.value!r}")
         return state
+
+    def _create_scope(self, scope: str, *, epsilon, delta, notion: Notion, w) -> ScopeState:
+        with self.transaction(f"create scope {scope!r}") as conn:
+            state = self._scope(conn, scope, lock=True)
+            if state is not None:  # another process created it meanwhile
+                return state
+            if epsilon is None:
+                raise InvalidParameter(f"scope {scope!r} does not exist yet in ledger {self.location}: pass "
+                                       "epsilon to create it")
+            self.execute(conn, "INSERT INTO scopes (scope, notion, w, epsilon, delta, created) "
+                               "VALUES (?, ?, ?, ?, ?, ?)",
+                         (scope, notion.value, w, repr(float(epsilon)), repr(float(delta)), _now()))
+            return self._scope(conn, scope, lock=False)
 
     def scope(self, scope: str) -> ScopeState:
         with self.reading(f"read scope {scope!r}") as conn:
