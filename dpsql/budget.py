@@ -25,9 +25,11 @@ from pathlib import Path
 
 from dpsql import _state, _validate
 from dpsql.accounting import Charge, Kind, Neighbour, Notion, exact
+from dpsql.continual import Stream, open_stream
 from dpsql.errors import InvalidParameter, NonPrivateRelease, NotionMismatch
 from dpsql.ledger import Ledger, Receipt, memory_ledger, open_ledger
 from dpsql.ledger.store import refuse_overspend
+from dpsql.ledger.streams import StreamStore
 from dpsql.records import ReleaseRecord
 
 
@@ -148,6 +150,51 @@ class Budget:
         if record.scope != self.scope:
             raise InvalidParameter(f"release {release_id} belongs to scope {record.scope!r}, not {self.scope!r}")
         return record
+
+    def stream(self, name: str, *, method: str | None = None, epsilon: float | None = None,
+               order_by: str | None = None, value: str | None = None, partition_by=None, delta: float = 0.0,
+               **params) -> Stream:
+        """Register the continual stream ``name`` in this scope, charging its whole cost once, or
+        reopen it (from any process, free).
+
+        The first call needs ``method`` (any per-row method with an online form: ``tops``,
+        ``hierarchy``, ``pak``, ``binary_tree``, ``laplace``; or a count stream, ``pegasus`` or
+        ``count_laplace``), ``epsilon``, ``order_by`` (the public time key) and ``value`` (the
+        private column; for a count stream, ``every`` and ``start``: the public bucket grid of
+        the time column ``order_by``), plus the method's parameters. A later call with the
+        same name may repeat them (each must equal what is stored, else
+        :class:`~dpsql.InvalidParameter` naming it) or pass none. Parameters that a one-shot
+        release derives from the table's length have fixed defaults here (a stream's length is
+        unknown); PAK needs ``delta``. ``threshold=`` (a threshold released and charged before)
+        skips ToPS's or PAK's hold-out.
+
+        Examples
+        --------
+        >>> import dpsql, polars as pl
+        >>> budget = dpsql.Budget.in_memory(epsilon=1.0)
+        >>> with dpsql.testing.seeded(0):
+        ...     meters = budget.stream("kwh", method="laplace", epsilon=0.5, order_by="hour", value="kwh",
+        ...                            upper=10.0)
+        >>> meters.append(pl.DataFrame({"hour": [0, 1, 2], "kwh": [1.0, 4.0, 2.5]})).num_rows
+        3
+        >>> budget.stream("kwh").append(pl.DataFrame({"hour": [3], "kwh": [3.0]})).column_names
+        ['hour', 'kwh', 'dp_row']
+        >>> budget.spent
+        (0.5, 0.0)
+        """
+        return open_stream(self, name, method=method, epsilon=epsilon, order_by=order_by, value=value,
+                           partition_by=partition_by, delta=delta, **params)
+
+    def streams(self):
+        """This scope's streams as a Polars DataFrame: name, method, params (JSON), epsilon,
+        delta, rows released, partitions, watermark (the largest order key appended), created."""
+        import polars as pl
+
+        rows = [Stream(self, row).info() for row in StreamStore(self._ledger).all(self.scope)]
+        schema = {"name": pl.String, "method": pl.String, "params": pl.String, "epsilon": pl.Float64,
+                  "delta": pl.Float64, "rows": pl.Int64, "partitions": pl.Int64, "watermark": pl.String,
+                  "created": pl.String}
+        return pl.DataFrame(rows, schema=schema, orient="row")
 
     def clear_cache(self) -> int:
         """Forget the stored answers of this scope (later repeats are charged); returns how many."""

@@ -93,6 +93,7 @@ class Lane(enum.IntEnum):
     EPOCH_TOTAL = 9  #: an epoch's total in the unbounded (hybrid) counter
     LDP_REPORT = 10  #: local-DP reports (level: which uniform of the report)
     LDP_CHOICE = 11  #: local-DP randomiser choices (hybrid mechanism, sampling)
+    VALUE_TAG = 12  #: keyed tags of a continual stream's appended values (no noise: equality checks)
 
 
 class Keystream:
@@ -171,6 +172,13 @@ class Draws:
             encryptor = Cipher(self._aes, modes.CTR(nonce)).encryptor()
             encryptor.update_into(_zeros(count), out.view(np.uint8).reshape(-1))
         return out
+
+    def tags(self, values: np.ndarray) -> np.ndarray:
+        """A keyed 64-bit tag of each float64 value (AES of its bits under the ``VALUE_TAG``
+        lane): equal values get equal tags, and without the key a tag says nothing about its
+        value. A continual stream keeps tags, not values, to recognise a row appended twice."""
+        bits = np.ascontiguousarray(values, dtype=np.float64).view(np.uint64)
+        return self._blocks_at(int(Lane.VALUE_TAG) << 48, bits)[:, 0].copy()
 
     def _blocks_at(self, header: int, indices: np.ndarray) -> np.ndarray:
         """The keystream blocks at scattered ``indices`` (equal to :meth:`_blocks` there):

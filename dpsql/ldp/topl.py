@@ -32,11 +32,12 @@ intervals are conservative there.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from dpsql import _validate
 from dpsql.accounting import largest_share
-from dpsql.budget import Budget
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.ldp import (
     EVENT_LDP_NEIGHBOUR,
@@ -51,6 +52,9 @@ from dpsql.mechanisms.ldp import (
 from dpsql.noise import Draws, Keystream
 from dpsql.release import IndependentNoise, Release, StreamMachine
 from dpsql.streams.holdout import DEFAULT_HOLDOUT
+
+if TYPE_CHECKING:
+    from dpsql.budget import Budget
 
 #: The paper's maximal query range ``r`` (Eq. 8); by default capped at the stream length after the hold-out.
 PAPER_RANGE = 1 << 20
