@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import re
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -50,22 +49,20 @@ from dpsql.ledger.streams import PartitionRow, StreamRow, StreamStore
 from dpsql.methods import COUNT_METHODS, check_method, machine_for
 from dpsql.noise import Draws, Keystream, partition_address
 from dpsql.release import Release, _quantile_multiplier
+from dpsql.timegrid import TimeGrid, duration, instant, ticks
 
 ROW_COLUMN = "dp_row"
 _TAG = "dp_tag"
-_DURATION = re.compile(r"^(\d+)(us|ms|s|m|h|d|w)$")
-_MICROSECONDS = {"us": 1, "ms": 1000, "s": 10**6, "m": 60 * 10**6, "h": 3600 * 10**6, "d": 86_400 * 10**6,
-                 "w": 7 * 86_400 * 10**6}
 
 
 @dataclass(frozen=True)
 class StreamSpec:
     """What a stream was registered with (public; stored with it).
 
-    ``params`` are the method's parameters. Count streams add the public time grid: bucket
-    ``b`` holds the events with ``start + b * every <= time < start + (b + 1) * every``, in
-    the time column's integer units (``time_kind``: microseconds of a timestamp, days of a
-    date, or the integers themselves).
+    ``params`` are the method's parameters. Count streams add the public time grid
+    (:class:`dpsql.timegrid.TimeGrid`): bucket ``b`` holds the events with ``start + b * every
+    <= time < start + (b + 1) * every``, datetimes in UTC nanoseconds; ``utc`` says whether
+    bucket starts come back as UTC timestamps (a time zone aware ``start``) or naive ones.
     """
 
     method: str
@@ -73,10 +70,14 @@ class StreamSpec:
     order_by: str
     value: str | None
     partition_by: tuple[str, ...] = ()
-    every: int | None = None
-    start: int | None = None
-    time_kind: str | None = None
-    time_zone: str | None = None
+    every: float | int | None = None
+    start: float | int | None = None
+    datetime: bool = False
+    utc: bool = False
+
+    @property
+    def grid(self) -> TimeGrid:
+        return TimeGrid(self.start, self.every, self.datetime)
 
     @property
     def counts(self) -> bool:
@@ -154,45 +155,9 @@ def _spec(method, *, order_by, value, partition_by, every, start, params) -> Str
     if every is None or start is None:
         raise InvalidParameter("a count stream needs its public time grid: every (the bucket width) and start "
                                "(the first bucket's start)")
-    kind, zone, origin = _time_origin(start)
-    width = _bucket_width(every, kind)
-    return StreamSpec(method, params, order_by, None, partition, width, origin, kind, zone)
-
-
-def _time_origin(start) -> tuple[str, str | None, int]:
-    if isinstance(start, dt.datetime):
-        zone = None if start.tzinfo is None else str(start.tzinfo)
-        naive = start.astimezone(dt.UTC).replace(tzinfo=None) if start.tzinfo else start
-        return "timestamp", zone, (naive - dt.datetime(1970, 1, 1)) // dt.timedelta(microseconds=1)
-    if isinstance(start, dt.date):
-        return "date", None, (start - dt.date(1970, 1, 1)).days
-    if isinstance(start, str):
-        try:
-            return _time_origin(dt.datetime.fromisoformat(start))
-        except ValueError:
-            raise InvalidParameter(f"start must be a time (datetime, date, ISO text) or an integer, got {start!r}") \
-                from None
-    return "integer", None, _validate.integer(start, "start")
-
-
-def _bucket_width(every, kind: str) -> int:
-    if kind == "integer":
-        return _validate.integer(every, "every", minimum=1)
-    if isinstance(every, dt.timedelta):
-        micros = every // dt.timedelta(microseconds=1)
-    elif isinstance(every, str) and _DURATION.match(every):
-        count, unit = _DURATION.match(every).groups()
-        micros = int(count) * _MICROSECONDS[unit]
-    else:
-        raise InvalidParameter(f"every must be a duration (a timedelta, or text like '5m', '1h', '1d') for a time "
-                               f"column, got {every!r}")
-    if kind == "date":
-        if micros % _MICROSECONDS["d"] or micros <= 0:
-            raise InvalidParameter(f"every must be a whole number of days for a date column, got {every!r}")
-        return micros // _MICROSECONDS["d"]
-    if micros <= 0:
-        raise InvalidParameter(f"every must be positive, got {every!r}")
-    return micros
+    grid = TimeGrid.of(start=start, every=every)
+    utc = isinstance(start, dt.datetime) and start.tzinfo is not None
+    return StreamSpec(method, params, order_by, None, partition, grid.every, grid.start, grid.datetime, utc)
 
 
 def _plain(params: dict) -> dict:
@@ -282,11 +247,14 @@ class Stream:
             if expected != value:
                 raise InvalidParameter(f"stream {self.name!r} exists with {name}={expected!r}; reopening it with "
                                        f"{name}={value!r} is refused (a stream's parameters never change)")
-        if self.spec.counts and ("every" in given or "start" in given):
-            kind, _, origin = _time_origin(given["start"]) if "start" in given else (
-                self.spec.time_kind, self.spec.time_zone, self.spec.start)
-            width = _bucket_width(given["every"], kind) if "every" in given else self.spec.every
-            if (origin, width) != (self.spec.start, self.spec.every):
+        if self.spec.counts:
+            spec = self.spec
+            start = given.get("start", spec.start if not spec.datetime else None)
+            every = given.get("every", spec.every if not spec.datetime else None)
+            asked = (instant(start, "start") if spec.datetime and start is not None else start,
+                     duration(every) if spec.datetime and every is not None else every)
+            stored = (spec.start if start is not None else None, spec.every if every is not None else None)
+            if asked != stored:
                 raise InvalidParameter(f"stream {self.name!r} exists with another time grid (every, start); "
                                        "reopening it with a different one is refused")
 
@@ -422,7 +390,7 @@ class Stream:
         def typed(column):
             return pa.array([], like.schema.field(column).type if like is not None else pa.null())
 
-        key = (pa.array([], _time_array(np.empty(0, np.int64), self.spec).type) if self.spec.counts
+        key = (_bucket_starts(np.empty(0, np.int64), self.spec) if self.spec.counts
                else typed(self.spec.order_by))
         return pa.table({**{c: typed(c) for c in self.spec.partition_by}, self.spec.order_by: key,
                          self._value_column(): pa.array([], pa.float64()), ROW_COLUMN: pa.array([], pa.int64())})
@@ -554,8 +522,7 @@ class _CountAppend:
         label = f"stream {stream.name!r}"
         frame = pl.from_arrow(self.table)
         _refuse_null_keys(frame, [spec.order_by, *spec.partition_by], label)
-        units = _time_units(self.table[spec.order_by], spec, label)
-        buckets = np.floor_divide(units - spec.start, spec.every)
+        buckets = spec.grid.buckets(ticks(self.table[spec.order_by], f"{label}: {spec.order_by}", spec.datetime))
         frame = frame.with_columns(pl.Series("__bucket", buckets)).filter(pl.col("__bucket") >= 0)
         frame = frame.sort([*spec.partition_by, "__bucket"], maintain_order=True)
         groups = _groups(frame, spec, label, order="__bucket", unique_keys=False)
@@ -594,8 +561,9 @@ class _CountAppend:
         return _sorted(outputs, stream, self.table)
 
     def _closing(self, closed: int) -> int:
-        units = _time_units(pa.array([self.until]), self.spec, f"stream {self.stream.name!r}: until")[0]
-        target = int(np.floor_divide(units - self.spec.start, self.spec.every))
+        grid = self.spec.grid
+        until = instant(self.until, "until") if grid.datetime else _validate.real(self.until, "until")
+        target = int(grid.buckets(np.array([until]))[0])
         if target < closed:
             raise InvalidParameter(f"stream {self.stream.name!r}: until={self.until!r} is earlier than the buckets "
                                    f"already closed (up to {self._time_of(closed)})")
@@ -607,8 +575,8 @@ class _CountAppend:
         counts = np.array([state.counts.pop(b, 0.0) for b in range(state.fed, target)], dtype=np.float64)
         machine = stream._machine(draws, state.machine)
         out = machine.feed(counts)
-        starts = self.spec.start + self.spec.every * np.arange(state.fed, state.fed + len(out), dtype=np.int64)
-        chunk = {"key": _time_array(starts, self.spec), "value": pa.array(out, pa.float64())}
+        chunk = {"key": _bucket_starts(np.arange(state.fed, state.fed + len(out)), self.spec),
+                 "value": pa.array(out, pa.float64())}
         if getattr(machine, "public_columns", ()):
             chunk.update({f"dp_{c}": pa.array(v) for c, v in machine.take_public().items()})
         state.machine, state.fed = machine.snapshot(), target
@@ -616,14 +584,13 @@ class _CountAppend:
         if len(out):
             stream._store.add_rows(conn, row, part.ordinal, first_row, len(out), _ipc_bytes(pa.table(chunk)))
         part.rows += len(out)
-        part.watermark = _ipc_bytes(pa.table({"key": _time_array(np.array([self.spec.start + self.spec.every * target],
-                                                                          dtype=np.int64), self.spec)}))
+        part.watermark = _ipc_bytes(pa.table({"key": _bucket_starts(np.array([target]), self.spec)}))
         part.state = state.pack()
         stream._store.save_partition(conn, row, part)
         return stream._output(pa.table(chunk), part, first_row), len(out)
 
     def _time_of(self, bucket: int):
-        return _time_array(np.array([self.spec.start + self.spec.every * bucket], dtype=np.int64), self.spec)[0].as_py()
+        return _bucket_starts(np.array([bucket]), self.spec)[0].as_py()
 
 
 def _closed_buckets(partitions: dict[bytes, PartitionRow]) -> int:
@@ -710,26 +677,12 @@ def _same_type(keys: pa.Array, watermark, stream: Stream) -> pa.Array:
                              f"{watermark.type} appended before") from None
 
 
-def _time_units(column, spec: StreamSpec, label: str) -> np.ndarray:
-    """A count stream's time column in its integer units (see :class:`StreamSpec`)."""
-    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    kind = column.type
-    if spec.time_kind == "timestamp" and pa.types.is_timestamp(kind):
-        return column.cast(pa.timestamp("us", tz=kind.tz)).cast(pa.int64()).to_numpy(zero_copy_only=False)
-    if spec.time_kind == "date" and pa.types.is_date(kind):
-        return column.cast(pa.date32()).cast(pa.int32()).to_numpy(zero_copy_only=False).astype(np.int64)
-    if spec.time_kind == "integer" and pa.types.is_integer(kind):
-        return column.cast(pa.int64()).to_numpy(zero_copy_only=False)
-    raise InvalidData(f"{label}: the time column must hold {spec.time_kind} values (the stream's start), got {kind}")
-
-
-def _time_array(units: np.ndarray, spec: StreamSpec) -> pa.Array:
-    raw = pa.array(units, pa.int64())
-    if spec.time_kind == "timestamp":
-        return raw.cast(pa.timestamp("us", tz=spec.time_zone))
-    if spec.time_kind == "date":
-        return raw.cast(pa.int32()).cast(pa.date32())
-    return raw
+def _bucket_starts(buckets: np.ndarray, spec: StreamSpec) -> pa.Array:
+    """Bucket starts as output keys: microsecond timestamps (UTC for a zone aware start) or numbers."""
+    starts = spec.grid.starts(buckets)
+    if spec.datetime:
+        return pa.array(starts).cast(pa.timestamp("us", tz="UTC" if spec.utc else None))
+    return pa.array(starts, pa.float64())
 
 
 def _ipc_bytes(table: pa.Table) -> bytes:

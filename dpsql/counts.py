@@ -30,8 +30,6 @@ public: the set of keys released is the set present in the events.
 
 from __future__ import annotations
 
-import datetime as dt
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -39,16 +37,15 @@ import numpy as np
 
 from dpsql import _validate
 from dpsql.budget import Budget
-from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
+from dpsql.errors import InvalidData, InvalidParameter
 from dpsql.publishing import publish
 from dpsql.release import PartitionedRelease, Release
 from dpsql.streams.pegasus import DEFAULT_GROUPER_SHARE, largest_share, window_sums
+from dpsql.timegrid import TimeDomain, ticks, time_domain
 
 #: Front-end method names -> registered machines.
 COUNT_METHODS = {"pegasus": "pegasus", "laplace": "count_laplace"}
 
-_DURATION_UNITS = {"ns": 1, "us": 10**3, "ms": 10**6, "s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9,
-                   "d": 86400 * 10**9, "w": 7 * 86400 * 10**9}
 
 
 def pegasus(counts, *, epsilon: float, grouper_share: float = DEFAULT_GROUPER_SHARE, theta: float | None = None,
@@ -122,111 +119,6 @@ def count_stream(frame, time_column: str, **options):
     return polars_count_stream(frame, time_column, **options)
 
 
-# -- time domain -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TimeDomain:
-    """The public buckets ``[start + i * every, start + (i + 1) * every)``, ``i < n_buckets``,
-    the last one cut at ``stop``. Times are int64 nanoseconds (``datetime=True``) or plain
-    numbers."""
-
-    start: float | int
-    stop: float | int
-    every: float | int
-    datetime: bool
-
-    @property
-    def n_buckets(self) -> int:
-        return int(-(-(self.stop - self.start) // self.every))
-
-    def bucket_starts(self) -> np.ndarray:
-        starts = self.start + np.arange(self.n_buckets) * self.every
-        return starts.astype("datetime64[ns]") if self.datetime else starts
-
-    def buckets(self, ticks: np.ndarray) -> np.ndarray:
-        """Bucket index of every time, ``-1`` outside ``[start, stop)``."""
-        offset = ticks - self.start
-        inside = (offset >= 0) & (ticks < self.stop)
-        return np.where(inside, offset // self.every, -1).astype(np.int64, copy=False)
-
-
-def time_domain(*, start, stop, every) -> TimeDomain:
-    """Validate a public time domain: datetimes (``datetime``, ``numpy.datetime64``, ISO
-    strings) with a duration ``every`` (``timedelta``, ``numpy.timedelta64``, or a string
-    such as ``"5m"``, ``"1h30m"``), or numbers with a numeric ``every``.
-
-    Examples
-    --------
-    >>> d = time_domain(start="2024-01-01", stop="2024-01-01T01:00", every="25m")
-    >>> d.n_buckets, str(d.bucket_starts()[-1])
-    (3, '2024-01-01T00:50:00.000000000')
-    """
-    for name, value in (("start", start), ("stop", stop), ("every", every)):
-        if value is None:
-            raise InvalidParameter(f"{name} is required: the time domain [start, stop) and the bucket width "
-                                   "are public parameters and are never read from the data")
-    numeric = all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
-                  for v in (start, stop))
-    if numeric:
-        lo = _validate.real(start, "start")
-        hi = _validate.real(stop, "stop")
-        width = _validate.real(every, "every", minimum=0.0, strict=True)
-        domain = TimeDomain(lo, hi, width, datetime=False)
-    else:
-        domain = TimeDomain(_instant(start, "start"), _instant(stop, "stop"), _duration(every), datetime=True)
-    if not domain.stop > domain.start:
-        raise InvalidParameter(f"stop must be after start, got start={start!r}, stop={stop!r}")
-    return domain
-
-
-def _instant(value, name: str) -> int:
-    if isinstance(value, dt.datetime) and value.tzinfo is not None:
-        value = value.astimezone(dt.UTC).replace(tzinfo=None)
-    try:
-        stamp = np.datetime64(value, "ns")
-    except (TypeError, ValueError):
-        raise InvalidParameter(f"{name} must be a datetime (or an ISO string), got {value!r}") from None
-    if np.isnat(stamp):
-        raise InvalidParameter(f"{name} must not be null, got {value!r}")
-    return int(stamp.astype(np.int64))
-
-
-def _duration(value) -> int:
-    """A positive duration in nanoseconds."""
-    if isinstance(value, str):
-        parts = re.findall(r"(\d+)(ns|us|ms|s|m|h|d|w)", value.strip())
-        if not parts or "".join(a + b for a, b in parts) != value.strip():
-            raise InvalidParameter(f"every must be a duration such as '5m', '1h30m' or '1d', got {value!r}")
-        ticks = sum(int(a) * _DURATION_UNITS[b] for a, b in parts)
-    elif isinstance(value, (dt.timedelta, np.timedelta64)):
-        ticks = int(np.timedelta64(value, "ns").astype(np.int64))
-    else:
-        raise InvalidParameter(f"every must be a duration (timedelta or a string like '5m') for datetime "
-                               f"bounds, got {value!r}")
-    if ticks <= 0:
-        raise InvalidParameter(f"every must be a positive duration, got {value!r}")
-    return ticks
-
-
-def _ticks(times, column: str, domain: TimeDomain) -> np.ndarray:
-    """Event times as int64 ns (datetime domain) or float64 (numeric domain)."""
-    arr = np.asarray(times)
-    if arr.ndim != 1:
-        raise InvalidData(f"column {column!r} must be 1-D, got shape {arr.shape}")
-    if domain.datetime:
-        if arr.dtype.kind != "M":
-            raise InvalidData(f"column {column!r} must hold datetimes for datetime bounds, got dtype {arr.dtype}")
-        arr = arr.astype("datetime64[ns]", copy=False)
-        nulls = int(np.isnat(arr).sum())
-        if nulls:
-            raise InvalidTimeKey(f"column {column!r} contains {nulls} null time(s)")
-        return arr.view(np.int64)
-    if arr.dtype.kind == "M":
-        raise InvalidData(f"column {column!r} holds datetimes: give start/stop as datetimes and every as a duration")
-    return _validate.values(arr, column) if arr.size else arr.astype(np.float64)
-
-
 # -- bucketing --------------------------------------------------------------------------------
 
 
@@ -257,17 +149,17 @@ def bucket_events(times, *, domain: TimeDomain, keys: Mapping[str, object] | Non
     >>> b.counts.tolist()
     [[2, 1]]
     """
-    ticks = _ticks(times, time_column, domain)
-    bucket = domain.buckets(ticks)
+    times = ticks(times, time_column, domain.datetime)
+    bucket = domain.buckets(times)
     keys = dict(keys or {})
-    columns = {name: _key_column(values, name, len(ticks)) for name, values in keys.items()}
+    columns = {name: _key_column(values, name, len(times)) for name, values in keys.items()}
     keep = bucket >= 0
     if units is not None:
         if cap is None:
             raise InvalidParameter("cap (events counted per privacy unit and bucket) is required with a privacy "
                                    "unit column")
-        unit_codes = _codes(_key_column(units, "privacy unit", len(ticks)))
-        keep &= _within_cap(unit_codes, bucket, ticks, _validate.integer(cap, "cap", minimum=1))
+        unit_codes = _codes(_key_column(units, "privacy unit", len(times)))
+        keep &= _within_cap(unit_codes, bucket, times, _validate.integer(cap, "cap", minimum=1))
     elif cap is not None:
         raise InvalidParameter("cap needs a privacy unit column (without one, each event counts once)")
     bucket = bucket[keep]

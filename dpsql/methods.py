@@ -69,7 +69,7 @@ def check_method(method: str, *, per_row: bool = False, online: bool = False) ->
     if per_row and outputs is not None:
         raise InvalidParameter(f"method {method!r} releases {outputs} value(s) per stream, not one per row: release "
                                "it with the front end's threshold function (dp_threshold, .dpsql.threshold)")
-    if online and not getattr(factory, "streamable", True):
+    if online and getattr(factory, "snapshot", None) is StreamMachine.snapshot:
         raise InvalidParameter(f"method {method!r} has no online form: it needs all of its rows at once, so it "
                                "cannot be a continual stream")
 

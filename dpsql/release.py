@@ -389,8 +389,6 @@ class StreamMachine(ABC):
     #: Number of outputs over the whole stream; None means one per input row. A
     #: scalar release (a threshold) sets 1.
     n_outputs: int | None = None
-    #: False for a release that has no online form (a threshold needs all its rows).
-    streamable: bool = True
     #: True when ``batched(draws)`` gives this machine (not yet fed) for ``len(draws)``
     #: partitions of its length at once, partition ``j`` drawing from ``draws[j]``: fed
     #: ``(k, rows)`` chunks, returning ``(k, outputs)``, with ``describe_partition(j)`` for
@@ -421,7 +419,8 @@ class StreamMachine(ABC):
         outputs so far."""
 
     def snapshot(self) -> dict:
-        """The open state, as plain data (numbers, strings, lists, dicts, numpy arrays)."""
+        """The open state, as plain data (numbers, strings, lists, dicts, numpy arrays). A
+        machine that does not override it has no online form (a threshold needs all its rows)."""
         raise NotImplementedError(f"{type(self).__name__} has no online form")
 
     def restore(self, state: dict) -> None:

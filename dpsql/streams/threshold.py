@@ -56,7 +56,6 @@ class ThresholdRelease(StreamMachine):
     """
 
     n_outputs = 1
-    streamable = False
 
     def __init__(self, n: int, *, epsilon: float, upper: float, lower: float = 0.0, estimator: str = "nm",
                  delta: float | None = None, r: int | None = None, fanout: int | None = None, c: float | None = None,

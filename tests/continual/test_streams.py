@@ -1,0 +1,365 @@
+"""Continual streams: one charge, appends from anywhere, exactly the one-shot release's values."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+import dpsql
+from dpsql.noise import partition_address
+
+RANGE_METHODS = [
+    ("laplace", {"upper": 60.0}),
+    ("binary_tree", {"upper": 60.0}),
+    ("binary_tree", {"upper": 60.0, "horizon": 4096}),
+    ("hierarchy", {"upper": 60.0, "r": 1024}),
+    ("hierarchy", {"upper": 60.0, "r": 1024, "smoother": "median"}),
+    ("hierarchy", {"upper": 60.0, "r": 1024, "smoother": "moving"}),
+    ("hierarchy", {"upper": 60.0, "r": 1024, "smoother": "exponential"}),
+    ("hierarchy", {"upper": 60.0, "r": 1024, "smoother": "mean"}),
+    ("hierarchy", {"upper": 60.0, "r": 1024, "smoother": "none"}),
+    ("tops", {"upper": 200.0, "m": 300, "r": 1024}),
+    ("tops", {"upper": 200.0, "threshold": 40.0, "r": 1024}),
+    ("pak", {"upper": 200.0, "m": 300, "delta": 1e-6}),
+]
+
+
+def _readings(n: int, partitions: int = 3, seed: int = 0) -> pl.DataFrame:
+    rng = np.random.default_rng(seed)
+    return pl.DataFrame({"meter": rng.integers(0, partitions, n), "ts": np.arange(n),
+                         "kwh": np.round(rng.gamma(2.0, 6.0, n), 2)})
+
+
+def _one_shot(method, params, frame, seed):
+    """The one-shot partitioned release of the whole table, keys as partition keys."""
+    ordered = frame.sort(["meter", "ts"])
+    keys, lengths = np.unique(ordered["meter"].to_numpy(), return_counts=True)
+    with dpsql.testing.seeded(seed):
+        return keys, dpsql.publish(method, ordered["kwh"].to_numpy(), partition_offsets=np.r_[0, np.cumsum(lengths)],
+                                   partition_keys=keys.tolist(), epsilon=1.0, **params)
+
+
+def _stream(budget, method, params, seed, name="s"):
+    with dpsql.testing.seeded(seed):
+        return budget.stream(name, method=method, epsilon=1.0, order_by="ts", value="kwh", partition_by="meter",
+                             **params)
+
+
+def _same_as_one_shot(released: pa.Table, method, params, frame, seed):
+    keys, whole = _one_shot(method, params, frame, seed)
+    for k, key in enumerate(keys.tolist()):
+        mine = released.filter(pc.equal(released["meter"], key))
+        assert np.array_equal(mine["kwh"].to_numpy(), whole.part(k).values[:mine.num_rows]), (method, params, key)
+        assert mine["ts"].to_pylist() == frame.filter(pl.col("meter") == key)["ts"].to_list()[:mine.num_rows]
+
+
+@pytest.mark.parametrize(("method", "params"), RANGE_METHODS, ids=lambda p: str(p))
+def test_appends_in_any_chunks_release_the_one_shot_values(method, params):
+    frame = _readings(3000)
+    rng = np.random.default_rng(7)
+    for cut in ("sevens", "random"):
+        budget = dpsql.Budget.in_memory(epsilon=2.0, delta=1e-5)
+        stream = _stream(budget, method, params, seed=11)
+        size = 7 if cut == "sevens" else None
+        at, pieces = 0, []
+        while at < frame.height:
+            step = size or int(rng.integers(1, 400))
+            pieces.append(stream.append(frame.slice(at, step)))
+            at += step
+        _same_as_one_shot(pa.concat_tables(pieces), method, params, frame, seed=11)
+        assert stream.released().num_rows == sum(p.num_rows for p in pieces)
+        assert budget.spent == (1.0, 1e-6 if method == "pak" else 0.0)
+
+
+@pytest.mark.parametrize(("method", "params"), [RANGE_METHODS[0], RANGE_METHODS[4], RANGE_METHODS[9]],
+                         ids=lambda p: str(p))
+def test_one_row_at_a_time_releases_the_one_shot_values(method, params):
+    frame = _readings(600, partitions=2, seed=3)
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    stream = _stream(budget, method, {**params, **({"m": 100} if "m" in params else {})}, seed=5)
+    pieces = [stream.append(frame.slice(i, 1)) for i in range(frame.height)]
+    _same_as_one_shot(pa.concat_tables(pieces), method, {**params, **({"m": 100} if "m" in params else {})}, frame, 5)
+
+
+def test_partitions_interleaved_and_appearing_later(tmp_path):
+    frame = _readings(2000, partitions=4, seed=9)
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    stream = _stream(budget, "hierarchy", {"upper": 60.0, "r": 256}, seed=2)
+    late_meter = frame.filter(pl.col("meter") == 3)
+    pieces = [stream.append(frame.filter(pl.col("meter") != 3).slice(0, 900))]
+    pieces.append(stream.append(late_meter))  # a new partition, keys below the others' watermarks: fine
+    pieces.append(stream.append(frame.filter(pl.col("meter") != 3).slice(900)))
+    _same_as_one_shot(pa.concat_tables(pieces), "hierarchy", {"upper": 60.0, "r": 256}, frame, seed=2)
+    assert stream.info()["partitions"] == 4
+
+
+def test_registration_is_charged_once_and_reopening_from_another_process_is_free(tmp_path):
+    path = tmp_path / "l.sqlite"
+    budget = dpsql.Budget.open(path, epsilon=1.0)
+    stream = budget.stream("kwh", method="laplace", epsilon=0.5, order_by="ts", value="kwh", upper=10.0)
+    stream.append(pl.DataFrame({"ts": [1, 2], "kwh": [1.0, 2.0]}))
+    code = f"""
+        import dpsql, polars as pl
+        budget = dpsql.Budget.open({str(path)!r})
+        stream = budget.stream("kwh", method="laplace", epsilon=0.5, order_by="ts", value="kwh", upper=10.0)
+        print(stream.append(pl.DataFrame({{"ts": [3], "kwh": [3.0]}}))["dp_row"][0])
+        print(dpsql.Budget.open({str(path)!r}).stream("kwh").released().num_rows)
+    """
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[1] == "3" and int(out[0]) == stream.released()["dp_row"][2].as_py()
+    assert budget.spent == (0.5, 0.0)
+    history = budget.history(full=True)
+    assert history["kind"].to_list() == ["stream"] and history["stream"].to_list() == ["kwh"]
+    listed = budget.streams()
+    assert listed.select("name", "method", "rows", "partitions", "watermark").row(0) == ("kwh", "laplace", 3, 1, "3")
+    assert listed["epsilon"][0] == 0.5
+
+
+def test_reopening_with_other_parameters_names_the_parameter():
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    budget.stream("s", method="tops", epsilon=0.5, order_by="ts", value="kwh", upper=100.0)
+    with pytest.raises(dpsql.InvalidParameter, match="upper=100.0"):
+        budget.stream("s", upper=50.0)
+    with pytest.raises(dpsql.InvalidParameter, match="method='tops'"):
+        budget.stream("s", method="laplace")
+    with pytest.raises(dpsql.UnknownStream, match="'other'"):
+        budget.stream("other")
+    with pytest.raises(dpsql.InvalidParameter, match="no online form"):
+        budget.stream("t", method="topl", epsilon=0.5, order_by="ts", value="kwh", upper=1.0)
+    with pytest.raises(dpsql.InvalidParameter, match="delta is required"):
+        budget.stream("p", method="pak", epsilon=0.5, order_by="ts", value="kwh", upper=1.0)
+    assert budget.stream("s", upper=100.0, method="tops").method == "tops" and budget.spent == (0.5, 0.0)
+
+
+def _ledger_rows(path):
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return (conn.execute("SELECT rows, watermark, state FROM stream_partitions ORDER BY ordinal").fetchall(),
+                conn.execute("SELECT count(*) FROM stream_rows").fetchone()[0])
+
+
+def test_repeated_rows_return_their_recorded_values_and_refused_appends_change_nothing(tmp_path):
+    path = tmp_path / "l.sqlite"
+    budget = dpsql.Budget.open(path, epsilon=1.0)
+    stream = budget.stream("s", method="tops", epsilon=1.0, order_by="ts", value="v", upper=100.0, m=50, r=256)
+    frame = pl.DataFrame({"ts": np.arange(300), "v": np.arange(300) % 37 * 1.0})
+    assert stream.append(frame.slice(0, 30)).num_rows == 0  # still in the hold-out
+    assert stream.append(frame.slice(0, 40)).num_rows == 0  # repeats the pending rows: nothing new to show
+    first = stream.append(frame.slice(0, 100))
+    assert first.num_rows == 100 and first["ts"].to_pylist() == list(range(100))
+    again = stream.append(frame.slice(90, 30))  # 10 repeated, 20 new
+    assert again["ts"].to_pylist() == list(range(90, 120))
+    assert again["v"].to_pylist()[:10] == first["v"].to_pylist()[90:] and again["dp_row"][0] == first["dp_row"][90]
+    before = _ledger_rows(path)
+    refusals = [
+        (frame.slice(95, 10).with_columns(pl.col("v") + 1), dpsql.ConflictingRow, "appended before with another"),
+        (pl.DataFrame({"ts": [200, 200], "v": [1.0, 2.0]}), dpsql.InvalidTimeKey, "appears twice"),
+        (pl.DataFrame({"ts": [-1, 500], "v": [1.0, 2.0]}), dpsql.LateRow, "watermark 119"),
+        (pl.DataFrame({"ts": [500], "v": [float("nan")]}), dpsql.InvalidData, "NaN"),
+        (pl.DataFrame({"ts": [500], "v": [None]}, schema={"ts": pl.Int64, "v": pl.Float64}), dpsql.InvalidData,
+         "null"),
+        (pl.DataFrame({"ts": [None], "v": [1.0]}, schema={"ts": pl.Int64, "v": pl.Float64}), dpsql.InvalidTimeKey,
+         "null"),
+        (pl.DataFrame({"time": [500], "v": [1.0]}), dpsql.InvalidParameter, "'ts' not found"),
+        (pl.DataFrame({"ts": ["x"], "v": [1.0]}), dpsql.InvalidTimeKey, "cannot join keys"),
+    ]
+    for data, error, message in refusals:
+        with pytest.raises(error, match=message):
+            stream.append(data)
+    assert _ledger_rows(path) == before and budget.spent == (1.0, 0.0)
+
+
+def test_a_horizon_passed_is_refused_and_nothing_kept():
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    stream = budget.stream("b", method="binary_tree", epsilon=1.0, order_by="ts", value="v", upper=1.0, horizon=8)
+    stream.append(pl.DataFrame({"ts": range(6), "v": [0.5] * 6}))
+    with pytest.raises(dpsql.HorizonExceeded, match="horizon=8"):
+        stream.append(pl.DataFrame({"ts": range(6, 10), "v": [0.5] * 4}))
+    assert stream.append(pl.DataFrame({"ts": [6, 7], "v": [0.5, 0.5]})).num_rows == 2
+
+
+def test_appends_accept_arrow_pandas_polars_lazy_and_duckdb_inputs():
+    import duckdb
+    import pandas as pd
+
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    stream = budget.stream("s", method="laplace", epsilon=1.0, order_by="ts", value="v", upper=5.0)
+    inputs = [pa.table({"ts": [0, 1], "v": [1.0, 2.0]}),
+              pa.RecordBatchReader.from_batches(pa.schema([("ts", pa.int64()), ("v", pa.float64())]),
+                                                [pa.record_batch({"ts": [2], "v": [1.0]})]),
+              pl.DataFrame({"ts": [3], "v": [1.0], "other": ["ignored"]}),
+              pl.LazyFrame({"ts": [4, 5], "v": [1.0, 3.0]}),
+              pd.DataFrame({"ts": [6], "v": [2.0]}),
+              duckdb.sql("SELECT 7::BIGINT AS ts, 4.0 AS v")]
+    assert [stream.append(data).num_rows for data in inputs] == [2, 1, 1, 2, 1, 1]
+    assert stream.append(pl.DataFrame({"ts": [8], "v": [1.0]}), to_polars=True).columns == ["ts", "v", "dp_row"]
+    with pytest.raises(dpsql.InvalidData, match="cannot read a list"):
+        stream.append([1.0, 2.0])
+
+
+def test_reading_a_stream_by_order_key_bounds_with_error_bars():
+    frame = _readings(4000, partitions=2, seed=4)
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    stream = _stream(budget, "hierarchy", {"upper": 60.0, "r": 1024}, seed=8)
+    stream.append(frame)
+    _, whole = _one_shot("hierarchy", {"upper": 60.0, "r": 1024}, frame, seed=8)
+    ts = frame.filter(pl.col("meter") == 1)["ts"].to_numpy()
+    i, j = np.searchsorted(ts, [500, 3000])
+    assert stream.range_sum(500, 3000, partition=1) == pytest.approx(whole.part(1).range_sum(i, j), abs=1e-6)
+    assert stream.range_ci(500, 3000, partition=1) == pytest.approx(whole.part(1).range_ci(i, j))
+    assert stream.range_variance(500, 3000, partition=1) == pytest.approx(whole.part(1).range_variance(i, j))
+    window = stream.released(500, 3000, partition=1)
+    assert window["ts"].to_pylist() == ts[i:j].tolist() and stream.to_polars().height == 4000
+    with pytest.raises(dpsql.InvalidParameter, match="pass partition="):
+        stream.range_ci(0, 10)
+
+
+def test_stream_intervals_cover_the_truth_at_their_level():
+    rng = np.random.default_rng(0)
+    truth = rng.uniform(0, 10, 500)
+    covered = []
+    for seed in range(200):
+        budget = dpsql.Budget.in_memory(epsilon=1.0)
+        with dpsql.testing.seeded(seed):
+            stream = budget.stream("s", method="binary_tree", epsilon=1.0, order_by="t", value="v", upper=10.0)
+        stream.append(pl.DataFrame({"t": range(500), "v": truth}))
+        low, high = stream.range_ci(100, 400)
+        covered.append(low <= truth[100:400].sum() <= high)
+    assert 0.92 <= np.mean(covered) <= 0.995
+
+
+def test_count_streams_close_buckets_with_until_and_release_empty_ones():
+    start = dt.datetime(2024, 1, 1)
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    with dpsql.testing.seeded(4):
+        stream = budget.stream("logins", method="count_laplace", epsilon=1.0, order_by="ts", partition_by="ap",
+                               every="1h", start=start)
+    events = pl.DataFrame({"ts": [start + dt.timedelta(minutes=m) for m in (5, 70, 75, 300)], "ap": [1, 1, 2, 1]})
+    first = stream.append(events.head(3), until=start + dt.timedelta(hours=2))
+    assert first.column_names == ["ap", "ts", "count", "dp_row"] and first.num_rows == 4  # 2 access points x 2 h
+    assert first.schema.field("ts").type == pa.timestamp("us")
+    second = stream.append(events.tail(1).vstack(pl.DataFrame({"ts": [start + dt.timedelta(hours=3)], "ap": [7]})),
+                           until=start + dt.timedelta(hours=6))
+    assert sorted(set(second["ap"].to_pylist())) == [1, 2, 7] and second.num_rows == 4 + 4 + 6  # ap 7: from start
+    with dpsql.testing.seeded(4):
+        counts = np.zeros((3, 6))
+        counts[0, [0, 1, 5]] = [1, 1, 1]
+        counts[1, 1] = 1
+        counts[2, 3] = 1
+        whole = dpsql.publish("count_laplace", counts.ravel(), partition_offsets=[0, 6, 12, 18],
+                              partition_keys=[1, 2, 7], epsilon=1.0)
+    released = stream.released().sort_by([("ap", "ascending"), ("ts", "ascending")])
+    assert np.array_equal(released["count"].to_numpy(), whole.values)
+    with pytest.raises(dpsql.LateRow, match="already released"):
+        stream.append(events.head(1))
+    with pytest.raises(dpsql.InvalidParameter, match="earlier than the buckets already closed"):
+        stream.append(events.head(0), until=start + dt.timedelta(hours=1))
+    held = stream.append(pl.DataFrame({"ts": [start + dt.timedelta(hours=7)], "ap": [1]}))
+    assert held.num_rows == 0  # its bucket is still open
+
+
+def test_killed_appends_leave_the_stream_complete_or_absent_and_it_continues_exactly(tmp_path):
+    path = tmp_path / "l.sqlite"
+    frame = _readings(20_000, partitions=2, seed=1)
+    frame.write_parquet(tmp_path / "rows.parquet")
+    dpsql.Budget.open(path, epsilon=2.0)
+    code = f"""
+        import dpsql, polars as pl
+        frame = pl.read_parquet({str(tmp_path / 'rows.parquet')!r})
+        budget = dpsql.Budget.open({str(path)!r})
+        stream = budget.stream("s", method="hierarchy", epsilon=1.0, order_by="ts", value="kwh", partition_by="meter",
+                               upper=60.0, r=1024)
+        print("appending", flush=True)
+        for at in range(0, frame.height, 37):
+            stream.append(frame.slice(at, 37))
+    """
+    worker = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE)
+    assert worker.stdout.readline().strip() == b"appending"
+    time.sleep(1.0)
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    stream = dpsql.Budget.open(path).stream("s")
+    partitions, _ = _ledger_rows(path)
+    before = stream.released()
+    assert before.num_rows == sum(rows for rows, _, _ in partitions)
+    assert 0 < before.num_rows < frame.height
+    stream.append(frame)  # at-least-once: the whole table again, only the rest is new
+    after = stream.released()
+    assert after.num_rows == frame.height and len(set(after["dp_row"].to_pylist())) == frame.height
+    # the whole stream is exactly the one-shot release under the stream's own key
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        secret = conn.execute("SELECT secret FROM streams").fetchone()[0]
+    keystream = dpsql.noise.Keystream(secret[:-1], private=True)
+    for meter in (0, 1):
+        rows = frame.filter(pl.col("meter") == meter)["kwh"].to_numpy()
+        machine = dpsql.methods.machine_for("hierarchy", len(rows), keystream.partition(partition_address(meter)),
+                                            {"epsilon": 1.0, "upper": 60.0, "r": 1024})
+        expected = dpsql.release.run_machine(machine, [rows], len(rows))
+        mine = after.filter(pc.equal(after["meter"], meter))["kwh"].to_numpy()
+        assert np.array_equal(mine, expected)
+
+
+def test_two_processes_appending_at_once_are_serialised(tmp_path):
+    path = tmp_path / "l.sqlite"
+    frame = _readings(4000, partitions=1, seed=2)
+    frame.write_parquet(tmp_path / "rows.parquet")
+    budget = dpsql.Budget.open(path, epsilon=2.0)
+    budget.stream("s", method="laplace", epsilon=1.0, order_by="ts", value="kwh", upper=60.0)
+    code = f"""
+        import dpsql, polars as pl, sys
+        frame = pl.read_parquet({str(tmp_path / 'rows.parquet')!r})
+        stream = dpsql.Budget.open({str(path)!r}).stream("s")
+        for at in range(0, frame.height, 50):
+            stream.append(frame.slice(0, at + 50))  # overlapping batches, racing the other process
+    """
+    workers = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)]) for _ in range(2)]
+    assert [w.wait(timeout=300) for w in workers] == [0, 0]
+    released = budget.stream("s").released()
+    assert released["ts"].to_pylist() == list(range(4000))
+    assert len(set(released["dp_row"].to_pylist())) == 4000
+
+
+def test_an_in_memory_stream_refuses_appends_from_a_forked_child():
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    stream = budget.stream("s", method="laplace", epsilon=1.0, order_by="ts", value="v", upper=5.0)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            stream.append(pl.DataFrame({"ts": [1], "v": [1.0]}))
+            message = b"appended"
+        except dpsql.LedgerError as error:
+            message = str(error).encode()
+        os.write(write, message)
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read, "rb") as pipe:
+        assert b"forked child" in pipe.read()
+    assert stream.released().num_rows == 0
+
+
+def test_the_stored_state_is_the_open_part_not_the_history(tmp_path):
+    path = tmp_path / "l.sqlite"
+    budget = dpsql.Budget.open(path, epsilon=1.0)
+    stream = budget.stream("s", method="tops", epsilon=1.0, order_by="ts", value="kwh", upper=100.0, m=1000)
+    frame = _readings(200_000, partitions=1)
+    for at in range(0, frame.height, 50_000):
+        stream.append(frame.slice(at, 50_000))
+    (rows, watermark, state), = _ledger_rows(path)[0]
+    assert rows == 200_000 and len(state) < 16_384  # kilobytes, whatever the history
+    assert partition_address(None) != b""  # (addresses of keyless partitions are distinct from the empty one)
