@@ -26,6 +26,25 @@ def as_arrow(data, columns: Sequence[str], *, what: str) -> pa.Table:
     return table.select(columns)
 
 
+def arrow_batches(data, columns: Sequence[str], order: Sequence[str], *, what: str):
+    """``columns`` of ``data`` as Arrow tables: one table, or for a Polars LazyFrame its rows
+    sorted by ``order`` (lazily) and collected in batches by the streaming engine, so that a
+    large lazy query is never materialised at once."""
+    module = type(data).__module__.split(".")[0]
+    if module == "polars":
+        import polars as pl
+
+        if isinstance(data, pl.LazyFrame):
+            present = set(data.collect_schema().names())
+            missing = [c for c in columns if c not in present]
+            if missing:
+                raise InvalidParameter(f"{what}: column(s) {', '.join(map(repr, missing))} not found; the data has "
+                                       f"{', '.join(map(repr, present))}")
+            query = data.select(list(dict.fromkeys(columns))).sort(list(order), maintain_order=True)
+            return (batch.to_arrow() for batch in query.collect_batches())
+    return iter([as_arrow(data, columns, what=what)])
+
+
 def _whole(data, columns: list[str], what: str) -> pa.Table:
     if isinstance(data, pa.Table):
         return data
@@ -49,3 +68,16 @@ def _whole(data, columns: list[str], what: str) -> pa.Table:
         return pa.table(data)
     raise InvalidData(f"{what}: cannot read a {type(data).__name__}; pass a pyarrow Table or RecordBatchReader, "
                       "a Polars DataFrame or LazyFrame, a pandas DataFrame or a DuckDB relation")
+
+
+def table_bytes(table: pa.Table) -> bytes:
+    """``table`` as compressed Arrow IPC bytes (what the ledger stores of released rows)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def table_of(data: bytes) -> pa.Table:
+    """The table :func:`table_bytes` stored."""
+    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()

@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dpsql import _state, _validate
-from dpsql._tables import as_arrow
+from dpsql._tables import arrow_batches, table_bytes, table_of
 from dpsql.accounting import Charge, Kind, Neighbour, Notion
 from dpsql.errors import ConflictingRow, InvalidData, InvalidParameter, InvalidTimeKey, LateRow, UnknownStream
 from dpsql.ledger.streams import PartitionRow, StreamRow, StreamStore
@@ -271,15 +271,19 @@ class Stream:
         the private value (named like the value column; ``count`` for count streams) and
         ``dp_row``, sorted by partition then order key.
 
-        ``data``: a pyarrow Table or RecordBatchReader, a Polars DataFrame or LazyFrame, a pandas
+        ``data``: a pyarrow Table or RecordBatchReader, a Polars DataFrame or LazyFrame (sorted
+        lazily and streamed through in ordered batches, all in one transaction), a pandas
         DataFrame or a DuckDB relation. Rows repeated from an earlier append (same partition,
         key and value) are not new: their recorded values come back with the new rows.
         ``until`` (count streams): close every bucket ending at or before it, releasing them.
         Costs nothing: the stream was charged when registered. Refused appends (late,
         conflicting or duplicate rows, bad values) change nothing.
         """
-        table = as_arrow(data, self.spec.columns(), what=f"stream {self.name!r}")
-        released = _CountAppend(self, table, until).run() if self.spec.counts else _RangeAppend(self, table).run()
+        if until is not None and not self.spec.counts:
+            raise InvalidParameter(f"until closes a count stream's buckets; stream {self.name!r} releases values")
+        order = [*self.spec.partition_by, self.spec.order_by]
+        batches = arrow_batches(data, self.spec.columns(), order, what=f"stream {self.name!r}")
+        released = (_CountAppend(self, batches, until) if self.spec.counts else _RangeAppend(self, batches)).run()
         return pl.from_arrow(released) if to_polars else released
 
     # -- reading --------------------------------------------------------------------------
@@ -295,7 +299,7 @@ class Stream:
                 if wanted is not None and address != wanted:
                     continue
                 for _, first_row, _rows, data in self._store.chunks(conn, self.release_id, part.ordinal):
-                    pieces.append(self._output(_ipc_table(data), part, first_row))
+                    pieces.append(self._output(table_of(data), part, first_row))
         table = pa.concat_tables(pieces) if pieces else self._empty_output()
         key = self.spec.order_by
         if start is not None:
@@ -350,7 +354,7 @@ class Stream:
             part = self._store.partitions(conn, self.release_id, [address]).get(address)
             if part is None:
                 raise InvalidParameter(f"stream {self.name!r} has no partition {partition!r}")
-            chunks = [_ipc_table(data) for *_, data in self._store.chunks(conn, self.release_id, part.ordinal)]
+            chunks = [table_of(data) for *_, data in self._store.chunks(conn, self.release_id, part.ordinal)]
         return self.partition_release(part, chunks)
 
     def partition_release(self, part: PartitionRow, chunks: list[pa.Table]) -> Release:
@@ -399,35 +403,44 @@ class Stream:
 class _RangeAppend:
     """One append to a stream of values (see :meth:`Stream.append`)."""
 
-    def __init__(self, stream: Stream, table: pa.Table):
+    def __init__(self, stream: Stream, batches):
         self.stream = stream
         self.spec = stream.spec
-        self.table = table
+        self.batches = batches
 
     def run(self) -> pa.Table:
         spec, stream = self.spec, self.stream
-        label = f"stream {stream.name!r}"
-        frame = pl.from_arrow(self.table)
+        keystream = stream._keystream()
+        outputs, released, like = [], 0, None
+        with stream._store.appending(stream.budget.scope, stream.name) as (conn, row):
+            known: dict[bytes, PartitionRow] = {}
+            for table in self.batches:  # one batch, or a lazy frame's sorted batches: one transaction
+                like = like or table
+                frame = self._ordered(table)
+                groups = _groups(frame, spec, f"stream {stream.name!r}")
+                known.update(stream._store.partitions(conn, row.release_id,
+                                                      [g.address for g in groups if g.address not in known]))
+                for group in groups:
+                    part = known.get(group.address) or stream._store.new_partition(
+                        conn, row, group.address, group.key_text, _PartitionState().pack())
+                    known[group.address] = part
+                    rows = frame.slice(group.start, group.stop - group.start)
+                    output, count = self._partition(conn, row, part, keystream.partition(group.address),
+                                                    rows.get_column(spec.order_by).to_arrow(),
+                                                    rows.get_column("__value").to_numpy())
+                    outputs.append(output)
+                    released += count
+            stream._store.finish(conn, row, released)
+        return _sorted(outputs, stream, like)
+
+    def _ordered(self, table: pa.Table) -> pl.DataFrame:
+        """The batch validated, with its values as float64, in (partition, order key) order."""
+        spec, label = self.spec, f"stream {self.stream.name!r}"
+        frame = pl.from_arrow(table)
         _refuse_null_keys(frame, [spec.order_by, *spec.partition_by], label)
         values = _validate.values(_numeric(frame.get_column(spec.value), spec.value, label), spec.value)
-        frame = frame.with_columns(pl.Series("__value", values)).with_row_index("__row")
-        frame = frame.sort([*spec.partition_by, spec.order_by], maintain_order=True)
-        groups = _groups(frame, spec, label)
-        keystream = stream._keystream()
-        outputs, released = [], 0
-        with stream._store.appending(stream.budget.scope, stream.name) as (conn, row):
-            known = stream._store.partitions(conn, row.release_id, [g.address for g in groups])
-            for group in groups:
-                part = known.get(group.address) or stream._store.new_partition(
-                    conn, row, group.address, group.key_text, _PartitionState().pack())
-                rows = frame.slice(group.start, group.stop - group.start)
-                output, count = self._partition(conn, row, part, keystream.partition(group.address),
-                                                rows.get_column(spec.order_by).to_arrow(),
-                                                rows.get_column("__value").to_numpy())
-                outputs.append(output)
-                released += count
-            stream._store.finish(conn, row, released)
-        return _sorted(outputs, stream, self.table)
+        frame = frame.with_columns(pl.Series("__value", values))
+        return frame.sort([*spec.partition_by, spec.order_by], maintain_order=True)
 
     def _partition(self, conn, row: StreamRow, part: PartitionRow, draws: Draws, keys: pa.Array,
                    values: np.ndarray) -> tuple[pa.Table, int]:
@@ -451,13 +464,13 @@ class _RangeAppend:
         if getattr(machine, "public_columns", ()):
             chunk.update({f"dp_{c}": pa.array(v) for c, v in machine.take_public().items()})
         state.machine, state.fed = machine.snapshot(), state.fed + len(keys) - old
-        state.pending_keys = _ipc_bytes(pa.table({"key": waiting[count:]})) if count < len(waiting) else None
+        state.pending_keys = table_bytes(pa.table({"key": waiting[count:]})) if count < len(waiting) else None
         state.pending_tags = waiting_tags[count:]
         first_row = part.rows
         if count:
-            stream._store.add_rows(conn, row, part.ordinal, first_row, count, _ipc_bytes(pa.table(chunk)))
+            stream._store.add_rows(conn, row, part.ordinal, first_row, count, table_bytes(pa.table(chunk)))
         part.rows += count
-        part.watermark = _ipc_bytes(pa.table({"key": keys[len(keys) - 1:]}))
+        part.watermark = table_bytes(pa.table({"key": keys[len(keys) - 1:]}))
         part.state = state.pack()
         stream._store.save_partition(conn, row, part)
         fresh = stream._output(pa.table(chunk), part, first_row)
@@ -482,7 +495,7 @@ class _RangeAppend:
             if chunk is None:
                 break
             _, first_row, _, data = chunk
-            table = _ipc_table(data)
+            table = table_of(data)
             where = pc.index_in(keys, value_set=table["key"].cast(keys.type)).to_numpy(zero_copy_only=False)
             hit = ~np.isnan(where.astype(float)) & ~found
             if hit.any():
@@ -511,43 +524,25 @@ class _RangeAppend:
 class _CountAppend:
     """One append of events to a count stream (see :meth:`Stream.append`)."""
 
-    def __init__(self, stream: Stream, table: pa.Table, until):
+    def __init__(self, stream: Stream, batches, until):
         self.stream = stream
         self.spec = stream.spec
-        self.table = table
+        self.batches = batches
         self.until = until
 
     def run(self) -> pa.Table:
-        spec, stream = self.spec, self.stream
+        stream = self.stream
         label = f"stream {stream.name!r}"
-        frame = pl.from_arrow(self.table)
-        _refuse_null_keys(frame, [spec.order_by, *spec.partition_by], label)
-        buckets = spec.grid.buckets(ticks(self.table[spec.order_by], f"{label}: {spec.order_by}", spec.datetime))
-        frame = frame.with_columns(pl.Series("__bucket", buckets)).filter(pl.col("__bucket") >= 0)
-        frame = frame.sort([*spec.partition_by, "__bucket"], maintain_order=True)
-        groups = _groups(frame, spec, label, order="__bucket", unique_keys=False)
         keystream = stream._keystream()
-        outputs, released = [], 0
+        outputs, released, like = [], 0, None
         with stream._store.appending(stream.budget.scope, stream.name) as (conn, row):
             partitions = stream._store.partitions(conn, row.release_id)
             closed = _closed_buckets(partitions)
             target = closed if self.until is None else self._closing(closed)
-            touched = {}
-            for group in groups:
-                part = partitions.get(group.address) or stream._store.new_partition(
-                    conn, row, group.address, group.key_text, _PartitionState(fed=0).pack())
-                partitions[group.address] = part
-                state = _PartitionState.unpack(part.state)
-                counted = frame.slice(group.start, group.stop - group.start).get_column("__bucket").to_numpy()
-                late = counted < state.fed
-                if late.any():
-                    raise LateRow(f"stream {stream.name!r}: an event at {self._time_of(int(counted[late][0]))} "
-                                  f"falls in a bucket already released (the stream is closed up to "
-                                  f"{self._time_of(state.fed)}); nothing of this append was kept")
-                bucket, count = np.unique(counted, return_counts=True)
-                for b, c in zip(bucket.tolist(), count.tolist()):
-                    state.counts[b] = state.counts.get(b, 0.0) + c
-                touched[group.address] = state
+            touched: dict[bytes, _PartitionState] = {}
+            for table in self.batches:
+                like = like or table
+                self._count(conn, row, self._bucketed(table), partitions, touched, label)
             for address, part in partitions.items():
                 state = touched.get(address) or _PartitionState.unpack(part.state)
                 if state.fed < target:
@@ -558,7 +553,36 @@ class _CountAppend:
                     part.state = state.pack()
                     stream._store.save_partition(conn, row, part)
             stream._store.finish(conn, row, released)
-        return _sorted(outputs, stream, self.table)
+        return _sorted(outputs, stream, like)
+
+    def _bucketed(self, table: pa.Table) -> pl.DataFrame:
+        """The batch's events with their buckets (events before the grid's start dropped), by partition."""
+        spec, label = self.spec, f"stream {self.stream.name!r}"
+        frame = pl.from_arrow(table)
+        _refuse_null_keys(frame, [spec.order_by, *spec.partition_by], label)
+        buckets = spec.grid.buckets(ticks(table[spec.order_by], f"{label}: {spec.order_by}", spec.datetime))
+        frame = frame.with_columns(pl.Series("__bucket", buckets)).filter(pl.col("__bucket") >= 0)
+        return frame.sort([*spec.partition_by, "__bucket"], maintain_order=True)
+
+    def _count(self, conn, row: StreamRow, frame: pl.DataFrame, partitions: dict, touched: dict,
+               label: str) -> None:
+        """Add a batch's events to their partitions' open buckets (refusing late ones)."""
+        stream = self.stream
+        for group in _groups(frame, self.spec, label, order="__bucket", unique_keys=False):
+            part = partitions.get(group.address) or stream._store.new_partition(
+                conn, row, group.address, group.key_text, _PartitionState().pack())
+            partitions[group.address] = part
+            state = touched.get(group.address) or _PartitionState.unpack(part.state)
+            counted = frame.slice(group.start, group.stop - group.start).get_column("__bucket").to_numpy()
+            late = counted < state.fed
+            if late.any():
+                raise LateRow(f"stream {stream.name!r}: an event at {self._time_of(int(counted[late][0]))} "
+                              f"falls in a bucket already released (the stream is closed up to "
+                              f"{self._time_of(state.fed)}); nothing of this append was kept")
+            bucket, count = np.unique(counted, return_counts=True)
+            for b, c in zip(bucket.tolist(), count.tolist()):
+                state.counts[b] = state.counts.get(b, 0.0) + c
+            touched[group.address] = state
 
     def _closing(self, closed: int) -> int:
         grid = self.spec.grid
@@ -582,9 +606,9 @@ class _CountAppend:
         state.machine, state.fed = machine.snapshot(), target
         first_row = part.rows
         if len(out):
-            stream._store.add_rows(conn, row, part.ordinal, first_row, len(out), _ipc_bytes(pa.table(chunk)))
+            stream._store.add_rows(conn, row, part.ordinal, first_row, len(out), table_bytes(pa.table(chunk)))
         part.rows += len(out)
-        part.watermark = _ipc_bytes(pa.table({"key": _bucket_starts(np.array([target]), self.spec)}))
+        part.watermark = table_bytes(pa.table({"key": _bucket_starts(np.array([target]), self.spec)}))
         part.state = state.pack()
         stream._store.save_partition(conn, row, part)
         return stream._output(pa.table(chunk), part, first_row), len(out)
@@ -685,24 +709,13 @@ def _bucket_starts(buckets: np.ndarray, spec: StreamSpec) -> pa.Array:
     return pa.array(starts, pa.float64())
 
 
-def _ipc_bytes(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
-
-
-def _ipc_table(data: bytes) -> pa.Table:
-    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
-
-
 def _key_of(watermark: bytes):
-    return _ipc_table(watermark)["key"][0].as_py()
+    return table_of(watermark)["key"][0].as_py()
 
 
 def _keys(data: bytes) -> pa.Array:
     """The ``key`` column of a stored table, as one array."""
-    return _ipc_table(data)["key"].combine_chunks()
+    return table_of(data)["key"].combine_chunks()
 
 
 def _as_key(partition):

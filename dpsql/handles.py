@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dpsql import _state
+from dpsql._tables import table_of
 from dpsql.errors import InvalidParameter, UnknownRelease
 from dpsql.records import ReleaseRecord
 from dpsql.release import ErrorModel
@@ -53,10 +55,15 @@ def budget_of(handle: int, default=None):
 
 @dataclass
 class _Held:
-    record: ReleaseRecord
+    """What error bars need of one release (or one partition of a continual stream)."""
+
+    release_id: str
+    first: int  # its first handle
+    count: int  # its handles
     starts: np.ndarray  # first handle of each partition
-    stops: np.ndarray
+    stops: np.ndarray  # handle after each partition's released rows
     errors: dict[int, ErrorModel]
+    record: ReleaseRecord | None = None
 
     def error(self, partition: int) -> ErrorModel:
         if partition not in self.errors:
@@ -78,9 +85,27 @@ class HandleResolver:
             raise UnknownRelease(f"dp_row {handle} is not a row handle of any release recorded in ledger "
                                  f"{self.budget.location}: use the dp_row column of a release charged to this ledger "
                                  "(a table saved from another ledger needs that ledger's budget)")
-        record = ReleaseRecord.from_row(row)
+        description = _state.unpack(row.description)
+        if "stream" in description:  # a partition of a continual stream: its rows so far
+            return self._stream_partition(row, description)
+        record = ReleaseRecord(row.release_id, row.scope, row.first_handle, row.handles, description)
         offsets = record.offsets
-        return _Held(record, record.first_handle + offsets[:-1], record.first_handle + offsets[1:], {})
+        return _Held(record.release_id, record.first_handle, record.handles, record.first_handle + offsets[:-1],
+                     record.first_handle + offsets[1:], {}, record)
+
+    def _stream_partition(self, row, description: dict) -> _Held:
+        from dpsql.continual import Stream
+        from dpsql.ledger.streams import StreamStore
+
+        store = StreamStore(self.budget.ledger)
+        stream = Stream(self.budget, store.by_release(description["stream"]))
+        with self.budget.ledger.reading("read a stream partition") as conn:
+            part = next(p for p in store.partitions(conn, stream.release_id).values()
+                        if p.ordinal == description["ordinal"])
+            chunks = [table_of(data) for *_, data in store.chunks(conn, stream.release_id, part.ordinal)]
+        release = stream.partition_release(part, chunks)
+        return _Held(stream.release_id, row.first_handle, row.handles, np.array([row.first_handle]),
+                     np.array([row.first_handle + len(release)]), {0: release.error})
 
     def _owners(self, handles: np.ndarray) -> tuple[list[_Held], np.ndarray]:
         """The held releases covering ``handles`` and, per handle, which of them owns it."""
@@ -89,25 +114,25 @@ class HandleResolver:
         with self._lock:
             cached = list(self._held.values())
         for held in cached:
-            inside = (owners < 0) & (handles >= held.record.first_handle) & (
-                handles < held.record.first_handle + held.record.handles)
+            inside = (owners < 0) & (handles >= held.first) & (handles < held.first + held.count)
             if inside.any():
                 owners[inside] = len(found)
                 found.append(held)
         while (owners < 0).any():
             held = self._record_at(int(handles[owners < 0][0]))
-            inside = (handles >= held.record.first_handle) & (handles < held.record.first_handle + held.record.handles)
+            inside = (handles >= held.first) & (handles < held.first + held.count)
             owners[inside] = len(found)
             found.append(held)
-            with self._lock:
-                self._held[held.record.first_handle] = held
-                while len(self._held) > CACHED_RECORDS:
-                    self._held.popitem(last=False)
+            if held.record is not None:  # a stream partition grows: read afresh each time
+                with self._lock:
+                    self._held[held.first] = held
+                    while len(self._held) > CACHED_RECORDS:
+                        self._held.popitem(last=False)
         return found, owners
 
     def release_ids(self, handles: np.ndarray) -> np.ndarray:
         found, owners = self._owners(np.asarray(handles, dtype=np.int64))
-        return np.array([h.record.release_id for h in found], dtype=object)[owners] if len(owners) else np.empty(
+        return np.array([h.release_id for h in found], dtype=object)[owners] if len(owners) else np.empty(
             0, dtype=object)
 
     def ranges(self, starts: np.ndarray, stops: np.ndarray) -> Iterator[tuple[np.ndarray, ErrorModel, np.ndarray,
@@ -129,8 +154,12 @@ class HandleResolver:
             beyond = stops[mine] > held.stops[part]
             if beyond.any():
                 k = mine[int(np.flatnonzero(beyond)[0])]
-                last = held.record.first_handle + held.record.handles
-                what = "two releases" if stops[k] > last else f"two partitions of release {held.record.release_id}"
+                if stops[k] > held.first + held.count:
+                    what = "two releases"
+                elif held.record is None:
+                    what = "rows not released yet"
+                else:
+                    what = f"two partitions of release {held.release_id}"
                 raise InvalidParameter(f"rows start_row={starts[k]} .. stop_row={stops[k]} span {what}: a range must "
                                        "stay within one partition's stream (PARTITION BY the partition key)")
             for p in np.unique(part).tolist():

@@ -48,11 +48,11 @@ import contextlib
 import duckdb
 
 from dpsql.budget import Budget
-from dpsql.duckdb import _machinery, counts, ldp, range_sum
+from dpsql.duckdb import _machinery, counts, ldp, range_sum, streams
 from dpsql.errors import InvalidParameter
 
 #: ``install(con, context)`` functions run by :func:`register`, in order.
-_INSTALLERS = [range_sum.install, ldp.install, counts.install]
+_INSTALLERS = [range_sum.install, ldp.install, counts.install, streams.install]
 
 
 def register(con: duckdb.DuckDBPyConnection, *, budget: Budget) -> None:

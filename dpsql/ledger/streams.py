@@ -16,6 +16,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from dpsql import _state
 from dpsql.errors import InvalidParameter, UnknownStream
 from dpsql.ledger.store import Ledger, Receipt, _now
 
@@ -81,6 +82,14 @@ class StreamStore:
                                             (scope,)).fetchall()]
             return [self._stream(conn, scope, name, lock=False) for name in names]
 
+    def by_release(self, release_id: str) -> StreamRow:
+        """The stream registered with ``release_id``."""
+        with self.ledger.reading("read a stream") as conn:
+            row = self._q(conn, "SELECT scope, name FROM streams WHERE release_id = ?", (release_id,)).fetchone()
+            if row is None:
+                raise UnknownStream(f"no stream with release id {release_id} in ledger {self.ledger.location}")
+            return self._stream(conn, row[0], row[1], lock=False)
+
     def _stream(self, conn, scope: str, name: str, *, lock: bool) -> StreamRow | None:
         lock_row = self.ledger.backend.lock_row if lock else ""
         row = self._q(conn, "SELECT scope, name, release_id, method, spec, secret, created, version, rows, partitions "
@@ -128,7 +137,7 @@ class StreamStore:
         self._q(conn, "INSERT INTO releases (release_id, scope, first_handle, handles, description) "
                       "VALUES (?, ?, ?, ?, ?)",
                 (_partition_release_id(stream.release_id, ordinal), stream.scope, first_handle, PARTITION_HANDLES,
-                 self.ledger.backend.blob(b"")))
+                 self.ledger.backend.blob(_state.pack({"stream": stream.release_id, "ordinal": ordinal}))))
         return PartitionRow(address, ordinal, key_text, first_handle, 0, None, state)
 
     def save_partition(self, conn, stream: StreamRow, partition: PartitionRow) -> None:
