@@ -1,0 +1,299 @@
+"""One append to a continual stream: the rows of a stream of values (:class:`RangeAppend`) or the
+events of a count stream (:class:`CountAppend`), validated, ordered and released partition by
+partition inside the one transaction that commits them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dpsql import _validate
+from dpsql._tables import table_bytes, table_of
+from dpsql.continual.state import (
+    TAG,
+    PartitionState,
+    StreamSpec,
+    bucket_starts,
+    numeric,
+    refuse_null_keys,
+    same_type,
+    sorted_output,
+    stored_keys,
+    type_name,
+)
+from dpsql.errors import ConflictingRow, InvalidParameter, InvalidTimeKey, LateRow
+from dpsql.ledger.streams import PartitionRow, StreamRow
+from dpsql.noise import Draws, partition_address
+from dpsql.timegrid import instant, ticks
+
+if TYPE_CHECKING:
+    from dpsql.continual.stream import Stream
+
+
+class RangeAppend:
+    """One append to a stream of values (see :meth:`Stream.append`)."""
+
+    def __init__(self, stream: Stream, batches):
+        self.stream = stream
+        self.spec = stream.spec
+        self.batches = batches
+
+    def run(self) -> pa.Table:
+        spec, stream = self.spec, self.stream
+        keystream = stream._keystream()
+        outputs, released, like = [], 0, None
+        with stream._store.appending(stream.budget.scope, stream.name) as (conn, row):
+            known: dict[bytes, PartitionRow] = {}
+            for table in self.batches:  # one batch, or a lazy frame's sorted batches: one transaction
+                like = like or table
+                frame = self._ordered(table)
+                groups = _groups(frame, spec, f"stream {stream.name!r}")
+                known.update(stream._store.partitions(conn, row.release_id,
+                                                      [g.address for g in groups if g.address not in known]))
+                for group in groups:
+                    part = known.get(group.address) or stream._store.new_partition(
+                        conn, row, group.address, group.key_text, PartitionState().pack())
+                    known[group.address] = part
+                    rows = frame.slice(group.start, group.stop - group.start)
+                    output, count = self._partition(conn, row, part, keystream.partition(group.address),
+                                                    rows.get_column(spec.order_by).to_arrow(),
+                                                    rows.get_column("__value").to_numpy())
+                    outputs.append(output)
+                    released += count
+            stream._store.finish(conn, row, released)
+        return sorted_output(outputs, stream, like)
+
+    def _ordered(self, table: pa.Table) -> pl.DataFrame:
+        """The batch validated, with its values as float64, in (partition, order key) order."""
+        spec, label = self.spec, f"stream {self.stream.name!r}"
+        frame = pl.from_arrow(table)
+        refuse_null_keys(frame, [spec.order_by, *spec.partition_by], label)
+        values = _validate.values(numeric(frame.get_column(spec.value), spec.value, label), spec.value)
+        frame = frame.with_columns(pl.Series("__value", values))
+        return frame.sort([*spec.partition_by, spec.order_by], maintain_order=True)
+
+    def _partition(self, conn, row: StreamRow, part: PartitionRow, draws: Draws, keys: pa.Array,
+                   values: np.ndarray) -> tuple[pa.Table, int]:
+        stream = self.stream
+        state = PartitionState.unpack(part.state)
+        watermark = None if part.watermark is None else stored_keys(part.watermark)
+        keys = same_type(keys, watermark, stream)
+        tags = draws.tags(values)
+        old = 0 if watermark is None else int(pc.sum(pc.less_equal(keys, watermark[0])).as_py() or 0)
+        recorded = self._repeats(conn, row, part, state, keys[:old], tags[:old], watermark)
+        if old == len(keys):
+            return recorded, 0
+        machine = stream._machine(draws, state.machine)
+        out = machine.feed(values[old:])
+        waiting = stored_keys(state.pending_keys).cast(keys.type) if state.pending_keys else keys.slice(0, 0)
+        waiting = pa.concat_arrays([waiting, keys[old:]])
+        waiting_tags = np.concatenate([state.pending_tags, tags[old:]])
+        count = len(out)
+        chunk = {"key": waiting[:count], "value": pa.array(out, pa.float64()),
+                 TAG: pa.array(waiting_tags[:count], pa.uint64())}
+        if getattr(machine, "public_columns", ()):
+            chunk.update({f"dp_{c}": pa.array(v) for c, v in machine.take_public().items()})
+        state.machine, state.fed = machine.snapshot(), state.fed + len(keys) - old
+        state.pending_keys = table_bytes(pa.table({"key": waiting[count:]})) if count < len(waiting) else None
+        state.pending_tags = waiting_tags[count:]
+        first_row = part.rows
+        if count:
+            stream._store.add_rows(conn, row, part.ordinal, first_row, count, table_bytes(pa.table(chunk)))
+        part.rows += count
+        part.watermark = table_bytes(pa.table({"key": keys[len(keys) - 1:]}))
+        part.state = state.pack()
+        stream._store.save_partition(conn, row, part)
+        fresh = stream._output(pa.table(chunk), part, first_row)
+        return pa.concat_tables([recorded, fresh]) if recorded.num_rows else fresh, count
+
+    def _repeats(self, conn, row: StreamRow, part: PartitionRow, state: PartitionState, keys: pa.Array,
+                 tags: np.ndarray, watermark) -> pa.Table:
+        """The recorded rows that ``keys`` (at or below the watermark) repeat; refuses any that
+        is not a repeat (late) or repeats a key with another value (conflicting)."""
+        stream = self.stream
+        found = np.zeros(len(keys), dtype=bool)
+        outputs = []
+        if state.pending_keys and len(keys):  # appended before, not released yet: nothing to return
+            pending = stored_keys(state.pending_keys)
+            where = pc.index_in(keys, value_set=pending.cast(keys.type)).to_numpy(zero_copy_only=False)
+            hit = ~np.isnan(where.astype(float))
+            self._same_values(keys, tags, hit, state.pending_tags[where[hit].astype(np.int64)])
+            found |= hit
+        chunks = stream._store.chunks(conn, row.release_id, part.ordinal, newest_first=True)
+        while not found.all():
+            chunk = next(chunks, None)
+            if chunk is None:
+                break
+            _, first_row, _, data = chunk
+            table = table_of(data)
+            where = pc.index_in(keys, value_set=table["key"].cast(keys.type)).to_numpy(zero_copy_only=False)
+            hit = ~np.isnan(where.astype(float)) & ~found
+            if hit.any():
+                at = where[hit].astype(np.int64)
+                self._same_values(keys, tags, hit, table[TAG].to_numpy()[at])
+                outputs.append(stream._output(table.take(pa.array(at)), part, first_row, rows=at))
+                found |= hit
+            if not found.all() and pc.less(table["key"][0], keys[int(np.flatnonzero(~found)[0])]).as_py():
+                break  # older chunks hold smaller keys only
+        if not found.all():
+            late = keys[int(np.flatnonzero(~found)[0])].as_py()
+            raise LateRow(f"stream {stream.name!r}: a row with order key {late!r} arrives at or below its "
+                          f"partition's watermark {watermark[0].as_py()!r} and repeats no row appended before; "
+                          "nothing of this append was kept")
+        return pa.concat_tables(outputs) if outputs else stream._output(
+            pa.table({"key": keys.slice(0, 0), "value": pa.array([], pa.float64())}), part, 0)
+
+    def _same_values(self, keys: pa.Array, tags: np.ndarray, hit: np.ndarray, recorded_tags: np.ndarray) -> None:
+        differs = tags[hit] != recorded_tags
+        if differs.any():
+            key = keys.filter(pa.array(hit))[int(np.flatnonzero(differs)[0])].as_py()
+            raise ConflictingRow(f"stream {self.stream.name!r}: order key {key!r} was appended before with another "
+                                 "value; a released row never changes (nothing of this append was kept)")
+
+
+class CountAppend:
+    """One append of events to a count stream (see :meth:`Stream.append`)."""
+
+    def __init__(self, stream: Stream, batches, until):
+        self.stream = stream
+        self.spec = stream.spec
+        self.batches = batches
+        self.until = until
+
+    def run(self) -> pa.Table:
+        stream = self.stream
+        label = f"stream {stream.name!r}"
+        keystream = stream._keystream()
+        outputs, released, like = [], 0, None
+        with stream._store.appending(stream.budget.scope, stream.name) as (conn, row):
+            partitions = stream._store.partitions(conn, row.release_id)
+            closed = _closed_buckets(partitions)
+            target = closed if self.until is None else self._closing(closed)
+            touched: dict[bytes, PartitionState] = {}
+            for table in self.batches:
+                like = like or table
+                self._count(conn, row, self._bucketed(table), partitions, touched, label)
+            for address, part in partitions.items():
+                state = touched.get(address) or PartitionState.unpack(part.state)
+                if state.fed < target:
+                    output, count = self._close(conn, row, part, state, keystream.partition(address), target)
+                    outputs.append(output)
+                    released += count
+                elif address in touched:
+                    part.state = state.pack()
+                    stream._store.save_partition(conn, row, part)
+            stream._store.finish(conn, row, released)
+        return sorted_output(outputs, stream, like)
+
+    def _bucketed(self, table: pa.Table) -> pl.DataFrame:
+        """The batch's events with their buckets (events before the grid's start dropped), by partition."""
+        spec, label = self.spec, f"stream {self.stream.name!r}"
+        frame = pl.from_arrow(table)
+        refuse_null_keys(frame, [spec.order_by, *spec.partition_by], label)
+        buckets = spec.grid.buckets(ticks(table[spec.order_by], f"{label}: {spec.order_by}", spec.datetime))
+        frame = frame.with_columns(pl.Series("__bucket", buckets)).filter(pl.col("__bucket") >= 0)
+        return frame.sort([*spec.partition_by, "__bucket"], maintain_order=True)
+
+    def _count(self, conn, row: StreamRow, frame: pl.DataFrame, partitions: dict, touched: dict,
+               label: str) -> None:
+        """Add a batch's events to their partitions' open buckets (refusing late ones)."""
+        stream = self.stream
+        for group in _groups(frame, self.spec, label, order="__bucket", unique_keys=False):
+            part = partitions.get(group.address) or stream._store.new_partition(
+                conn, row, group.address, group.key_text, PartitionState().pack())
+            partitions[group.address] = part
+            state = touched.get(group.address) or PartitionState.unpack(part.state)
+            counted = frame.slice(group.start, group.stop - group.start).get_column("__bucket").to_numpy()
+            late = counted < state.fed
+            if late.any():
+                raise LateRow(f"stream {stream.name!r}: an event at {self._time_of(int(counted[late][0]))} "
+                              f"falls in a bucket already released (the stream is closed up to "
+                              f"{self._time_of(state.fed)}); nothing of this append was kept")
+            bucket, count = np.unique(counted, return_counts=True)
+            for b, c in zip(bucket.tolist(), count.tolist()):
+                state.counts[b] = state.counts.get(b, 0.0) + c
+            touched[group.address] = state
+
+    def _closing(self, closed: int) -> int:
+        grid = self.spec.grid
+        until = instant(self.until, "until") if grid.datetime else _validate.real(self.until, "until")
+        target = int(grid.buckets(np.array([until]))[0])
+        if target < closed:
+            raise InvalidParameter(f"stream {self.stream.name!r}: until={self.until!r} is earlier than the buckets "
+                                   f"already closed (up to {self._time_of(closed)})")
+        return target
+
+    def _close(self, conn, row: StreamRow, part: PartitionRow, state: PartitionState, draws: Draws,
+               target: int) -> tuple[pa.Table, int]:
+        stream = self.stream
+        counts = np.array([state.counts.pop(b, 0.0) for b in range(state.fed, target)], dtype=np.float64)
+        machine = stream._machine(draws, state.machine)
+        out = machine.feed(counts)
+        chunk = {"key": bucket_starts(np.arange(state.fed, state.fed + len(out)), self.spec),
+                 "value": pa.array(out, pa.float64())}
+        if getattr(machine, "public_columns", ()):
+            chunk.update({f"dp_{c}": pa.array(v) for c, v in machine.take_public().items()})
+        state.machine, state.fed = machine.snapshot(), target
+        first_row = part.rows
+        if len(out):
+            stream._store.add_rows(conn, row, part.ordinal, first_row, len(out), table_bytes(pa.table(chunk)))
+        part.rows += len(out)
+        part.watermark = table_bytes(pa.table({"key": bucket_starts(np.array([target]), self.spec)}))
+        part.state = state.pack()
+        stream._store.save_partition(conn, row, part)
+        return stream._output(pa.table(chunk), part, first_row), len(out)
+
+    def _time_of(self, bucket: int):
+        return bucket_starts(np.array([bucket]), self.spec)[0].as_py()
+
+
+def _closed_buckets(partitions: dict[bytes, PartitionRow]) -> int:
+    """Buckets released by every partition: all partitions are closed together."""
+    fed = [PartitionState.unpack(p.state).fed for p in partitions.values()]
+    return max(fed) if fed else 0
+
+
+@dataclass
+class _Group:
+    address: bytes
+    key_text: str
+    start: int
+    stop: int
+
+
+def _groups(frame: pl.DataFrame, spec: StreamSpec, label: str, *, order: str | None = None,
+            unique_keys: bool = True) -> list[_Group]:
+    """The partitions of a sorted append, with their keys; refuses a key twice in one partition."""
+    order = order or spec.order_by
+    n = frame.height
+    if n == 0:
+        return []
+    new = np.zeros(n, dtype=bool)
+    new[0] = True
+    for column in spec.partition_by:
+        c = frame.get_column(column)
+        new[1:] |= c.slice(1).ne_missing(c.slice(0, n - 1)).to_numpy()
+    if unique_keys:
+        key = frame.get_column(order)
+        repeated = np.flatnonzero(~new[1:] & key.slice(1).eq_missing(key.slice(0, n - 1)).to_numpy())
+        if repeated.size:
+            raise InvalidTimeKey(f"{label}: order key {key[int(repeated[0]) + 1]!r} appears twice in one partition of "
+                                 "this append; time keys must be unique within a partition")
+    starts = np.flatnonzero(new).tolist()
+    groups = []
+    types = [str(frame.schema[c]) for c in spec.partition_by]
+    for a, b in zip(starts, [*starts[1:], n]):
+        values = [frame.get_column(c)[a] for c in spec.partition_by]
+        key = values[0] if len(values) == 1 else tuple(values)
+        text = json.dumps({"values": values, "types": [type_name(frame.schema[c]) for c in spec.partition_by]},
+                          default=str) if values else json.dumps({"values": [], "types": types})
+        groups.append(_Group(b"" if not values else partition_address(key), text, a, b))
+    return groups
+
+

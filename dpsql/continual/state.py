@@ -1,0 +1,163 @@
+"""What a continual stream keeps: its registration (:class:`StreamSpec`), each partition's open
+state between appends, and the small conversions of keys and times they share."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from dpsql import _state
+from dpsql._tables import table_of
+from dpsql.errors import InvalidData, InvalidTimeKey
+from dpsql.methods import COUNT_METHODS
+from dpsql.timegrid import TimeGrid
+
+if TYPE_CHECKING:
+    from dpsql.continual.stream import Stream
+
+ROW_COLUMN = "dp_row"
+TAG = "dp_tag"
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """What a stream was registered with (public; stored with it).
+
+    ``params`` are the method's parameters. Count streams add the public time grid
+    (:class:`dpsql.timegrid.TimeGrid`): bucket ``b`` holds the events with ``start + b * every
+    <= time < start + (b + 1) * every``, datetimes in UTC nanoseconds; ``utc`` says whether
+    bucket starts come back as UTC timestamps (a time zone aware ``start``) or naive ones.
+    """
+
+    method: str
+    params: dict
+    order_by: str
+    value: str | None
+    partition_by: tuple[str, ...] = ()
+    every: float | int | None = None
+    start: float | int | None = None
+    datetime: bool = False
+    utc: bool = False
+
+    @property
+    def grid(self) -> TimeGrid:
+        return TimeGrid(self.start, self.every, self.datetime)
+
+    @property
+    def counts(self) -> bool:
+        return self.method in COUNT_METHODS
+
+    def columns(self) -> list[str]:
+        return [*self.partition_by, self.order_by] + ([] if self.counts else [self.value])
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "partition_by": list(self.partition_by)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> StreamSpec:
+        return cls(**{**data, "partition_by": tuple(data["partition_by"])})
+
+
+def plain(params: dict) -> dict:
+    return json.loads(json.dumps(params, default=str))
+
+
+@dataclass
+class PartitionState:
+    """A partition's open state between appends (packed into the ledger)."""
+
+    machine: dict | None = None
+    fed: int = 0  # rows (count streams: buckets) fed to the machine
+    pending_keys: bytes | None = None  # keys of rows fed but not yet released (Arrow IPC)
+    pending_tags: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
+    counts: dict = field(default_factory=dict)  # count streams: open buckets' event counts (secret)
+
+    def pack(self) -> bytes:
+        return _state.pack({"machine": self.machine, "fed": self.fed, "pending_keys": self.pending_keys,
+                            "pending_tags": self.pending_tags,
+                            "buckets": np.array(sorted(self.counts), dtype=np.int64),
+                            "counts": np.array([self.counts[b] for b in sorted(self.counts)], dtype=np.float64)})
+
+    @classmethod
+    def unpack(cls, data: bytes) -> PartitionState:
+        d = _state.unpack(data)
+        return cls(d["machine"], int(d["fed"]), d["pending_keys"], np.asarray(d["pending_tags"], dtype=np.uint64),
+                   dict(zip(np.asarray(d["buckets"]).tolist(), np.asarray(d["counts"]).tolist())))
+
+
+def type_name(dtype) -> str:
+    return pa.field("x", pl.Series([], dtype=dtype).to_arrow().type).type.__str__()
+
+
+def arrow_type(name: str) -> pa.DataType:
+    return pa.type_for_alias(name) if not name.startswith("timestamp") else timestamp_type(name)
+
+
+def timestamp_type(name: str) -> pa.DataType:
+    inside = name[len("timestamp["):-1].split(", tz=")
+    return pa.timestamp(inside[0], tz=inside[1] if len(inside) > 1 else None)
+
+
+def refuse_null_keys(frame: pl.DataFrame, columns, label: str) -> None:
+    for column in columns:
+        nulls = frame.get_column(column).null_count()
+        if nulls:
+            raise InvalidTimeKey(f"{label}: key column {column!r} contains {nulls} null value(s); every row needs "
+                                 "its keys")
+        series = frame.get_column(column)
+        if series.dtype.is_float() and series.is_nan().any():
+            raise InvalidTimeKey(f"{label}: key column {column!r} contains NaN")
+
+
+def numeric(series: pl.Series, column: str, label: str) -> pl.Series:
+    if not series.dtype.is_numeric():
+        raise InvalidData(f"{label}: column {column!r} must be numeric, got {series.dtype}")
+    return series
+
+
+def same_type(keys: pa.Array, watermark, stream: Stream) -> pa.Array:
+    if watermark is None or keys.type == watermark.type:
+        return keys
+    try:
+        return keys.cast(watermark.type)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        raise InvalidTimeKey(f"stream {stream.name!r}: order keys of type {keys.type} cannot join keys of type "
+                             f"{watermark.type} appended before") from None
+
+
+def bucket_starts(buckets: np.ndarray, spec: StreamSpec) -> pa.Array:
+    """Bucket starts as output keys: microsecond timestamps (UTC for a zone aware start) or numbers."""
+    starts = spec.grid.starts(buckets)
+    if spec.datetime:
+        return pa.array(starts).cast(pa.timestamp("us", tz="UTC" if spec.utc else None))
+    return pa.array(starts, pa.float64())
+
+
+def key_of(watermark: bytes):
+    return table_of(watermark)["key"][0].as_py()
+
+
+def stored_keys(data: bytes) -> pa.Array:
+    """The ``key`` column of a stored table, as one array."""
+    return table_of(data)["key"].combine_chunks()
+
+
+def as_key(partition):
+    return tuple(partition) if isinstance(partition, list) else partition
+
+
+def scalar_like(value, kind: pa.DataType):
+    return pa.scalar(value).cast(kind) if not isinstance(value, pa.Scalar) else value.cast(kind)
+
+
+def sorted_output(outputs: list[pa.Table], stream: Stream, like: pa.Table) -> pa.Table:
+    outputs = [o for o in outputs if o.num_rows]
+    if not outputs:
+        return stream._empty_output(like)
+    table = pa.concat_tables(outputs, promote_options="permissive")
+    return table.sort_by([(c, "ascending") for c in [*stream.spec.partition_by, stream.spec.order_by]])
