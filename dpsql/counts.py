@@ -343,7 +343,7 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
         levels_note = f"hierarchy of {len(level_columns)} levels at epsilon / {len(level_columns)} each"
         note = f"{note}; {levels_note}" if note else levels_note
     counts = np.concatenate(blocks).astype(np.float64)
-    partitioned = counts.shape[0] > 1
+    partitioned = bool(names)  # keyed streams are addressed by their keys, even a single one
     offsets = np.arange(counts.shape[0] + 1) * domain.n_buckets if partitioned else None
     key_values = {name: np.concatenate(rows) for name, rows in key_rows.items()}
     partition_keys = None
@@ -351,6 +351,8 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
         columns = [key_values[name].tolist() for name in names]
         partition_keys = [((level,) if hierarchy else ()) + tuple(column[k] for column in columns)
                           for k, level in enumerate(levels)]
+        if not hierarchy and len(columns) == 1:  # one key column: the key itself, as every front end gives it
+            partition_keys = [key for (key,) in partition_keys]
     release = publish(COUNT_METHODS[method_name], counts.ravel(), budget=budget, column="counts",
                       partition_offsets=offsets, partition_keys=partition_keys,
                       partition_levels=levels if partitioned else None, note=note,

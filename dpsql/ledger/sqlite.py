@@ -30,6 +30,10 @@ _CAUSES = [
 ]
 
 
+# An SQLite commit either happens or not, and the error says which: a failed call charged nothing.
+_OUTCOME = "Nothing was charged or released."
+
+
 class SqliteBackend:
     errors = (sqlite3.Error,)
     lock_row = ""  # BEGIN IMMEDIATE already holds the database's write lock
@@ -56,6 +60,9 @@ class SqliteBackend:
     def begin(self, conn) -> None:
         conn.execute("BEGIN IMMEDIATE")
 
+    def prepare(self, conn) -> None:
+        """Nothing to do: ``BEGIN IMMEDIATE`` already serialises the creation of the tables."""
+
     def commit(self, conn) -> None:
         conn.execute("COMMIT")
 
@@ -72,12 +79,15 @@ class SqliteBackend:
     def blob(self, data: bytes):
         return sqlite3.Binary(data)
 
+    def broken(self, conn) -> bool:
+        """A local file's connection never breaks: errors leave it usable."""
+        return False
+
     def columns(self, conn) -> dict[str, set[str]]:
         tables = [row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
         return {t: {row[1] for row in conn.execute(f'PRAGMA table_info("{t}")')} for t in tables}
 
-    def failure(self, error: Exception, what: str) -> LedgerError:
+    def failure(self, error: Exception, what: str, *, committing: bool = False) -> LedgerError:
         text = str(error)
         cause = next((c for needle, c in _CAUSES if needle in text.lower()), text).format(timeout=LOCK_TIMEOUT)
-        return LedgerError(f"ledger {self.location}: cannot {what}: {cause} (SQLite: {text}). Nothing was charged "
-                           "or released.")
+        return LedgerError(f"ledger {self.location}: cannot {what}: {cause} (SQLite: {text}). {_OUTCOME}")

@@ -117,14 +117,19 @@ class Ledger:
         backend failure raised as :class:`LedgerError` naming ``what``) if it raises."""
         with self._lock, _signals_deferred():
             conn = self._connection()
+            committing = False
             try:
                 self.backend.begin(conn)
                 yield conn
+                committing = True
                 self.backend.commit(conn)
             except BaseException as error:
-                self.backend.rollback(conn)
+                if self.backend.broken(conn):
+                    self._conn = None  # the next call reconnects
+                else:
+                    self.backend.rollback(conn)
                 if isinstance(error, self.backend.errors):
-                    raise self.backend.failure(error, what) from error
+                    raise self.backend.failure(error, what, committing=committing) from error
                 raise
 
     @contextlib.contextmanager
@@ -135,6 +140,8 @@ class Ledger:
             try:
                 yield conn
             except self.backend.errors as error:
+                if self.backend.broken(conn):
+                    self._conn = None
                 raise self.backend.failure(error, what) from error
 
     def execute(self, conn, sql: str, params=()):
@@ -151,6 +158,7 @@ class Ledger:
         return row is not None and int(row[0]) == schema.VERSION
 
     def _prepare(self, conn) -> None:
+        self.backend.prepare(conn)
         existing = self.backend.columns(conn)
         if "ledger_meta" not in existing:
             for statement in schema.upgrades(existing):
@@ -201,7 +209,7 @@ class Ledger:
                 raise InvalidParameter(f"scope {scope!r} does not exist yet in ledger {self.location}: pass "
                                        "epsilon to create it")
             self.execute(conn, "INSERT INTO scopes (scope, notion, w, epsilon, delta, created) "
-                               "VALUES (?, ?, ?, ?, ?, ?)",
+                               "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (scope) DO NOTHING",
                          (scope, notion.value, w, repr(float(epsilon)), repr(float(delta)), _now()))
             return self._scope(conn, scope, lock=False)
 
@@ -255,7 +263,9 @@ class Ledger:
                              (release_id, scope, first_handle, handles, self.backend.blob(description)))
             if answer is not None:
                 self.execute(conn, "INSERT INTO answers (fingerprint, scope, release_id, created, answer) "
-                                   "VALUES (?, ?, ?, ?, ?) ON CONFLICT (fingerprint) DO NOTHING",
+                                   "VALUES (?, ?, ?, ?, ?) ON CONFLICT (fingerprint) DO UPDATE SET "
+                                   "release_id = excluded.release_id, created = excluded.created, "
+                                   "answer = excluded.answer",
                              (answer[0], scope, release_id, _now(), self.backend.blob(answer[1])))
             receipt = Receipt(release_id, first_handle)
             if then is not None:

@@ -1,0 +1,246 @@
+"""Partitioned private releases on Spark (``pip install 'dpsql[spark]'``, pyspark >= 4).
+
+:func:`range_sum` and :func:`count_stream` release one private stream per partition, the
+partitions being disjoint (one meter, one access point): the release costs the maximum over
+partitions, which is every partition's cost. It is **charged once, on the driver, before any
+task runs**; each partition is then released by the same online machines as everywhere in
+dpsql, inside ``groupBy(partition).applyInArrow``, on the executors. No data comes back to the
+driver (one small aggregate checks the keys for nulls first, so that a refused call charges
+nothing).
+
+Noise comes from the release's secret key and each draw's address (the partition's key,
+the level, the position), :mod:`dpsql.noise`: the key travels to the executors inside the
+tasks (never logged) and every task recomputes its partition's noise from it. A retried task,
+a lost executor or a DataFrame collected twice therefore gives identical values and costs
+nothing more. With test noise (:func:`dpsql.testing.seeded`) a Spark release equals the local
+``partition_by`` release of the same table value for value.
+
+Identical noise on re-execution assumes identical input: Spark re-reads a DataFrame's sources
+when it re-executes it, and two executions over *different* data with the same noise would
+reveal their difference. Release from a fixed snapshot (a Parquet/Delta version, or
+``df.checkpoint()``) when the source can change.
+
+Executors need dpsql installed (the same version as the driver).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from dpsql import _validate
+from dpsql.accounting import Charge, Kind, Neighbour, Notion
+from dpsql.budget import Budget, default_budget
+from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
+from dpsql.methods import COUNT_METHODS, check_method, machine_for
+from dpsql.noise import Keystream, partition_address
+from dpsql.release import chunks_of, run_machine
+from dpsql.timegrid import time_domain
+
+COUNT = "dp_count"
+
+
+def range_sum(df, *, order_by: str, value: str, partition_by, method: str = "tops", epsilon: float,
+              budget: Budget | None = None, note: str | None = None, **params):
+    """Release ``value`` as one private stream per ``partition_by`` group, in ``order_by`` order.
+
+    Returns a lazy Spark DataFrame: the partition columns, the order key and the private value
+    (named like ``value``), one row per input row. Privacy cost: that of ``method`` with
+    ``params`` (see :mod:`dpsql.methods`), replace-one-value neighbours, partitions in parallel:
+    charged once to ``budget`` (default: :func:`dpsql.use_budget`'s) when this function is
+    called. Parameters a one-shot release derives from a table's length are not known to the
+    driver: PAK needs ``delta``.
+
+    Examples
+    --------
+    >>> import dpsql, dpsql.spark  # doctest: +SKIP
+    >>> out = dpsql.spark.range_sum(readings, order_by="ts", value="kwh", partition_by="meter",
+    ...                             epsilon=1.0, upper=50.0, budget=budget)  # doctest: +SKIP
+    """
+    partition_by = _columns(partition_by)
+    check_method(method, per_row=True)
+    if method in COUNT_METHODS:
+        raise InvalidParameter(f"method {method!r} releases counts of events: use dpsql.spark.count_stream")
+    fields = _fields(df, [*partition_by, order_by, value])
+    _require_numeric(fields[value], value)
+    for column in [*partition_by, order_by]:
+        _require_key_type(fields[column], column)
+    release = _Release(method, {"epsilon": epsilon, **params}, budget, note)
+    _refuse_null_keys(df, [*partition_by, order_by])
+    release.charge(rows=0)
+    schema = ", ".join(f"`{c}` {fields[c].dataType.simpleString()}" for c in [*partition_by, order_by]) \
+        + f", `{value}` double"
+    task = _task(_release_partition, key=release.key, private=release.private, method=method, params=release.params,
+                 partition_by=partition_by, order_by=order_by, value=value)
+    return df.select(*partition_by, order_by, value).groupBy(*partition_by).applyInArrow(task, schema)
+
+
+def count_stream(df, *, time_column: str, every, start, stop, partition_by, method: str = "pegasus",
+                 epsilon: float, budget: Budget | None = None, note: str | None = None, **params):
+    """Private counts of the events of ``df`` per bucket of the public time domain ``[start,
+    stop)`` cut every ``every`` (never read from the data), one stream per ``partition_by``
+    group: PeGaSus (``method="pegasus"``) or per-bucket Laplace (``"count_laplace"``).
+
+    Returns a lazy Spark DataFrame: the partition columns, the bucket start (``time_column``)
+    and ``dp_count``, every bucket of the domain (empty ones too). Events outside the domain
+    are counted nowhere. Privacy cost: ``epsilon`` for add/remove-one-event neighbours,
+    partitions in parallel, charged once on the driver.
+    """
+    partition_by = _columns(partition_by)
+    if method not in COUNT_METHODS:
+        raise InvalidParameter(f"method must be one of {', '.join(map(repr, COUNT_METHODS))} for a count stream, "
+                               f"got {method!r}")
+    fields = _fields(df, [*partition_by, time_column])
+    for column in partition_by:
+        _require_key_type(fields[column], column)
+    domain = time_domain(start=start, stop=stop, every=every)
+    release = _Release(method, {"epsilon": epsilon, **params}, budget, note)
+    _refuse_null_keys(df, [*partition_by, time_column])
+    release.charge(rows=0)
+    from pyspark.sql import functions as F
+
+    ticks = _spark_ticks(F.col(time_column), fields[time_column], domain.datetime)
+    bucket = F.floor((ticks - F.lit(domain.start)) / F.lit(domain.every)).cast("long")
+    counted = (df.select(*partition_by, bucket.alias("__bucket"))
+               .where((F.col("__bucket") >= 0) & (F.col("__bucket") < domain.n_buckets))
+               .groupBy(*partition_by, "__bucket").count())
+    time_type = "timestamp_ntz" if domain.datetime else "double"
+    schema = ", ".join(f"`{c}` {fields[c].dataType.simpleString()}" for c in partition_by) \
+        + f", `{time_column}` {time_type}, `{COUNT}` double"
+    task = _task(_release_counts, key=release.key, private=release.private, method=method, params=release.params,
+                 partition_by=partition_by, time_column=time_column, domain=domain)
+    return counted.groupBy(*partition_by).applyInArrow(task, schema)
+
+
+def _task(release, **arguments):
+    """The function Spark runs per group (``pyarrow.Table`` in and out, as its type hints say)."""
+    def task(table: pa.Table) -> pa.Table:
+        return release(table, **arguments)
+
+    return task
+
+
+class _Release:
+    """The driver's side: the method's parameters validated, the cost, the key, the charge."""
+
+    def __init__(self, method: str, params: dict, budget: Budget | None, note: str | None):
+        budget = default_budget() if budget is None else budget
+        if not isinstance(budget, Budget) and budget is not None:
+            raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
+        keystream = Keystream.fresh()
+        if budget is None and keystream.private:
+            raise InvalidParameter("a private release needs a budget to be charged to: pass budget=dpsql.Budget."
+                                   "open(...), or set a default with dpsql.use_budget(budget)")
+        machine = machine_for(method, None, keystream.partition(b""), params)  # validates; draws nothing
+        self.method, self.params, self.budget, self.note = method, params, budget, note
+        self.key, self.private = keystream.key, keystream.private
+        self.cost, self.neighbour, self.notion, self.w = machine.cost, machine.neighbour, machine.notion, machine.w
+
+    def charge(self, *, rows: int) -> None:
+        if self.budget is None:
+            return
+        charge = Charge(method=self.method, epsilon=self.cost[0], delta=self.cost[1],
+                        neighbour=Neighbour(self.neighbour), notion=Notion(self.notion), w=self.w, rows=rows,
+                        partitions=0, params=_plain(self.params), private=self.private, note=self.note,
+                        kind=Kind.RELEASE)
+        self.budget.charge(charge)
+
+
+def _plain(params: dict) -> dict:
+    return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in params.items()}
+
+
+def _columns(partition_by) -> list[str]:
+    if partition_by is None:
+        raise InvalidParameter("partition_by is required on Spark: each partition is released by its own task")
+    columns = [partition_by] if isinstance(partition_by, str) else list(partition_by)
+    if not columns or not all(isinstance(c, str) and c for c in columns):
+        raise InvalidParameter(f"partition_by must be a column name or a list of them, got {partition_by!r}")
+    return columns
+
+
+def _fields(df, columns: list[str]) -> dict:
+    present = {f.name: f for f in df.schema.fields}
+    missing = [c for c in columns if c not in present]
+    if missing:
+        raise InvalidParameter(f"column(s) {', '.join(map(repr, missing))} not found in the DataFrame; it has "
+                               f"{', '.join(map(repr, present))}")
+    return {c: present[c] for c in columns}
+
+
+def _require_numeric(field, column: str) -> None:
+    from pyspark.sql import types as T
+
+    if not isinstance(field.dataType, T.NumericType):
+        raise InvalidData(f"column {column!r} must be numeric, got {field.dataType.simpleString()}")
+
+
+def _require_key_type(field, column: str) -> None:
+    from pyspark.sql import types as T
+
+    usable = (T.NumericType, T.StringType, T.DateType, T.TimestampType, T.TimestampNTZType, T.BooleanType)
+    if not isinstance(field.dataType, usable):
+        raise InvalidData(f"key column {column!r} has type {field.dataType.simpleString()}, which dpsql cannot use "
+                          "as a partition or order key (use numbers, strings, dates or timestamps)")
+
+
+def _refuse_null_keys(df, columns: list[str]) -> None:
+    """One small aggregate job: a null key is refused before anything is charged."""
+    from pyspark.sql import functions as F
+
+    nulls = df.select([F.sum(F.col(c).isNull().cast("long")).alias(c) for c in columns]).first()
+    for column in columns:
+        if nulls[column]:
+            raise InvalidTimeKey(f"key column {column!r} contains {nulls[column]} null value(s); every row needs "
+                                 "its keys")
+
+
+def _spark_ticks(column, field, datetime: bool):
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    if not datetime:
+        return column.cast("double")
+    if isinstance(field.dataType, T.DateType):
+        return F.unix_date(column).cast("long") * F.lit(86_400 * 10**9)
+    if isinstance(field.dataType, (T.TimestampType, T.TimestampNTZType)):
+        return F.unix_micros(column.cast("timestamp")) * F.lit(1000)
+    raise InvalidData(f"the time column must hold timestamps or dates for datetime bounds, got "
+                      f"{field.dataType.simpleString()}")
+
+
+# -- on the executors ------------------------------------------------------------------------------
+
+def _partition_key(table: pa.Table, partition_by: list[str]):
+    values = [table.column(c)[0].as_py() for c in partition_by]
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _release_partition(table: pa.Table, *, key: bytes, private: bool, method: str, params: dict,
+                       partition_by: list[str], order_by: str, value: str) -> pa.Table:
+    """One partition's release (a task): in time order, from the partition's addressed draws."""
+    table = table.sort_by(order_by)
+    times = table.column(order_by)
+    if len(times) > 1 and pa.compute.any(pa.compute.equal(times.slice(1), times.slice(0, len(times) - 1))).as_py():
+        raise InvalidTimeKey(f"order column {order_by!r} has a duplicate value within a partition; time keys must "
+                             "be unique within a partition")
+    values = _validate.values(table.column(value), value)
+    partition = _partition_key(table, partition_by)
+    draws = Keystream(key, private=private).partition(partition_address(partition))
+    released = run_machine(machine_for(method, len(values), draws, params), chunks_of(values), len(values))
+    return pa.table({**{c: table.column(c) for c in partition_by}, order_by: times,
+                     value: pa.array(released, pa.float64())})
+
+
+def _release_counts(table: pa.Table, *, key: bytes, private: bool, method: str, params: dict,
+                    partition_by: list[str], time_column: str, domain) -> pa.Table:
+    """One partition's count stream: every bucket of the domain (empty ones count 0)."""
+    counts = np.zeros(domain.n_buckets)
+    counts[table.column("__bucket").to_numpy()] = table.column("count").to_numpy()
+    partition = _partition_key(table, partition_by)
+    draws = Keystream(key, private=private).partition(partition_address(partition))
+    released = run_machine(machine_for(method, len(counts), draws, params), chunks_of(counts), len(counts))
+    starts = pa.array(domain.bucket_starts()).cast(pa.timestamp("us")) if domain.datetime else pa.array(
+        domain.bucket_starts(), pa.float64())
+    return pa.table({**{c: pa.repeat(table.column(c)[0], len(counts)) for c in partition_by},
+                     time_column: starts, COUNT: pa.array(released, pa.float64())})

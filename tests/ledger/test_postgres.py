@@ -1,0 +1,131 @@
+"""The PostgreSQL ledger against a real server: the SQLite ledger's semantics, shared by
+processes racing for one scope, surviving killed clients and a restarted server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from fractions import Fraction
+
+import numpy as np
+import polars as pl
+import pytest
+
+import dpsql
+from dpsql.accounting import Charge, Neighbour, exact
+
+CHARGE = Charge(method="laplace", epsilon=0.01, delta=0.0, neighbour=Neighbour.REPLACE_ONE, rows=1)
+
+
+def _totals(url):
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        rows = [exact(e) for (e,) in conn.execute("SELECT epsilon FROM charges WHERE kind = 'release'")]
+        spent, count = conn.execute("SELECT spent_epsilon, charges FROM scopes WHERE scope = 'default'").fetchone()
+    assert Fraction(spent) == sum(rows, Fraction(0)) and count == len(rows)
+    return len(rows), Fraction(spent)
+
+
+def test_the_ledger_works_on_postgres_as_on_sqlite(postgres_url):
+    budget = dpsql.Budget.open(postgres_url, epsilon=1.0)
+    values = np.arange(5000) % 13.0
+    first = dpsql.tops(values, epsilon=0.25, upper=20.0, m=500, budget=budget)
+    again = dpsql.tops(values, epsilon=0.25, upper=20.0, m=500, budget=budget)
+    assert again.release_id == first.release_id and budget.spent == (0.25, 0.0)
+    record = dpsql.Budget.open(postgres_url).release(first.release_id)
+    assert record.range_variance(0, 5000) == first.range_variance(0, 5000)
+    for _ in range(75):
+        budget.charge(CHARGE)
+    with pytest.raises(dpsql.BudgetExhausted):
+        budget.charge(CHARGE)
+    assert budget.history()["kind"].to_list()[:2] == ["release", "cache hit"]
+    assert "***" not in budget.location and "postgres@127.0.0.1" in budget.location
+
+
+def test_streams_on_postgres_continue_from_another_process(postgres_url):
+    budget = dpsql.Budget.open(postgres_url, epsilon=1.0)
+    stream = budget.stream("kwh", method="hierarchy", epsilon=0.5, order_by="ts", value="kwh", partition_by="meter",
+                           upper=10.0, r=256)
+    frame = pl.DataFrame({"meter": np.arange(3000) % 3, "ts": np.arange(3000), "kwh": np.ones(3000)})
+    stream.append(frame.head(1000))
+    code = f"""
+        import dpsql, numpy as np, polars as pl
+        frame = pl.DataFrame({{"meter": np.arange(3000) % 3, "ts": np.arange(3000), "kwh": np.ones(3000)}})
+        print(dpsql.Budget.open({postgres_url!r}).stream("kwh").append(frame.slice(900)).num_rows)
+    """
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "2100"
+    released = stream.released()
+    assert released.num_rows == 3000 and len(set(released["dp_row"].to_pylist())) == 3000
+    assert budget.spent == (0.5, 0.0)
+
+
+def test_eight_processes_racing_one_scope_never_exceed_the_cap(postgres_url):
+    dpsql.Budget.open(postgres_url, epsilon=3.0)
+    code = f"""
+        import dpsql
+        from dpsql.accounting import Charge, Neighbour
+        budget = dpsql.Budget.open({postgres_url!r})
+        charge = Charge(method="laplace", epsilon=0.01, delta=0.0, neighbour=Neighbour.REPLACE_ONE, rows=1)
+        accepted = 0
+        for _ in range(50):
+            try:
+                budget.charge(charge)
+                accepted += 1
+            except dpsql.BudgetExhausted:
+                pass
+        print(accepted)
+    """
+    workers = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True)
+               for _ in range(8)]
+    accepted = sum(int(w.communicate(timeout=300)[0]) for w in workers)
+    count, spent = _totals(postgres_url)
+    assert accepted == count == 300 and spent == Fraction(3)
+
+
+def test_a_client_killed_mid_transaction_charges_nothing_twice(postgres_url):
+    dpsql.Budget.open(postgres_url, epsilon=100.0)
+    code = f"""
+        import dpsql, time
+        from dpsql.accounting import Charge, Neighbour
+        budget = dpsql.Budget.open({postgres_url!r})
+        charge = Charge(method="laplace", epsilon=0.01, delta=0.0, neighbour=Neighbour.REPLACE_ONE, rows=1)
+        budget.charge(charge)
+        with budget.ledger.transaction("hold a scope") as conn:  # a charge that never finishes
+            budget.ledger.execute(conn, "SELECT spent_epsilon FROM scopes WHERE scope = 'default' FOR UPDATE")
+            print("holding", flush=True)
+            time.sleep(60)
+    """
+    worker = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE)
+    assert worker.stdout.readline().strip() == b"holding"
+    worker.kill()
+    worker.wait()
+    budget = dpsql.Budget.open(postgres_url)
+    started = time.monotonic()
+    budget.charge(CHARGE)  # the server rolled the dead client back and released its lock
+    assert time.monotonic() - started < 30
+    assert _totals(postgres_url) == (2, Fraction(2, 100))
+
+
+def test_a_server_restart_between_two_charges_loses_nothing(postgres, postgres_url):
+    budget = dpsql.Budget.open(postgres_url, epsilon=1.0)
+    budget.charge(CHARGE)
+    postgres.restart()
+    with pytest.raises(dpsql.LedgerError, match="cannot be reached or went away") as lost:
+        budget.charge(CHARGE)  # the connection died with the server: refused, nothing charged
+    assert "Nothing was charged" in str(lost.value)
+    budget.charge(CHARGE)  # reconnects
+    assert _totals(postgres_url) == (2, Fraction(2, 100))
+    assert budget.spent == (0.02, 0.0)
+
+
+def test_unreachable_and_wrong_servers_are_typed_errors_without_the_password(postgres):
+    with pytest.raises(dpsql.LedgerError, match="cannot be reached") as refused:
+        dpsql.Budget.open("postgresql://ana:s3cret@127.0.0.1:1/nowhere", epsilon=1.0)
+    assert "s3cret" not in str(refused.value) and "ana@127.0.0.1:1" in str(refused.value)
+    with pytest.raises(dpsql.LedgerError) as missing:
+        dpsql.Budget.open(postgres.url_of("no_such_database"), epsilon=1.0)
+    assert "no_such_database" in str(missing.value)

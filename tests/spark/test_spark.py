@@ -1,0 +1,103 @@
+"""Spark releases on local[2]: charged once on the driver, released per partition on executors,
+equal to the local partition_by release, identical when re-executed."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import numpy as np
+import polars as pl
+import pytest
+
+import dpsql
+
+pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'dpsql[spark]')")
+spark_dp = pytest.importorskip("dpsql.spark")
+
+
+@pytest.fixture(scope="module")
+def spark():
+    import shutil
+
+    if shutil.which("java") is None:
+        pytest.skip("no Java runtime on PATH: Spark cannot start")
+    from pyspark.sql import SparkSession
+
+    session = (SparkSession.builder.master("local[2]").appName("dpsql-tests")
+               .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "4")
+               .config("spark.sql.session.timeZone", "UTC").getOrCreate())
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+def _readings(n=6000, meters=5, seed=0) -> pl.DataFrame:
+    rng = np.random.default_rng(seed)
+    return pl.DataFrame({"meter": rng.integers(0, meters, n), "ts": rng.permutation(n),
+                         "kwh": np.round(rng.gamma(2.0, 5.0, n), 3)})
+
+
+@pytest.mark.parametrize(("method", "params"), [("tops", {"upper": 100.0, "m": 200, "r": 1024}),
+                                                ("hierarchy", {"upper": 60.0, "r": 512}),
+                                                ("laplace", {"upper": 60.0})])
+def test_a_spark_release_equals_the_local_partitioned_release(spark, method, params):
+    frame = _readings()
+    with dpsql.testing.seeded(3):
+        local = frame.with_columns(pl.col("kwh").dpsql.range_sum(method=method, order_by="ts", partition_by="meter",
+                                                                 epsilon=1.0, **params).alias("dp"))
+    with dpsql.testing.seeded(3):
+        out = spark_dp.range_sum(spark.createDataFrame(frame.to_pandas()), order_by="ts", value="kwh",
+                                 partition_by="meter", method=method, epsilon=1.0, **params)
+    got = pl.from_pandas(out.toPandas()).sort("meter", "ts")
+    expected = local.sort("meter", "ts")
+    assert got["kwh"].to_list() == expected["dp"].to_list()
+
+
+def test_charged_once_on_the_driver_and_identical_when_re_executed(spark):
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    df = spark.createDataFrame(_readings(seed=1).to_pandas())
+    out = spark_dp.range_sum(df, order_by="ts", value="kwh", partition_by="meter", epsilon=0.5, upper=60.0,
+                             m=100, budget=budget)
+    assert budget.spent == (0.5, 0.0)  # before any task ran
+    first = out.orderBy("meter", "ts").toPandas()["kwh"].to_numpy()
+    second = out.repartition(3).orderBy("meter", "ts").toPandas()["kwh"].to_numpy()
+    assert np.array_equal(first, second) and budget.spent == (0.5, 0.0)
+    assert budget.history()["method"].to_list() == ["tops"]
+
+
+def test_spark_count_streams_equal_the_local_ones(spark):
+    rng = np.random.default_rng(4)
+    times = [dt.datetime(2024, 1, 1) + dt.timedelta(minutes=int(m)) for m in rng.integers(0, 24 * 60, 3000)]
+    events = pl.DataFrame({"ts": times, "ap": rng.integers(0, 3, 3000)})
+    grid = dict(every="1h", start=dt.datetime(2024, 1, 1), stop=dt.datetime(2024, 1, 2))
+    with dpsql.testing.seeded(8):
+        local = dpsql.count_stream(events, "ts", partition_by="ap", epsilon=1.0, **grid)
+    with dpsql.testing.seeded(8):
+        out = spark_dp.count_stream(spark.createDataFrame(events.to_pandas()), time_column="ts", partition_by="ap",
+                                    epsilon=1.0, **grid)
+    got = pl.from_pandas(out.toPandas()).sort("ap", "ts")
+    assert got.height == 3 * 24
+    assert got["dp_count"].to_list() == local.sort("ap", "ts")["dp_count"].to_list()
+
+
+def test_refused_calls_charge_nothing(spark):
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    frame = _readings(200)
+    df = spark.createDataFrame(frame.to_pandas())
+    with pytest.raises(dpsql.InvalidParameter, match="'site' not found"):
+        spark_dp.range_sum(df, order_by="ts", value="kwh", partition_by="site", epsilon=0.5, upper=1.0, budget=budget)
+    with pytest.raises(dpsql.InvalidData, match="array<bigint>"):
+        spark_dp.range_sum(df.selectExpr("array(meter) AS meter", "ts", "kwh"), order_by="ts", value="kwh",
+                           partition_by="meter", epsilon=0.5, upper=1.0, budget=budget)
+    with pytest.raises(dpsql.InvalidData, match="must be numeric"):
+        spark_dp.range_sum(df.selectExpr("meter", "ts", "cast(kwh AS string) AS kwh"), order_by="ts", value="kwh",
+                           partition_by="meter", epsilon=0.5, upper=1.0, budget=budget)
+    with pytest.raises(dpsql.InvalidTimeKey, match="'meter' contains 1 null"):
+        spark_dp.range_sum(df.selectExpr("CASE WHEN ts = 3 THEN NULL ELSE meter END AS meter", "ts", "kwh"),
+                           order_by="ts", value="kwh", partition_by="meter", epsilon=0.5, upper=1.0, budget=budget)
+    with pytest.raises(dpsql.InvalidParameter, match="needs a budget"):
+        spark_dp.range_sum(df, order_by="ts", value="kwh", partition_by="meter", epsilon=0.5, upper=1.0)
+    with pytest.raises(dpsql.InvalidParameter, match="delta is required"):
+        spark_dp.range_sum(df, order_by="ts", value="kwh", partition_by="meter", method="pak", epsilon=0.5,
+                           upper=1.0, budget=budget)
+    assert budget.spent == (0.0, 0.0)
