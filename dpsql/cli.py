@@ -43,7 +43,7 @@ def _connection(location: str):
 
             conn = psycopg.connect(location, connect_timeout=10)
             conn.read_only = True
-        except Exception as error:  # noqa: BLE001  (every connection failure is reported the same way)
+        except Exception as error:
             raise LedgerError(f"ledger {redacted(location)}: cannot connect ({type(error).__name__})") from None
         return conn, PostgresBackend(location).execute
     conn = _read_only_sqlite(location)
