@@ -17,7 +17,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from dpsql import _validate
+from dpsql import _progress, _validate
 from dpsql._memory import pooled_array
 from dpsql.accountant import Budget
 from dpsql.errors import InvalidParameter
@@ -58,7 +58,7 @@ class PartitionedRelease:
 
 def publish(method: str, values, *, budget: Budget | None = None, column: str = "values",
             partition_offsets: Sequence[int] | None = None, partition_keys: Sequence | None = None,
-            partition_levels: Sequence[int] | None = None, note: str | None = None,
+            partition_levels: Sequence[int] | None = None, note: str | None = None, progress: bool = True,
             **params) -> Release | PartitionedRelease:
     """Release ``values`` privately with ``method`` and charge ``budget`` (if given) once.
 
@@ -86,6 +86,9 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
         add up, exactly). Default: all partitions in one level.
     note : str, optional
         Recorded in the ledger with the release.
+    progress : bool, default True
+        Show a progress bar (:mod:`dpsql._progress`) for work expected to take more than two
+        seconds; ``False`` silences it.
     **params
         The method's parameters (``epsilon``, ``upper``, ...).
     """
@@ -112,7 +115,8 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
     first = machines[0]
     if budget is not None:
         budget.check(epsilon=epsilon, delta=delta, notion=first.notion, w=first.w, private=keystream.private)
-    parts, values = _run_partitions(method, templates, data, offsets, keystream, addresses, params)
+    with _progress.shown(progress):
+        parts, values = _run_partitions(method, templates, data, offsets, keystream, addresses, params)
     release_id = None
     if budget is not None:
         release_id = budget.charge(method=parts[0].method, epsilon=epsilon, delta=delta, rows=len(data),

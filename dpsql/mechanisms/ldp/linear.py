@@ -15,18 +15,26 @@ from dpsql.release import ErrorModel
 ALIGNS = ("trailing", "center")
 
 
-def _reach(window: int, align: str) -> tuple[int, int]:
-    """Slots before and after a row that its average covers."""
+def reach(window: int, align: str) -> tuple[int, int]:
+    """Slots before and after a row that its moving average covers."""
     return (window - 1, 0) if align == "trailing" else (window // 2, window // 2)
 
 
-def moving_average(x: np.ndarray, window: int, align: str, start: int = 0, stop: int | None = None) -> np.ndarray:
-    """Rows ``start:stop`` of the simple moving average of ``x`` (post-processing).
+def moving_average(x: np.ndarray, window: int, align: str, start: int = 0, stop: int | None = None, *,
+                   first: int = 0, length: int | None = None) -> np.ndarray:
+    """Rows ``start:stop`` of the simple moving average of a stream (post-processing).
 
     ``align="trailing"``: mean of the last ``window`` values (DU reference code,
     ``movmean(x, [W-1 0], 'shrink')``), causal. ``align="center"``: mean of the ``window``
     values centred on the row (paper, ``window = 2k + 1``). Windows shrink at both ends
-    of ``x``, so neither variant is exactly sum-preserving there.
+    of the stream, so neither variant is exactly sum-preserving there.
+
+    ``x`` holds the stream's rows ``first ..`` (along its last axis, one stream per row of a
+    2-D ``x``): all of it by default, or, for a stream released piece by piece, the rows the
+    requested windows reach. ``length`` is the stream's length where it is known (windows
+    shrink there); by default ``first + x.shape[-1]``. Each output is its window's values
+    added in time order, then divided: a function of the window alone, so a stream cut
+    into pieces gets the very same outputs.
 
     Examples
     --------
@@ -34,20 +42,32 @@ def moving_average(x: np.ndarray, window: int, align: str, start: int = 0, stop:
     array([3. , 4.5, 6. , 5. ])
     >>> moving_average(np.array([3.0, 6.0, 9.0, 0.0]), 3, "center")
     array([4.5, 6. , 5. , 4.5])
+    >>> moving_average(np.array([6.0, 9.0, 0.0]), 3, "center", 2, 4, first=1, length=4)
+    array([5. , 4.5])
     """
-    stop = len(x) if stop is None else stop
-    back, ahead = _reach(window, align)
-    rows = np.arange(start, stop)
-    lo = np.maximum(rows - back, 0)
-    hi = np.minimum(rows + ahead + 1, len(x))
-    cumulative = np.concatenate([[0.0], np.cumsum(x)])
-    return (cumulative[hi] - cumulative[lo]) / (hi - lo)
+    x = np.asarray(x, dtype=np.float64)
+    end = first + x.shape[-1]
+    length = end if length is None else length
+    stop = length if stop is None else stop
+    back, ahead = reach(window, align)
+    lo, hi = start - back, stop + ahead  # the rows the windows reach; zeros beyond the stream add nothing
+    if max(lo, 0) < first or min(hi, length) > end:
+        raise ValueError(f"rows {start}:{stop} need stream rows {max(lo, 0)}:{min(hi, length)}, "
+                         f"x holds {first}:{end}")
+    pad = [(0, 0)] * (x.ndim - 1) + [(max(0, -lo), max(0, hi - length))]
+    values = np.pad(x[..., max(lo, 0) - first:min(hi, length) - first], pad)
+    rows = stop - start
+    total = values[..., :rows].copy()
+    for k in range(1, window):
+        total += values[..., k:k + rows]
+    positions = np.arange(start, stop)
+    return total / (np.minimum(positions + ahead + 1, length) - np.maximum(positions - back, 0))
 
 
 def _moving_average_transpose(e: np.ndarray, window: int, align: str) -> np.ndarray:
     """``S^T e`` row-wise: how much each slot's raw value weighs in ``sum_r e_r * SMA_r``."""
     n = e.shape[1]
-    back, ahead = _reach(window, align)
+    back, ahead = reach(window, align)
     rows = np.arange(n)
     count = np.minimum(rows + ahead + 1, n) - np.maximum(rows - back, 0)
     cumulative = np.concatenate([np.zeros((e.shape[0], 1)), np.cumsum(e / count, axis=1)], axis=1)
