@@ -54,14 +54,29 @@ class SegmentEncoder:
         self._position = (self._position + len(lengths)) % len(self.plan.pattern)
         if not len(lengths):
             return np.empty((values.shape[0], 0)), lengths
-        if self.plan.segment == 1 and len(self.plan.pattern) == 1:
-            means = values
-        else:
-            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-            means = np.add.reduceat(values[:, :used], starts, axis=1) / lengths
+        means = values if (lengths == 1).all() else segment_means(values, lengths)
         uniforms = report_uniforms(self._noise, self._reports, means.shape[1], uniforms=self._uniforms)
         self._reports += means.shape[1]
         return self._feedback.run(means, uniforms), lengths
+
+
+def segment_means(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Means of consecutive segments of ``lengths`` slots (the rows of ``values``, users x slots),
+    each segment's readings added one by one in time order: a plain function of the segment's
+    readings, the same on a device and in any batch (``np.add.reduceat`` does not promise an
+    order of additions).
+
+    Examples
+    --------
+    >>> segment_means(np.array([[1.0, 2.0, 3.0, 4.0, 5.0]]), np.array([2, 3]))
+    array([[1.5, 4. ]])
+    """
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    sums = values[:, starts]
+    for k in range(1, int(lengths.max())):
+        longer = lengths > k
+        sums[:, longer] += values[:, starts[longer] + k]
+    return sums / lengths
 
 
 class AbsorptionEncoder:

@@ -125,6 +125,8 @@ class _DUStream(StreamMachine):
         """Keep ``reports`` (users x r, data units) and their marks; append the slots they cover."""
         self._reports.append(reports)
         self._marks.append(lengths)
+        if reports.shape[1]:
+            self._last_report = reports[:, -1:]
         slots = reports if (lengths == 1).all() else np.repeat(reports, lengths, axis=1)
         self._raw = np.concatenate([self._raw, slots], axis=1)
         self._filled += slots.shape[1]
@@ -141,7 +143,7 @@ class _DUStream(StreamMachine):
 
     def close(self) -> np.ndarray:
         if self._filled < self._rows:  # an unsampled tail repeats the last report
-            tail = np.repeat(self._raw[:, -1:], self._rows - self._filled, axis=1)
+            tail = np.repeat(self._last_report, self._rows - self._filled, axis=1)
             self._raw = np.concatenate([self._raw, tail], axis=1)
             self._filled = self._rows
         out = self._emit(self._rows, length=self._rows)
