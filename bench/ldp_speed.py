@@ -4,9 +4,10 @@ Two workloads per method, through the public release path (``dpsql.publish``, wh
 Python functions and the SQL/Polars front ends call): one user's stream of ``--slots``
 values (10^6), and ``--users`` users of ``--user-slots`` values each (1,000 x 1,000) released
 as one partitioned release. Values are uniform on [0, 100] (public bounds [0, 100]); the
-methods run with epsilon = 1, w = 10 and their defaults, ToPL with m = 4096 and r = 2^20
-given explicitly (older checkouts derived both from the length). Each figure is the best
-of ``--repeat`` runs, in slots (rows) per second.
+methods run with epsilon = 1, w = 10 and their defaults, ToPL with r = 2^20 and a hold-out
+of m = 4096 rows (one stream) or a quarter of each user's rows, given explicitly (older
+checkouts derived both from the length). Each figure is the best of ``--repeat`` runs, in
+slots (rows) per second.
 
 ``--before DIR`` runs the same workload, in a separate process, on the dpsql package of
 ``DIR`` (a checkout of an older commit, e.g. ``git worktree add --detach DIR 6643f54``) and
@@ -30,20 +31,25 @@ import numpy as np
 
 METHODS = ["sw_direct", "sampling", "ba_sw", "ipp", "app", "capp", "pp_s", "pm_direct", "topl"]
 DU_PARAMS = dict(epsilon=1.0, w=10, lower=0.0, upper=100.0)
-PARAMS = {method: DU_PARAMS for method in METHODS}
-PARAMS["topl"] = dict(epsilon=1.0, upper=100.0, m=4096, r=1 << 20)
+
+
+def parameters(method: str, stream_length: int) -> dict:
+    if method == "topl":
+        return dict(epsilon=1.0, upper=100.0, m=min(4096, stream_length // 4), r=1 << 20)
+    return DU_PARAMS
 
 
 def release_seconds(method: str, values: np.ndarray, offsets, repeat: int) -> float:
     import dpsql
 
+    params = parameters(method, len(values) if offsets is None else int(offsets[1]))
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
         if offsets is None:
-            dpsql.publish(method, values, **PARAMS[method])
+            dpsql.publish(method, values, **params)
         else:
-            dpsql.publish(method, values, partition_offsets=offsets, **PARAMS[method])
+            dpsql.publish(method, values, partition_offsets=offsets, **params)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -57,7 +63,7 @@ def measure(args) -> dict:
     users = rng.uniform(0.0, 100.0, args.users * args.user_slots)
     offsets = np.arange(args.users + 1) * args.user_slots
     out = {"dpsql": str(Path(dpsql.__file__).parent), "single": {}, "users": {}}
-    for method in METHODS:
+    for method in args.methods:
         out["single"][method] = release_seconds(method, single, None, args.repeat)
         out["users"][method] = release_seconds(method, users, offsets, args.repeat)
         print(method, out["single"][method], out["users"][method], file=sys.stderr, flush=True)
@@ -68,7 +74,7 @@ def measure_in(directory: Path | None, args) -> dict:
     """:func:`measure` in a fresh interpreter importing dpsql from ``directory`` (None: this checkout)."""
     root = Path(__file__).resolve().parent.parent if directory is None else directory.resolve()
     command = [sys.executable, __file__, "--measure", "--slots", str(args.slots), "--users", str(args.users),
-               "--user-slots", str(args.user_slots), "--repeat", str(args.repeat)]
+               "--user-slots", str(args.user_slots), "--repeat", str(args.repeat), "--methods", *args.methods]
     env = {**os.environ, "PYTHONPATH": str(root)}
     done = subprocess.run(command, env=env, cwd="/", check=True, stdout=subprocess.PIPE, text=True)
     return json.loads(done.stdout)
@@ -81,6 +87,7 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=1000)
     parser.add_argument("--user-slots", type=int, default=1000)
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
@@ -96,7 +103,7 @@ def main() -> None:
     load_after = os.getloadavg()[0]
     many = args.users * args.user_slots
     rows = []
-    for method in METHODS:
+    for method in args.methods:
         row = [method]
         for workload, slots in (("single", args.slots), ("users", many)):
             now = slots / after[workload][method]
@@ -116,8 +123,8 @@ def main() -> None:
         header = ["method", f"{single} (k slots/s)", f"{batch} (k slots/s)"]
         compared = ""
     body = (f"Releases through `dpsql.publish` (values uniform on [0, 100], epsilon = 1, w = 10, method defaults; "
-            f"ToPL with m = 4096, r = 2^20), best of {args.repeat}, each side in its own process. {compared}"
-            f"Seconds per release are slots divided by the figures.\n\n"
+            f"ToPL with r = 2^20 and m = 4096 or a quarter of a user's rows), best of {args.repeat}, each side in "
+            f"its own process. {compared}Seconds per release are slots divided by the figures.\n\n"
             + markdown_table(header, rows)
             + f"\n\n1-minute load average {load_before:.1f} before and {load_after:.1f} after the runs on "
             f"{os.cpu_count()} cores (other work shares the machine).")

@@ -15,7 +15,13 @@ from dpsql.ldp import collector
 from dpsql.mechanisms.ldp import SQUARE_WAVE, UNIT, FeedbackEncoder, ReportNoise, moving_average
 from dpsql.methods import machine_for, run
 from dpsql.streams.du.encoders import AbsorptionEncoder
-from dpsql.streams.du.plan import choose_ns, make_plan, sample_variance_objective, segment_lengths
+from dpsql.streams.du.plan import (
+    choose_ns,
+    make_plan,
+    per_report_epsilon,
+    sample_variance_objective,
+    segment_lengths,
+)
 from dpsql.testing import keys, seeded
 
 METHODS = ["sw_direct", "sampling", "ba_sw", "ipp", "app", "capp", "pp_s"]
@@ -157,6 +163,21 @@ def test_ledger_figures_for_every_method(method, accounting):
         assert rel.params["epsilon_report"] == pytest.approx(EXPECTED_REPORT_EPS[method, accounting], rel=1e-15)
     history = budget.history()
     assert history["method"].to_list() == [method] and history["private"].to_list() == [False]
+
+
+@pytest.mark.parametrize(("epsilon", "w", "memory"), [(0.3, 6, 1), (0.3, 7, 2), (1.1, 10, 10), (0.9, 5, 5)])
+def test_du_reports_in_a_window_never_exceed_epsilon_exactly(epsilon, w, memory):
+    """Strict accounting: ``w + memory`` reports at ``epsilon_report`` each must compose to at
+    most ``epsilon`` in exact arithmetic (``epsilon / k`` times ``k`` can exceed it by an ulp)."""
+    k = w + memory
+    assert Fraction(per_report_epsilon(epsilon, w=w, memory=memory, accounting="strict")) * k <= Fraction(epsilon)
+
+
+@pytest.mark.parametrize(("epsilon", "w"), [(0.3, 7), (0.3, 2), (1.1, 5), (2.3, 10)])
+def test_ba_sw_units_in_a_window_never_exceed_epsilon_exactly(epsilon, w):
+    """BA-SW spends at most ``2 w`` unit budgets per window (``w`` for M1, ``w`` for M2)."""
+    rel = run("ba_sw", np.linspace(0.0, 1.0, 50), noise=keys(0), epsilon=epsilon, w=w, lower=0.0, upper=1.0)
+    assert Fraction(rel.params["epsilon_unit"]) * 2 * w <= Fraction(epsilon)
 
 
 @pytest.mark.parametrize("method", METHODS)
