@@ -33,6 +33,8 @@ intervals are conservative there.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from dpsql import _validate
@@ -48,7 +50,7 @@ from dpsql.mechanisms.ldp import (
     sw_em,
     sw_w_prune,
 )
-from dpsql.noise import Draws, Keystream
+from dpsql.noise import Draws, DrawsBatch, Keystream
 from dpsql.release import IndependentNoise, StreamMachine
 from dpsql.streams.holdout import DEFAULT_HOLDOUT
 
@@ -282,6 +284,7 @@ class PmDirectStream(StreamMachine):
 
     notion = "w-event-ldp"
     neighbour = W_EVENT_LDP_NEIGHBOUR
+    batchable = True
 
     def __init__(self, n: int | None = None, *, epsilon: float, w: int, lower: float = 0.0, upper: float = 1.0,
                  noise: Draws):
@@ -290,26 +293,43 @@ class PmDirectStream(StreamMachine):
         self.lower, self.upper = _validate.bounds(lower, upper)
         self.epsilon_report = largest_share(self.epsilon, self.epsilon / self.w, count=self.w)
         self.cost = (self.epsilon, 0.0)
-        self._noise = noise
+        self._start(DrawsBatch([noise]))
+
+    def batched(self, draws: DrawsBatch) -> PmDirectStream:
+        """This machine for ``len(draws)`` users of its length, fed ``(users, rows)`` chunks."""
+        machine = copy.copy(self)
+        machine._start(draws)
+        return machine
+
+    def _start(self, draws: DrawsBatch) -> None:
+        self._draws = draws
         self._reports: list[np.ndarray] = []
         self._rows = 0
+        self._lead: tuple = ()
 
     def feed(self, chunk: np.ndarray) -> np.ndarray:
+        self._lead = chunk.shape[:-1]
+        rows = chunk.reshape(len(self._draws), -1)
         scale = self.upper - self.lower
-        u = report_uniforms(self._noise, self._rows, len(chunk), uniforms=PIECEWISE.uniforms)
-        self._rows += len(chunk)
-        reports = PIECEWISE.perturb(2.0 * (chunk - self.lower) / scale - 1.0, self.epsilon_report, u)
+        u = report_uniforms(self._draws, self._rows, rows.shape[1], uniforms=PIECEWISE.uniforms)
+        self._rows += rows.shape[1]
+        reports = PIECEWISE.perturb(2.0 * (rows - self.lower) / scale - 1.0, self.epsilon_report, u)
         self._reports.append(reports)
-        return self.lower + scale * (reports + 1.0) / 2.0
+        return (self.lower + scale * (reports + 1.0) / 2.0).reshape(chunk.shape)
 
     def close(self) -> np.ndarray:
-        return np.empty(0)
+        return np.empty((*self._lead, 0))
 
     def describe(self) -> dict:
+        return self.describe_partition(0)
+
+    def describe_partition(self, partition: int) -> dict:
+        if len(self._reports) != 1:  # concatenated once for all users
+            self._reports = [np.concatenate(self._reports, axis=1)]
         params = {"epsilon": self.epsilon, "w": self.w, "lower": self.lower, "upper": self.upper,
                   "epsilon_report": self.epsilon_report}
         row_variance = ((self.upper - self.lower) / 2.0) ** 2 * PIECEWISE.worst_variance(self.epsilon_report)
         kurtosis = PIECEWISE.worst_excess_kurtosis(self.epsilon_report)
         return dict(method="pm_direct", params=params,
                     error=IndependentNoise(row_variance, self._rows, excess_kurtosis=kurtosis),
-                    components={"reports": (self.epsilon, 0.0)}, reports=np.concatenate(self._reports))
+                    components={"reports": (self.epsilon, 0.0)}, reports=self._reports[0][partition])

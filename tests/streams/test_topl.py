@@ -294,6 +294,19 @@ def test_pm_direct_reports_are_piecewise_at_each_rows_address():
     np.testing.assert_array_equal(rel.values, 5.0 * (expected + 1.0) / 2.0)
 
 
+def test_pm_direct_users_released_together_are_each_users_own_release():
+    values = np.random.default_rng(27).uniform(0.0, 1.0, 3_000)  # test data, not noise
+    with seeded(27):
+        together = dpsql.publish("pm_direct", values, partition_offsets=[0, 1_000, 2_000, 3_000],
+                                 partition_keys=["a", "b", "c"], epsilon=1.0, w=5)
+    for j, user in enumerate("abc"):
+        with seeded(27):
+            alone = dpsql.publish("pm_direct", values[1_000 * j:1_000 * (j + 1)], partition_offsets=[0, 1_000],
+                                  partition_keys=[user], epsilon=1.0, w=5)
+        np.testing.assert_array_equal(together.parts[j].reports, alone.parts[0].reports)
+        np.testing.assert_array_equal(together.parts[j].values, alone.parts[0].values)
+
+
 def test_pm_direct_refused_by_a_scope_with_another_window():
     budget = dpsql.Budget.in_memory(epsilon=2.0, notion="w-event-ldp", w=10)
     with seeded(24), pytest.raises(dpsql.NotionMismatch):
