@@ -64,16 +64,6 @@ def moving_average(x: np.ndarray, window: int, align: str, start: int = 0, stop:
     return total / (np.minimum(positions + ahead + 1, length) - np.maximum(positions - back, 0))
 
 
-def _moving_average_transpose(e: np.ndarray, window: int, align: str) -> np.ndarray:
-    """``S^T e`` row-wise: how much each slot's raw value weighs in ``sum_r e_r * SMA_r``."""
-    n = e.shape[1]
-    back, ahead = reach(window, align)
-    rows = np.arange(n)
-    count = np.minimum(rows + ahead + 1, n) - np.maximum(rows - back, 0)
-    cumulative = np.concatenate([np.zeros((e.shape[0], 1)), np.cumsum(e / count, axis=1)], axis=1)
-    return cumulative[:, np.minimum(rows + back + 1, n)] - cumulative[:, np.maximum(rows - ahead, 0)]
-
-
 def feedback_impulse(gain: float, memory: int | None, length: int) -> np.ndarray:
     """Impulse response ``g`` of report noise under deviation feedback.
 
@@ -110,8 +100,14 @@ class ReportNoise(ErrorModel):
     variance ``report_variance``), the feedback filter ``G`` (:func:`feedback_impulse`),
     replication over each report's slots ``R`` and the moving average ``S``.
 
-    ``Var(sum_{i<=t<j} values_t) = sum_k c_k^2 Var(xi_k)`` with ``c = G^T R^T S^T 1_[i,j)``,
-    computed with FFTs, blocks of queries at a time.
+    ``Var(sum_{i<=t<j} values_t) = sum_k c_k^2 Var(xi_k)`` with ``c = G^T R^T S^T 1_[i,j)``.
+    A slot's weight in the range is ``1`` wherever every moving-average window that holds
+    it lies inside the range, so a report ``k`` of ``L_k`` slots there weighs ``L_k`` and,
+    when the next ``len(g)`` reports do too, ``c_k = sum_m g_m L_{k+m}``, the same for
+    every range: those terms come from one prefix sum over the stream. Only the reports
+    near the range's two ends, within the impulse's length and a window and a report of
+    them, are computed one by one, so a range costs ``O(len(g) + window)`` reports
+    whatever its length.
 
     What it covers: the randomiser's own noise, exactly propagated. ``report_variance``
     is the worst case over inputs (Square Wave's variance is largest at the ends of
@@ -120,42 +116,71 @@ class ReportNoise(ErrorModel):
     per-report variance. Not covered (as for every :class:`ErrorModel`): the bias of raw
     SW reports towards the middle, and the data-dependent effect of clipping the
     feedback input, which makes the filter non-linear.
+
+    Examples
+    --------
+    >>> model = ReportNoise(report_index=np.repeat(np.arange(4), 2), report_variance=1.0, window=1)
+    >>> model.range_variance(np.array([0, 1]), np.array([8, 3])).tolist()  # 4 reports of 2 slots; 1 + 1
+    [16.0, 2.0]
     """
 
     def __init__(self, *, report_index: np.ndarray, report_variance, gain: float = 0.0,
                  memory: int | None = 0, window: int = 1, align: str = "trailing"):
-        self._n = len(report_index)
-        self._report_starts = np.flatnonzero(np.diff(report_index, prepend=-1))
-        reports = len(self._report_starts)
+        n = len(report_index)
+        self._n = n
+        self._starts = np.flatnonzero(np.diff(report_index, prepend=-1))
+        self._ends = np.append(self._starts[1:], n)
+        reports = len(self._starts)
         self._variance = np.broadcast_to(np.asarray(report_variance, dtype=np.float64), (reports,))
         self._impulse = feedback_impulse(gain, memory, reports)
-        self._window, self._align = window, align
+        self._back, self._ahead = reach(window, align)
+        rows = np.arange(n)
+        count = np.minimum(rows + self._ahead + 1, n) - np.maximum(rows - self._back, 0)
+        self._row_weight = np.concatenate([[0.0], np.cumsum(1.0 / count)])  # prefix sums of 1 / window size
+        steady = _correlate(np.diff(np.append(self._starts, n)).astype(np.float64), self._impulse)
+        self._steady_energy = np.concatenate([[0.0], np.cumsum(self._variance * steady**2)])
 
     def range_variance(self, starts, stops):
         starts = np.asarray(starts, dtype=np.int64)
         stops = np.asarray(stops, dtype=np.int64)
-        out = np.empty(starts.shape, dtype=np.float64)
-        block = max(1, (1 << 22) // max(self._n, 1))
-        for first in range(0, len(starts), block):
-            out[first:first + block] = self._block(starts[first:first + block], stops[first:first + block])
-        return out
+        return np.array([self._range(int(i), int(j)) for i, j in zip(starts.ravel(), stops.ravel())],
+                        dtype=np.float64).reshape(starts.shape)
 
-    def _block(self, starts, stops):
-        rows = np.arange(len(starts))
-        indicator = np.zeros((len(starts), self._n + 1))
-        np.add.at(indicator, (rows, starts), 1.0)
-        np.add.at(indicator, (rows, stops), -1.0)
-        slot_weight = np.cumsum(indicator[:, :-1], axis=1)
-        if self._window > 1:
-            slot_weight = _moving_average_transpose(slot_weight, self._window, self._align)
-        report_weight = np.add.reduceat(slot_weight, self._report_starts, axis=1)
-        if len(self._impulse) > 1:
-            report_weight = self._through_feedback(report_weight)
-        return (report_weight**2 * self._variance).sum(axis=1)
+    def _range(self, i: int, j: int) -> float:
+        if j <= i:
+            return 0.0
+        back, ahead, taps = self._back, self._ahead, len(self._impulse)
+        # Reports whose slots all weigh 1: every window holding them lies in [i, j) and is whole.
+        steady_first = int(np.searchsorted(self._starts, max(i, back) + ahead, side="left"))
+        steady_stop = int(np.searchsorted(self._ends, min(j, self._n - ahead) - back, side="right"))
+        # Reports with a slot of non-zero weight, and those reached from them through G^T.
+        first = max(int(np.searchsorted(self._starts, max(i - back, 0), side="right")) - 1 - (taps - 1), 0)
+        stop = int(np.searchsorted(self._starts, min(j + ahead, self._n), side="left"))
+        middle_stop = steady_stop - taps + 1  # c_k = sum_m g_m L_{k+m} below this
+        if middle_stop <= steady_first:
+            return self._explicit(i, j, first, stop)
+        return (self._explicit(i, j, first, steady_first) + self._explicit(i, j, middle_stop, stop)
+                + self._steady_energy[middle_stop] - self._steady_energy[steady_first])
 
-    def _through_feedback(self, v: np.ndarray) -> np.ndarray:
-        """``G^T v`` row-wise: ``c_s = sum_{k >= s} g_{k-s} v_k`` (a correlation)."""
-        reports = v.shape[1]
-        size = 1 << int(np.ceil(np.log2(reports + len(self._impulse))))
-        spectrum = np.fft.rfft(v[:, ::-1], size, axis=1) * np.fft.rfft(self._impulse, size)
-        return np.fft.irfft(spectrum, size, axis=1)[:, :reports][:, ::-1]
+    def _explicit(self, i: int, j: int, first: int, stop: int) -> float:
+        """``sum_k Var(xi_k) c_k^2`` over reports ``first .. stop - 1``, each ``c_k`` computed."""
+        if stop <= first:
+            return 0.0
+        reach_stop = min(stop + len(self._impulse) - 1, len(self._starts))
+        slot_first, slot_stop = self._starts[first], self._ends[reach_stop - 1]
+        t = np.arange(slot_first, slot_stop)
+        # a slot's weight: 1 / window size summed over the rows of [i, j) whose windows hold it
+        high = np.clip(t + self._back + 1, i, j)
+        low = np.clip(t - self._ahead, i, j)
+        slot_weight = np.where(high > low, self._row_weight[high] - self._row_weight[low], 0.0)
+        report_weight = np.add.reduceat(slot_weight, self._starts[first:reach_stop] - slot_first)
+        c = _correlate(report_weight, self._impulse)[:stop - first]
+        return float(self._variance[first:stop] @ c**2)
+
+
+def _correlate(v: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """``c_k = sum_m g_m v_{k+m}`` for every ``k`` of ``v`` (``v`` zero beyond its end)."""
+    if len(g) == 1:
+        return v * g[0]
+    size = 1 << int(np.ceil(np.log2(len(v) + len(g))))
+    return np.fft.irfft(np.fft.rfft(v[::-1], size) * np.fft.rfft(g, size), size)[:len(v)][::-1]
