@@ -28,6 +28,7 @@ import numpy as np
 
 from dpsql import _progress, _validate
 from dpsql.errors import InvalidData
+from dpsql.mechanisms.ldp.feedback import PLAIN_LOOP_USERS
 from dpsql.mechanisms.ldp.linear import ReportNoise, moving_average, reach
 from dpsql.mechanisms.ldp.randomisers import SQUARE_WAVE
 from dpsql.noise import Draws, DrawsBatch
@@ -44,10 +45,11 @@ from dpsql.streams.du.plan import (
     report_slots,
 )
 
-#: Rough seconds per slot of one user's device loop (feedback or budget absorption) when
-#: users run one by one, and per slot of a user stepped together with many: what
-#: :mod:`dpsql._progress` uses to decide whether a release deserves a progress bar.
-_SECONDS_PER_SLOT = {"alone": 2e-6, "together": 4e-8, "independent": 1e-7}
+#: Rough seconds per slot (2-core reference machine) of the device loops of a user run alone
+#: (feedback or budget absorption, plain floats), of a user stepped together with many, and of
+#: reports without feedback: what :mod:`dpsql._progress` uses to decide, before the work
+#: starts, whether a release deserves a progress bar.
+_SECONDS_PER_SLOT = {"alone": 2e-6, "together": 2e-7, "independent": 5e-8}
 
 
 class _DUStream(StreamMachine):
@@ -96,10 +98,10 @@ class _DUStream(StreamMachine):
         self._described: dict = {}
 
     def _work(self) -> _progress.Bar:
-        """The progress bar of this release's device loops (shown when they are expected to be long)."""
+        """The progress bar of a one-shot release's device loops (shown when they are expected to be long)."""
         if self._bar is None:
             sequential = self.plan.memory != 0 or self.encoder_class is AbsorptionEncoder
-            pace = ("independent" if not sequential else "alone" if self._users <= 16 else "together")
+            pace = ("independent" if not sequential else "alone" if self._users <= PLAIN_LOOP_USERS else "together")
             slots = (self.n or 0) * self._users
             self._bar = _progress.bar(slots, seconds=slots * _SECONDS_PER_SLOT[pace], desc=self.plan.method,
                                       unit="slot")
