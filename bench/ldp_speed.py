@@ -11,10 +11,12 @@ slots (rows) per second.
 
 ``--before DIR`` runs the same workload, in a separate process, on the dpsql package of
 ``DIR`` (a checkout of an older commit, e.g. ``git worktree add --detach DIR 6643f54``) and
-reports both; each side runs in its own process, one after the other.
+reports both; each side runs in its own process, one after the other. The old code takes
+about a minute per method and workload: ``--before-results FILE`` reads instead the JSON that
+``PYTHONPATH=DIR python bench/ldp_speed.py --measure > FILE`` printed (same workload).
 
-Usage: python bench/ldp_speed.py [--before DIR] [--slots 1000000] [--users 1000]
-       [--user-slots 1000] [--repeat 1]
+Usage: python bench/ldp_speed.py [--before DIR | --before-results FILE] [--slots 1000000]
+       [--users 1000] [--user-slots 1000] [--repeat 1] [--methods ...]
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ def measure_in(directory: Path | None, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--before", type=Path, help="a checkout of an older commit to compare with")
+    parser.add_argument("--before-results", type=Path, help="that checkout's --measure output, measured earlier")
     parser.add_argument("--slots", type=int, default=1_000_000)
     parser.add_argument("--users", type=int, default=1000)
     parser.add_argument("--user-slots", type=int, default=1000)
@@ -98,7 +101,10 @@ def main() -> None:
     from _report import markdown_table, write_section
 
     load_before = os.getloadavg()[0]
-    before = measure_in(args.before, args) if args.before else None
+    if args.before_results:
+        before = json.loads(args.before_results.read_text())
+    else:
+        before = measure_in(args.before, args) if args.before else None
     after = measure_in(None, args)
     load_after = os.getloadavg()[0]
     many = args.users * args.user_slots
@@ -118,7 +124,7 @@ def main() -> None:
     if before is not None:
         header = ["method", f"{single}: before (k slots/s)", "after", "speed-up",
                   f"{batch}: before (k slots/s)", "after", "speed-up"]
-        compared = f"Before: the dpsql package of `{args.before}`; after: this checkout. "
+        compared = f"Before: the dpsql package of `{args.before or before['dpsql']}`; after: this checkout. "
     else:
         header = ["method", f"{single} (k slots/s)", f"{batch} (k slots/s)"]
         compared = ""
@@ -128,7 +134,8 @@ def main() -> None:
             + markdown_table(header, rows)
             + f"\n\n1-minute load average {load_before:.1f} before and {load_after:.1f} after the runs on "
             f"{os.cpu_count()} cores (other work shares the machine).")
-    command = "python bench/ldp_speed.py" + (f" --before {args.before}" if args.before else "")
+    checkout = args.before or (Path(before["dpsql"]).parent if before else None)
+    command = "python bench/ldp_speed.py" + (f" --before {checkout}" if checkout else "")
     write_section("ldp_speed", "Local-DP release speed (slots per second)", body, command=command)
     print(body)
 
