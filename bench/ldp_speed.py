@@ -133,7 +133,10 @@ def main() -> None:
             f"its own process. {compared}Seconds per release are slots divided by the figures.\n\n"
             + markdown_table(header, rows)
             + f"\n\n1-minute load average {load_before:.1f} before and {load_after:.1f} after the runs on "
-            f"{os.cpu_count()} cores (other work shares the machine).")
+            f"{os.cpu_count()} cores (other work shares the machine)."
+            + (" The old code's figures come from an earlier run of the same workload (`--before-results`), "
+               "under a load this run did not see; a loaded machine slows the old code's per-slot Python "
+               "loops by up to about 1.5x." if args.before_results else ""))
     checkout = args.before or (Path(before["dpsql"]).parent if before else None)
     command = "python bench/ldp_speed.py" + (f" --before {checkout}" if checkout else "")
     write_section("ldp_speed", "Local-DP release speed (slots per second)", body, command=command)

@@ -49,7 +49,7 @@ from dpsql.streams.du.plan import (
 #: (feedback or budget absorption, plain floats), of a user stepped together with many, and of
 #: reports without feedback: what :mod:`dpsql._progress` uses to decide, before the work
 #: starts, whether a release deserves a progress bar.
-_SECONDS_PER_SLOT = {"alone": 2e-6, "together": 2e-7, "independent": 5e-8}
+_SECONDS_PER_SLOT = {"alone": 1e-6, "together": 1e-7, "independent": 4e-7}
 
 
 class _DUStream(StreamMachine):
