@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+from _report import markdown_table, write_section
 
 import dpsql
-from _report import markdown_table, write_section
 
 UPPER = 1000.0
 

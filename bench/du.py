@@ -1,9 +1,9 @@
 """Du et al.'s family under w-event LDP: accuracy on real data, strict vs paper accounting.
 
 Many users are simulated by cutting one public series into disjoint windows of
-``--slots`` consecutive values (one window = one user's stream); all users run in lock
-step through the library's device encoders (the same code a release runs, see
-tests/test_du.py::test_device_encoder_reports_are_the_release_reports...). Metrics in
+``--slots`` consecutive values (one window = one user's stream); all users are released
+together as one partitioned release (one partition per user, each with its own draws:
+what the device encoders send, see tests/streams/test_du_reference.py). Metrics in
 units normalised by the public bounds: MSE of subsequence means over queries of
 length ``w`` (DU's "mean MSE"), cosine distance of each user's published stream to the
 truth, and W1 between the crowd distributions of per-user means.
@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _report import markdown_table, write_section
 
 import dpsql
-from dpsql.api import machine_for
-from dpsql.ldp import du
-from dpsql.noise import SeededNoise
+from dpsql import ldp
+from dpsql.methods import machine_for
+from dpsql.streams.du.plan import choose_ns
+from dpsql.testing import keys, seeded
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 # Public bounds from domain knowledge, not from the data: a motorway direction carries at
@@ -50,26 +51,23 @@ def load(name: str, slots: int) -> tuple[np.ndarray, float, float]:
 def simulate(method: str, matrix: np.ndarray, seed: int, **params) -> np.ndarray:
     """Published streams (users x slots, data units) for every user."""
     if method == DEBIASED:
-        plan = machine_for("sw_direct", matrix.shape[1], SeededNoise(0), params).plan
-        return du.debias(simulate("sw_direct", matrix, seed, **params), lower=plan.lower, upper=plan.upper,
-                         epsilon_report=plan.epsilon_report)
-    machine = machine_for(method, matrix.shape[1], SeededNoise(0), params)
-    plan = machine.plan
-    encoder = machine.encoder_class(plan, SeededNoise(seed), users=matrix.shape[0])
-    reports, lengths = encoder.push(plan.to_unit(matrix))
-    if method == "ba_sw":
-        lengths = np.ones(matrix.shape[1], dtype=np.int64)
-    return np.array([du.published_stream(plan.to_data(r), lengths, matrix.shape[1], sma=plan.sma, align=plan.align)
-                     for r in reports])
+        plan = machine_for("sw_direct", matrix.shape[1], keys(0).partition(), params).plan
+        return ldp.debias(simulate("sw_direct", matrix, seed, **params), lower=plan.lower, upper=plan.upper,
+                          epsilon_report=plan.epsilon_report)
+    users, slots = matrix.shape
+    with seeded(seed):
+        release = dpsql.publish(method, matrix.ravel(), partition_offsets=np.arange(users + 1) * slots,
+                                progress=False, **params)
+    return release.values.reshape(users, slots)
 
 
 def scores(estimate: np.ndarray, truth: np.ndarray, w: int, lower: float, upper: float) -> tuple[float, ...]:
     est = (estimate - lower) / (upper - lower)
     tru = (np.clip(truth, lower, upper) - lower) / (upper - lower)
     starts = np.arange(0, truth.shape[1] - w + 1, max(1, w // 2))
-    mse = du.subsequence_mean_mse(est, tru, starts, starts + w)
-    cosine = float(np.mean(du.cosine_distance(est, tru)))
-    w1 = du.wasserstein_1(est.mean(axis=1), tru.mean(axis=1))
+    mse = ldp.subsequence_mean_mse(est, tru, starts, starts + w)
+    cosine = float(np.mean(ldp.cosine_distance(est, tru)))
+    w1 = ldp.wasserstein_1(est.mean(axis=1), tru.mean(axis=1))
     return mse, cosine, w1
 
 
@@ -104,12 +102,12 @@ def accuracy(slots: int, repeat: int) -> tuple[str, dict]:
 
 
 def timing() -> list[list]:
-    """Throughput of the sequential device loop: one user through publish, and 500 users in lock step."""
+    """Throughput of the device loops: one user through publish, and 500 users released together."""
     import polars as pl
 
     series = pl.read_csv(DATA / "traffic_volume_hourly.csv")["volume"].to_numpy().astype(np.float64)[:20000]
     out = []
-    with dpsql.testing.seeded(0):
+    with seeded(0):
         for method in ("sw_direct", "capp", "ba_sw"):
             start = time.perf_counter()
             getattr(dpsql.ldp, method)(series, epsilon=1.0, w=30, lower=0.0, upper=8000.0)
@@ -134,7 +132,7 @@ def main() -> None:
     total = len(checks) // 2
     traffic_users = len(load("traffic", args.slots)[0])
     retail_users = len(load("retail", args.slots)[0])
-    chosen = ", ".join(f"{du.choose_ns(eps, w, w)} at (w={w}, eps={eps:g})"
+    chosen = ", ".join(f"{choose_ns(eps, w, w)} at (w={w}, eps={eps:g})"
                        for w in (10, 30, 50) for eps in (0.5, 1, 2))
     body = f"""
 **Users are simulated**: each series is cut into disjoint windows of {args.slots} consecutive values and every
@@ -148,7 +146,7 @@ paper's per-report budget eps/w, which is NOT w-event private (ALGORITHMS.md §6
 the publication.
 
 The column "sw_direct debiased" is not in the paper: the collector's unbiased inverse of each SW-direct report
-(`dpsql.ldp.du.debiased_slot_values`, P8), same reports, free post-processing. It removes the pull of raw SW
+(`dpsql.ldp.debiased_slot_values`, P8), same reports, free post-processing. It removes the pull of raw SW
 reports towards the middle of the bounds but multiplies the variance by 1/(2b(p-q))^2 (about 1600 at a per-report
 budget of 0.05), so at these budgets it is far worse: every method of the paper publishes raw, shrunk reports,
 and their mean MSE is mostly that shrinkage (close to the variance of the true subsequence means around the
@@ -159,9 +157,9 @@ settings under strict accounting and {held['paper']} of {total} under paper acco
 
 {table}
 
-Device-loop throughput (thousand slots/s; sequential in time, vectorised across users):
+Device-loop throughput (thousand slots/s; see the ldp_speed section for the current figures):
 
-{markdown_table(["method", "one user via publish (20,000 slots)", "500 users in lock step (200 slots)"], speed)}
+{markdown_table(["method", "one user via publish (20,000 slots)", "500 users together (200 slots)"], speed)}
 
 Load average before/after the run: {load_before} / {load_after} (2 cores shared with other engineers).
 """

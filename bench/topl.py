@@ -27,9 +27,17 @@ from _report import markdown_table, write_section
 
 import dpsql
 from dpsql.ldp import ToplDevice, estimate_threshold
-from dpsql.mechanisms.ldp import HYBRID, SQUARE_WAVE, SWKernel, sw_em, sw_histogram, sw_transition_matrix
-from dpsql.noise import SeededNoise, SystemNoise
-from dpsql.streams.holdout import default_holdout
+from dpsql.mechanisms.ldp import (
+    HYBRID,
+    SQUARE_WAVE,
+    SWKernel,
+    report_uniforms,
+    sw_em,
+    sw_histogram,
+    sw_transition_matrix,
+)
+from dpsql.noise import Keystream
+from dpsql.testing import keys
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 # Public bounds: a power of two above any plausible value, chosen without looking at the maxima's digits.
@@ -37,6 +45,11 @@ SETS = {"retail": ("retail_basket_sizes.csv", 128.0), "traffic": ("traffic_volum
 METHODS = {"ToPL (SW-W, paper rule)": "paper", "SW-W, code rule": "code", "SW (no pruning)": "none"}
 STREAM_EPS = 1.0
 N_RANGES = 200
+
+
+def holdout_length(n: int) -> int:
+    """The paper's hold-out, 65536 values, or a quarter of a shorter stream."""
+    return min(65536, n // 4)
 
 
 def load(name: str) -> np.ndarray:
@@ -56,7 +69,7 @@ def quality(reps: int) -> tuple[str, list[str]]:
         values = load(name)
         upper = SETS[name][1]
         n = len(values)
-        m = default_holdout(n)
+        m = holdout_length(n)
         stream = np.clip(values[m:], 0.0, upper)
         r = n - m
         ranges = np.random.default_rng(0)  # public query workload, not privacy noise
@@ -71,7 +84,7 @@ def quality(reps: int) -> tuple[str, list[str]]:
             thetas = {label: [] for label in METHODS}
             for rep in range(reps):
                 device = ToplDevice(upper=upper, epsilon=STREAM_EPS, threshold_epsilon=eps_thr,
-                                    noise=SeededNoise(1000 * rep + int(10 * eps_thr)))
+                                    noise=keys(1000 * rep + int(10 * eps_thr)).partition())
                 reports = device.report(values[:m])
                 for label, rule in METHODS.items():
                     theta = estimate_threshold(reports, bound=upper, threshold_epsilon=eps_thr, epsilon=STREAM_EPS,
@@ -96,10 +109,10 @@ def end_to_end_check() -> list[list]:
     for name in SETS:
         values = load(name)
         upper = SETS[name][1]
-        with dpsql.testing.seeded(5):
-            rel = dpsql.ldp.topl(values, epsilon=STREAM_EPS, threshold_epsilon=1.0, upper=upper)
-        m = rel.params["m"]
         n = len(values)
+        m = holdout_length(n)
+        with dpsql.testing.seeded(5):
+            rel = dpsql.ldp.topl(values, epsilon=STREAM_EPS, threshold_epsilon=1.0, upper=upper, m=m, r=n - m)
         starts = np.arange(m, n - 1000, 1000)
         stops = starts + 1000
         truth = np.concatenate([[0.0], np.cumsum(np.clip(values, 0.0, upper))])
@@ -132,16 +145,16 @@ def em_seconds(reports: np.ndarray, eps: float) -> float:
 
 
 def speed() -> tuple[str, str]:
-    source = SystemNoise()
     n, m = 1_000_000, 65_536
-    values = np.floor(-8.0 * np.log(source.uniform(n)))
+    values = np.floor(-8.0 * np.log(np.random.default_rng(0).uniform(size=n)))  # test data, not noise
     start = time.perf_counter()
     rel = dpsql.publish("topl", values, epsilon=1.0, upper=128.0, m=m)
     topl_seconds = time.perf_counter() - start
     start = time.perf_counter()
     dpsql.laplace_stream(values, epsilon=1.0, upper=128.0)
     laplace_seconds = time.perf_counter() - start
-    reports = SQUARE_WAVE.perturb(values[:m] / 128.0, 1.0, source)
+    reports = SQUARE_WAVE.perturb(values[:m] / 128.0, 1.0, report_uniforms(Keystream.fresh().partition(), 0, m,
+                                                                            uniforms=1))
     em = em_seconds(reports, 1.0)
     dense, fast = em_iteration_seconds(reports, 1.0)
     load = os.getloadavg()[0]

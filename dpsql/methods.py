@@ -1,5 +1,5 @@
 """The method registry: every release algorithm by name, above the machines and below
-:mod:`dpsql.publish` and the front ends.
+:mod:`dpsql.publishing` and the front ends.
 
 A method is a :class:`~dpsql.release.StreamMachine` factory ``(n, *, noise, **params)``;
 :func:`machine_for` validates the parameters a caller passes (unknown or missing ones
@@ -15,15 +15,15 @@ from collections.abc import Callable
 
 from dpsql import _validate
 from dpsql.errors import InvalidParameter
-from dpsql.ldp.du import MACHINES as DU_MACHINES
-from dpsql.ldp.topl import PmDirectStream, ToplStream
 from dpsql.noise import Draws, Keystream
 from dpsql.release import Release, StreamMachine, chunks_of, release_from
 from dpsql.streams.binary_tree import BinaryTreeStream
+from dpsql.streams.du import MACHINES as DU_MACHINES
 from dpsql.streams.laplace import LaplaceStream
 from dpsql.streams.pak import PakStream
 from dpsql.streams.pegasus import CountLaplaceStream, PegasusStream
 from dpsql.streams.threshold import ThresholdRelease
+from dpsql.streams.topl import PmDirectStream, ToplStream
 from dpsql.streams.tops import HierarchyStream, ToPS
 
 #: name -> machine factory ``(n, *, noise, **params) -> StreamMachine``.

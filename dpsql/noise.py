@@ -92,7 +92,7 @@ class Lane(enum.IntEnum):
     SVT_QUERY = 8  #: a sparse-vector query (index: the step tested)
     EPOCH_TOTAL = 9  #: an epoch's total in the unbounded (hybrid) counter
     LDP_REPORT = 10  #: local-DP reports (level: which uniform of the report)
-    LDP_CHOICE = 11  #: local-DP randomiser choices (hybrid mechanism, sampling)
+    LDP_CHOICE = 11  #: a second local-DP report at the same index (BA-SW: the dissimilarity report of a slot)
     VALUE_TAG = 12  #: keyed tags of a continual stream's appended values (no noise: equality checks)
 
 

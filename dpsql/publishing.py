@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-from dpsql import _state, _validate
+from dpsql import _progress, _state, _validate
 from dpsql._fingerprint import fingerprint
 from dpsql._memory import pooled_array
 from dpsql.accounting import Charge, Neighbour, Notion, compose
@@ -51,7 +51,7 @@ _ANSWER_CODEC = "zstd"
 def publish(method: str, values, *, budget: Budget | None = None, column: str = "values",
             partition_offsets: Sequence[int] | None = None, partition_keys: Sequence | None = None,
             partition_levels: Sequence[int] | None = None, order_keys: Sequence = (), fresh: bool = False,
-            note: str | None = None, **params) -> Release | PartitionedRelease:
+            note: str | None = None, progress: bool = True, **params) -> Release | PartitionedRelease:
     """Release ``values`` privately with ``method`` and charge ``budget`` once.
 
     Parameters
@@ -83,6 +83,9 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
         Release anew (and charge) even if an identical release's answer is recorded.
     note : str, optional
         Recorded in the ledger with the release.
+    progress : bool, default True
+        Show a progress bar (:mod:`dpsql._progress`) for work expected to take more than two
+        seconds; ``False`` silences it.
     **params
         The method's parameters (``epsilon``, ``upper``, ...).
     """
@@ -97,7 +100,8 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
                        partition_levels, list(order_keys), params, note)
     failure = None
     try:
-        return request.release(budget, fresh=fresh)
+        with _progress.shown(progress):
+            return request.release(budget, fresh=fresh)
     except BaseException as error:
         failure = _scrubbed(error)
     raise failure

@@ -4,7 +4,7 @@ SQL surface (installed by :func:`dpsql.duckdb.register`):
 
 ``dp_ldp(tbl, order_col, value_col, method := 'capp', partition_by := NULL, epsilon := ..., w := ..., ...)``
     Table macro over a (user, time, value) table. Runs the device encoder of a
-    :mod:`dpsql.ldp.du` method (``sw_direct``, ``sampling``, ``ba_sw``, ``ipp``, ``app``,
+    method of Du et al. (:mod:`dpsql.streams.du`: ``sw_direct``, ``sampling``, ``ba_sw``, ``ipp``, ``app``,
     ``capp``, ``pp_s``) on every user's stream (``partition_by`` = the user column, time
     order ``order_col``), as a trusted ingestion gateway would or to simulate
     collection, and publishes the collector's stream. Cost: ``epsilon`` under w-event
@@ -15,7 +15,7 @@ SQL surface (installed by :func:`dpsql.duckdb.register`):
     is the maximum over users. Values
     outside ``[lower, upper]`` are clipped (part of the mechanism). Every method
     parameter (``accounting``, ``memory``, ``bounds_mode``, ``clip_delta``, ``qlen``,
-    ``n_s``, ``base``, ``sma``, ``align``) is a named parameter; NULL means the default.
+    ``n_s``, ``base``, ``"window"`` (quoted: an SQL keyword), ``align``) is a named parameter; NULL means the default.
     Returns, sorted by user then time: the keys, the published value (named like
     ``value_col``), ``dp_row`` (the connection-wide row handle; ``dp_release_id(dp_row)``
     gives the ledger id), ``dp_user`` (0-based user index), ``dp_slot`` (0-based slot
@@ -29,10 +29,11 @@ or view name), free of charge:
 ``dp_ldp_subsequence_means(reports, start_slot, stop_slot)``
     Per user (``dp_user``): the mean of the raw reports over slots ``start_slot ..
     stop_slot - 1`` (DU's subsequence-mean estimator).
-``dp_ldp_smoothed(reports, sma := 3, align := 'trailing')``
+``dp_ldp_smoothed(reports, "window" := 3, align := 'trailing')``
     Per user and slot (``dp_user``, ``dp_slot``): the simple moving average of the raw
-    reports (``'trailing'`` window of ``sma`` slots, or ``'center'`` with odd ``sma``),
-    shrinking at the ends.
+    reports (``'trailing'`` windows of ``window`` slots, or ``'center'`` ones with odd
+    ``window``), shrinking at the ends. ``window`` is an SQL keyword: quote it, as for
+    ``dp_ldp``'s ``"window"`` (the DU methods' smoothing window).
 ``dp_ldp_crowd_distribution(reports, start_slot, stop_slot)``
     The crowd-level distribution of per-user subsequence means: ``mean`` and its
     empirical ``cdf``.
@@ -55,7 +56,7 @@ import numpy as np
 import pyarrow as pa
 
 from dpsql.duckdb._machinery import Context, install_stream_release, release_offsets
-from dpsql.ldp import du
+from dpsql.ldp.collector import report_view
 
 USER_COLUMNS = [("dp_user", pa.int64()), ("dp_slot", pa.int64()), ("report", pa.float64()), ("dp_report", pa.int64())]
 
@@ -64,7 +65,7 @@ def _user_columns(release) -> dict[str, pa.Array]:
     """User index, slot index and the raw report view: what the collector macros read."""
     offsets = release_offsets(release)
     sizes = np.diff(offsets)
-    reports, index = du.report_view(release)
+    reports, index = report_view(release)
     return {"dp_user": pa.array(np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)),
             "dp_slot": pa.array(np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], sizes)),
             "report": pa.array(reports), "dp_report": pa.array(index)}
@@ -77,11 +78,11 @@ def install(con, context: Context) -> None:
         "SELECT dp_user, avg(report) AS mean FROM query_table(reports) "
         "WHERE dp_slot >= start_slot AND dp_slot < stop_slot GROUP BY dp_user ORDER BY dp_user")
     context.macro(
-        "dp_ldp_smoothed(reports, sma := 3, align := 'trailing') AS TABLE "
+        "dp_ldp_smoothed(reports, \"window\" := 3, align := 'trailing') AS TABLE "
         "SELECT dp_user, dp_slot, avg(report) OVER (PARTITION BY dp_user ORDER BY dp_slot ROWS BETWEEN "
-        "(CASE WHEN align = 'center' THEN sma // 2 WHEN align = 'trailing' THEN sma - 1 "
+        "(CASE WHEN align = 'center' THEN \"window\" // 2 WHEN align = 'trailing' THEN \"window\" - 1 "
         "ELSE error('align must be ''trailing'' or ''center'', got ' || align) END) PRECEDING AND "
-        "(CASE WHEN align = 'center' THEN sma // 2 ELSE 0 END) FOLLOWING) AS value "
+        "(CASE WHEN align = 'center' THEN \"window\" // 2 ELSE 0 END) FOLLOWING) AS value "
         "FROM query_table(reports) ORDER BY dp_user, dp_slot")
     context.macro(
         "dp_ldp_crowd_distribution(reports, start_slot, stop_slot) AS TABLE "

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dpsql import _validate
+from dpsql import _progress, _validate
 from dpsql.errors import InvalidData, InvalidParameter
 from dpsql.noise import MAX_SCALE, LaneDraws
 
@@ -48,6 +48,9 @@ _THRESHOLD_LATTICE_BITS = 28
 # discrete and continuous Laplace agree closely (see pak_threshold's notes), while adding
 # at most 2**-19 * kappa * upper / a**2 of scale in data units.
 _SENSITIVITY_FLOOR_UNITS = 2.0**8
+# Rough seconds per value and level of the divide and conquer of _best_log_window (2-core
+# reference machine): what decides whether a search shows a progress bar (10^8 values: ~40 s).
+_SECONDS_PER_VALUE_AND_LEVEL = 1.5e-8
 # The noise scale is at most 2**28 + 2**8 / a units whatever the data (see pak_threshold's
 # notes); with 2**8 / a <= 2**32 it stays below the sampler's limit (noise.MAX_SCALE).
 _SMALLEST_EPSILON = 2 * _SENSITIVITY_FLOOR_UNITS / (MAX_SCALE / 2)
@@ -93,6 +96,9 @@ def _best_log_window(x: np.ndarray, p: int, b: float) -> float:
     lo_first, lo_last = np.array([0]), np.array([p])
     hi_first, hi_last = np.array([p]), np.array([len(x) - 1])
     best = -np.inf
+    levels = p.bit_length() + 1  # halving [0, p] until every segment is empty
+    bar = _progress.bar(levels, seconds=len(x) * levels * _SECONDS_PER_VALUE_AND_LEVEL,
+                        desc="smooth sensitivity", unit="level")
     while lo_first.size:
         mid = (lo_first + lo_last) // 2
         counts = hi_last - hi_first + 1
@@ -113,6 +119,8 @@ def _best_log_window(x: np.ndarray, p: int, b: float) -> float:
         lo_last = np.concatenate([mid[left] - 1, lo_last[right]])
         hi_first = np.concatenate([hi_first[left], best_hi[right]])
         hi_last = np.concatenate([best_hi[left], hi_last[right]])
+        bar.update(1)
+    bar.close()
     return best
 
 

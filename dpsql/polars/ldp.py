@@ -1,7 +1,7 @@
 """Local-DP user streams in Polars: ``pl.col(v).dpsql.ldp(...)`` and the collector's estimators.
 
-Over a (user, time, value) frame, :func:`ldp` runs the device encoder of a
-:mod:`dpsql.ldp.du` method on every user's stream (``partition_by`` = the user key), as
+Over a (user, time, value) frame, :func:`ldp` runs the device encoder of a method of Du
+et al. (:mod:`dpsql.streams.du`) on every user's stream (``partition_by`` = the user key), as
 a trusted ingestion gateway would or to simulate collection, and returns per row the
 published value, the raw report covering the slot and that report's index. The
 collector's estimators (:func:`smoothed`, :func:`subsequence_means`,
@@ -14,19 +14,21 @@ import numpy as np
 import polars as pl
 
 from dpsql.errors import InvalidParameter
-from dpsql.ldp import du
-from dpsql.ldp._linear import ALIGNS
+from dpsql.ldp.collector import crowd_distribution as _crowd_distribution
+from dpsql.ldp.collector import report_view
+from dpsql.mechanisms.ldp.linear import ALIGNS
 from dpsql.methods import check_method
 from dpsql.polars._machinery import RowsInTimeOrder, check_budget, private_expression
 from dpsql.polars._namespace import namespace_method
 from dpsql.publishing import publish
+from dpsql.streams.du import MACHINES
 
 FIELDS = {"value": pl.Float64, "report": pl.Float64, "dp_report": pl.Int64}
 
 
 @namespace_method
 def ldp(value: pl.Expr, *, method: str = "capp", order_by, partition_by=None, budget=None, note: str | None = None,
-        **params) -> pl.Expr:
+        progress: bool = True, **params) -> pl.Expr:
     """Encode every user's stream on its (simulated) device and publish it.
 
     Privacy cost: ``epsilon`` under w-event LDP per user (notion ``"w-event-ldp"`` with
@@ -45,10 +47,14 @@ def ldp(value: pl.Expr, *, method: str = "capp", order_by, partition_by=None, bu
         The public time key and the user key.
     budget : dpsql.Budget, optional
         A scope created with ``notion="w-event-ldp"`` and the same ``w``.
+    note : str, optional
+        Recorded in the ledger with the release.
+    progress : bool, default True
+        Show a progress bar when the release is expected to take more than two seconds.
     **params
         ``epsilon``, ``w``, ``lower``, ``upper`` and the method's parameters
         (``accounting``, ``memory``, ``bounds_mode``, ``clip_delta``, ``qlen``, ``n_s``,
-        ``base``, ``sma``, ``align``), see :mod:`dpsql.ldp.du`.
+        ``base``, ``window``, ``align``), see :mod:`dpsql.ldp.api`.
 
     Returns
     -------
@@ -70,17 +76,17 @@ def ldp(value: pl.Expr, *, method: str = "capp", order_by, partition_by=None, bu
     """
     check_method(method, per_row=True)
     check_budget(budget)
-    if method not in du.MACHINES:
-        raise InvalidParameter(f"method must be one of {', '.join(map(repr, du.MACHINES))} for an LDP user "
+    if method not in MACHINES:
+        raise InvalidParameter(f"method must be one of {', '.join(map(repr, MACHINES))} for an LDP user "
                                f"stream, got {method!r}")
 
     def release(values: np.ndarray, rows: RowsInTimeOrder, column: str):
-        return publish(method, values, budget=budget, column=column, note=note,
+        return publish(method, values, budget=budget, column=column, note=note, progress=progress,
                        partition_offsets=rows.offsets if rows.partitioned else None,
                        partition_keys=rows.partition_keys, **params)
 
     def output(result, rows: RowsInTimeOrder) -> pl.Series:
-        reports, index = du.report_view(result)
+        reports, index = report_view(result)
         return pl.DataFrame({"value": rows.scatter(result.values), "report": rows.scatter(reports),
                              "dp_report": rows.scatter(index)}, schema=FIELDS).to_struct()
 
@@ -88,27 +94,28 @@ def ldp(value: pl.Expr, *, method: str = "capp", order_by, partition_by=None, bu
                               return_dtype=pl.Struct(FIELDS))
 
 
-def smoothed(report: pl.Expr | str = "report", *, by, order_by, sma: int = 3, align: str = "trailing") -> pl.Expr:
+def smoothed(report: pl.Expr | str = "report", *, partition_by, order_by, window: int = 3,
+             align: str = "trailing") -> pl.Expr:
     """The simple moving average of the raw reports within each user (post-processing, free):
-    ``"trailing"`` windows of ``sma`` slots or ``"center"`` ones (odd ``sma``), shrinking at
-    the ends of each user's stream, like :func:`dpsql.ldp.du.published_stream`.
+    ``"trailing"`` windows of ``window`` slots or ``"center"`` ones (odd ``window``), shrinking
+    at the ends of each user's stream, like :func:`dpsql.ldp.published_stream`.
 
     Examples
     --------
     >>> import polars as pl
     >>> df = pl.DataFrame({"u": [0, 0, 0, 0], "t": [3, 0, 1, 2], "report": [0.0, 3.0, 6.0, 9.0]})
-    >>> df.with_columns(smoothed(by="u", order_by="t", sma=3).alias("s")).sort("t")["s"].to_list()
+    >>> df.with_columns(smoothed(partition_by="u", order_by="t", window=3).alias("s")).sort("t")["s"].to_list()
     [3.0, 4.5, 6.0, 5.0]
     """
     if align not in ALIGNS:
         raise InvalidParameter(f"unknown align {align!r}; expected one of {', '.join(map(repr, ALIGNS))}")
-    if align == "center" and sma % 2 == 0:
-        raise InvalidParameter(f"sma must be odd (2k+1) with align='center', got {sma}")
+    if align == "center" and window % 2 == 0:
+        raise InvalidParameter(f"window must be odd (2k+1) with align='center', got {window}")
     report = pl.col(report) if isinstance(report, str) else report
-    return report.rolling_mean(sma, min_samples=1, center=align == "center").over(by, order_by=order_by)
+    return report.rolling_mean(window, min_samples=1, center=align == "center").over(partition_by, order_by=order_by)
 
 
-def subsequence_means(frame: pl.DataFrame, *, by, order_by, start: int, stop: int,
+def subsequence_means(frame: pl.DataFrame, *, partition_by, order_by, start: int, stop: int,
                       report: str = "report") -> pl.DataFrame:
     """Per user: the mean of the raw reports over the slots ``start .. stop - 1`` of the
     user's stream in ``order_by`` order (DU's subsequence-mean estimator; free).
@@ -117,12 +124,12 @@ def subsequence_means(frame: pl.DataFrame, *, by, order_by, start: int, stop: in
     --------
     >>> import polars as pl
     >>> df = pl.DataFrame({"u": [1, 1, 1, 2, 2, 2], "t": [0, 1, 2, 0, 1, 2], "report": [1.0, 2.0, 3.0, 0, 0, 6]})
-    >>> subsequence_means(df, by="u", order_by="t", start=1, stop=3).sort("u")["mean"].to_list()
+    >>> subsequence_means(df, partition_by="u", order_by="t", start=1, stop=3).sort("u")["mean"].to_list()
     [2.5, 3.0]
     """
     if not 0 <= start < stop:
         raise InvalidParameter(f"subsequence must satisfy 0 <= start < stop, got start={start}, stop={stop}")
-    return (frame.sort(order_by).group_by(by, maintain_order=True)
+    return (frame.sort(order_by).group_by(partition_by, maintain_order=True)
             .agg(pl.col(report).slice(start, stop - start).mean().alias("mean")))
 
 
@@ -134,5 +141,5 @@ def crowd_distribution(means) -> pl.DataFrame:
     >>> crowd_distribution(pl.Series([0.3, 0.1, 0.3]))["cdf"].round(3).to_list()
     [0.333, 1.0]
     """
-    support, cdf = du.crowd_distribution(np.asarray(means, dtype=np.float64))
+    support, cdf = _crowd_distribution(np.asarray(means, dtype=np.float64))
     return pl.DataFrame({"mean": support, "cdf": cdf})

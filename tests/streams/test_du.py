@@ -1,21 +1,28 @@
-"""Du et al.'s IPP / APP / CAPP / PP-S family and its baselines (ALGORITHMS.md §6)."""
+"""Du et al.'s IPP / APP / CAPP / PP-S family and its baselines as releases (ALGORITHMS.md §6):
+the papers' choices, the privacy counterexample, accounting, BA-SW, error models, devices and
+the collector."""
 
 import math
 from fractions import Fraction
 
 import numpy as np
 import pytest
-from scipy import integrate, optimize, stats
+from scipy import integrate, stats
 
 import dpsql
 from dpsql.errors import InvalidParameter, NonPrivateRelease, NotionMismatch
-from dpsql.ldp import du
-from dpsql.ldp._feedback import UNIT, FeedbackEncoder, capp_ranges, capp_threshold, segment_lengths
-from dpsql.ldp._linear import ReportNoise, moving_average
-from dpsql.mechanisms.ldp import SQUARE_WAVE
-from dpsql.noise import SeededNoise
-from dpsql.streams import run
-from dpsql.testing import seeded
+from dpsql.ldp import collector
+from dpsql.mechanisms.ldp import SQUARE_WAVE, UNIT, FeedbackEncoder, ReportNoise, moving_average
+from dpsql.methods import machine_for, run
+from dpsql.streams.du.encoders import AbsorptionEncoder
+from dpsql.streams.du.plan import (
+    choose_ns,
+    make_plan,
+    per_report_epsilon,
+    sample_variance_objective,
+    segment_lengths,
+)
+from dpsql.testing import keys, seeded
 
 METHODS = ["sw_direct", "sampling", "ba_sw", "ipp", "app", "capp", "pp_s"]
 
@@ -23,95 +30,15 @@ METHODS = ["sw_direct", "sampling", "ba_sw", "ipp", "app", "capp", "pp_s"]
 class Scripted:
     """A randomiser stub: returns scripted outputs and records the inputs it saw."""
 
+    uniforms = 1
+
     def __init__(self, outputs):
         self.outputs = list(outputs)
         self.inputs = []
 
-    def perturb(self, z, eps, noise):
+    def perturb(self, z, eps, u):
         self.inputs.append(np.array(z, dtype=float))
         return np.full(np.shape(z), self.outputs.pop(0), dtype=float)
-
-
-class Echo:
-    """Returns its input plus a scripted offset (keeps the feedback input inside [0, 1])."""
-
-    def __init__(self, offsets):
-        self.offsets = list(offsets)
-
-    def perturb(self, z, eps, noise):
-        return np.asarray(z, dtype=float) + self.offsets.pop(0)
-
-
-# -- the deviation-feedback wrapper --------------------------------------------------------------
-
-
-def test_ipp_reproduces_figure_2_arithmetic():
-    stub = Scripted([0.0, 0.19, 0.5])
-    encoder = FeedbackEncoder(1, eps=1.0, memory=1, ranges=UNIT, noise=SeededNoise(0), randomiser=stub)
-    assert encoder.step(np.array([0.01]))[0] == 0.0          # x'_1 = 0, so d_1 = 0.01
-    assert encoder.step(np.array([0.15]))[0] == 0.19         # xI_2 = 0.16, d_2 = 0.15 - 0.19 = -0.04
-    encoder.step(np.array([0.30]))                           # xI_3 = 0.30 + d_2 (memory 1: d_1 forgotten)
-    assert [float(z[0]) for z in stub.inputs] == pytest.approx([0.01, 0.16, 0.26], abs=1e-15)
-
-
-@pytest.mark.parametrize("memory", [None, 4])
-def test_app_telescoping_and_finite_memory(memory):
-    rng = np.random.default_rng(5)
-    x = rng.uniform(0.3, 0.7, 40)
-    offsets = rng.uniform(-0.02, 0.02, 40)
-    encoder = FeedbackEncoder(1, eps=1.0, memory=memory, ranges=UNIT, noise=SeededNoise(0),
-                              randomiser=Echo(offsets))
-    reports = np.array([encoder.step(x[t:t + 1])[0] for t in range(40)])
-    deviations = x - reports
-    if memory is None:  # sum x' = sum x - D_T: the subsequence-mean error is -D_T / T
-        assert reports.sum() == pytest.approx(x.sum() - encoder._window_sum[0], abs=1e-12)
-        assert reports.mean() - x.mean() == pytest.approx(-encoder._window_sum[0] / 40, abs=1e-13)
-    else:
-        assert encoder._window_sum[0] == pytest.approx(deviations[-memory:].sum(), abs=1e-12)
-    # each input was the true value plus the remembered deviations (nothing clipped here)
-    first = 0 if memory is None else None
-    for t in (1, 17, 39):
-        window = deviations[first if first is not None else max(0, t - memory):t]
-        assert reports[t] == pytest.approx(x[t] + window.sum() + offsets[t], abs=1e-12)
-
-
-def test_memory_zero_is_plain_square_wave():
-    x = np.linspace(0, 1, 50)
-    with seeded(9) as source:
-        direct = SQUARE_WAVE.perturb(x, 0.3, source)
-    encoder = FeedbackEncoder(50, eps=0.3, memory=0, ranges=UNIT, noise=SeededNoise(9))
-    assert np.array_equal(encoder.step(x), direct)
-
-
-# -- CAPP's range --------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("eps, e_s, e_d, t", [
-    (0.05, 0.6286, 0.5679, 0.0607), (0.1, 0.6093, 0.5587, 0.0506), (0.3, 0.5403, 0.5245, 0.0158),
-    (0.5, 0.4821, 0.4942, -0.0121), (1.0, 0.3717, 0.4320, -0.0603), (2.0, 0.2413, 0.3487, -0.1074),
-])
-def test_capp_threshold_table(eps, e_s, e_d, t):
-    assert [round(v, 4) for v in capp_threshold(eps)] == [e_s, e_d, t]
-
-
-def test_capp_threshold_changes_sign_at_0_40788():
-    root = optimize.brentq(lambda e: capp_threshold(e)[2], 0.3, 0.5, xtol=1e-10)
-    assert round(root, 5) == 0.40788
-
-
-def test_capp_bounds_modes():
-    t = capp_threshold(0.05)[2]
-    assert capp_ranges(0.05, "reference_code") == pytest.approx((0.0, 1.0, t, 1 - t))       # shrink output only
-    assert capp_ranges(1.0, "reference_code") == pytest.approx((-0.0603, 1.0603, -0.0603, 1.0603), abs=1e-4)
-    assert capp_ranges(0.05, "paper") == pytest.approx((-t, 1 + t, -t, 1 + t))
-    assert capp_ranges(0.05, "fixed_delta", 0.25) == (-0.25, 1.25, -0.25, 1.25)
-    # reference_code at T > 0: the feedback input is clipped to [0, 1] and the report lands in [T, 1 - T]
-    stub = Scripted([0.0, 1.0])
-    encoder = FeedbackEncoder(1, eps=0.05, memory=3, ranges=capp_ranges(0.05, "reference_code"),
-                              noise=SeededNoise(0), randomiser=stub)
-    assert encoder.step(np.array([0.9]))[0] == pytest.approx(t)
-    assert encoder.step(np.array([0.9]))[0] == pytest.approx(1 - t)
-    assert float(stub.inputs[1][0]) == 1.0  # 0.9 + (0.9 - T) clipped
 
 
 # -- PP-S: n_s and segments ------------------------------------------------------------------------
@@ -135,17 +62,17 @@ def test_ns_objective_uses_sigma_to_the_fourth():
     assert mu4 == pytest.approx(0.07530, abs=5e-6)  # the spec's oracle for mu4 at eps = 1
     for n in (2, 3, 7):
         var, mu4 = _numerical_moments(1.0 / n)
-        assert du.sample_variance_objective(n, 1.0) == pytest.approx(mu4 - var**2 * (n - 3) / (n - 1), rel=1e-8)
+        assert sample_variance_objective(n, 1.0) == pytest.approx(mu4 - var**2 * (n - 3) / (n - 1), rel=1e-8)
         # the paper's printed sigma^2 would differ
-        assert abs(du.sample_variance_objective(n, 1.0) - (mu4 - var * (n - 3) / (n - 1))) > 1e-3 or n == 3
+        assert abs(sample_variance_objective(n, 1.0) - (mu4 - var * (n - 3) / (n - 1))) > 1e-3 or n == 3
 
 
 @pytest.mark.parametrize("eps, w, qlen", [(1.0, 20, 10), (0.5, 30, 40), (2.0, 3, 10), (1.0, 1, 5), (2.0, 30, 30)])
 def test_choose_ns_is_the_argmin(eps, w, qlen):
     top = min(w, qlen)
-    expected = 1 if top < 2 else min(range(2, top + 1), key=lambda n: du.sample_variance_objective(n, eps))
-    assert du.choose_ns(eps, w, qlen) == expected
-    assert du.choose_ns(2.0, 30, 30) == 21  # an interior minimum
+    expected = 1 if top < 2 else min(range(2, top + 1), key=lambda n: sample_variance_objective(n, eps))
+    assert choose_ns(eps, w, qlen) == expected
+    assert choose_ns(2.0, 30, 30) == 21  # an interior minimum
 
 
 def test_segments_paper_remainder_and_unsampled_tail():
@@ -155,8 +82,8 @@ def test_segments_paper_remainder_and_unsampled_tail():
         rel = dpsql.ldp.sampling(np.arange(27.0), epsilon=1.0, w=10, lower=0, upper=30, qlen=10, n_s=3)
     assert len(rel.reports) == 8
     assert rel.values[-1] == rel.values[-2] == rel.reports[-1]       # the tail repeats the last report
-    raw = du.slot_values(rel)
-    assert np.array_equal(raw, rel.values)                           # sma = 1: the stream is the reports
+    raw = collector.slot_values(rel)
+    assert np.array_equal(raw, rel.values)                           # window 1: the stream is the reports
 
 
 # -- privacy: the §6.8 counterexample ---------------------------------------------------------------
@@ -165,21 +92,19 @@ def test_segments_paper_remainder_and_unsampled_tail():
 def _likelihood(method, values, observed, params):
     """Exact density of the observed (normalised) reports given the true values, with the
     SW inputs recomputed by the library's own encoder (a replaying stub)."""
-    with seeded(0):
-        machine = dpsql.api.machine_for(method, len(values), dpsql.noise.current(), params)
+    plan = machine_for(method, len(values), keys(0).partition(), params).plan
     stub = Scripted(observed)
-    encoder = FeedbackEncoder(1, eps=machine.plan.epsilon_report, memory=machine.plan.memory,
-                              ranges=machine.plan.ranges, noise=SeededNoise(0), randomiser=stub)
+    encoder = FeedbackEncoder(1, eps=plan.epsilon_report, memory=plan.memory, ranges=plan.ranges, randomiser=stub)
     for x in values:
-        encoder.step(np.array([x]))
-    return math.prod(float(SQUARE_WAVE.pdf(y, z[0], machine.plan.epsilon_report))
+        encoder.step(np.array([x]), np.zeros((1, 1)))
+    return math.prod(float(SQUARE_WAVE.pdf(y, z[0], plan.epsilon_report))
                      for y, z in zip(observed, stub.inputs))
 
 
 @pytest.mark.parametrize("method", ["ipp", "app"])
 def test_counterexample_paper_budget_breaks_w_event_ldp(method):
     eps = 2.0
-    common = dict(epsilon=eps, w=1, lower=0.0, upper=1.0, sma=1)
+    common = dict(epsilon=eps, w=1, lower=0.0, upper=1.0, window=1)
     if method == "app":
         common["memory"] = 1
     x, x_prime, observed = [0.0, 0.5], [1.0, 0.5], [0.0, 0.5]  # the streams differ only at slot 1 (w = 1)
@@ -195,7 +120,7 @@ def test_counterexample_paper_budget_breaks_w_event_ldp(method):
 def test_strict_budget_bounds_the_worst_likelihood_ratio_over_a_grid():
     """Over every observed pair on a grid and both orders, strict IPP with w = 1 stays within e^eps."""
     eps = 1.0
-    params = dict(epsilon=eps, w=1, lower=0.0, upper=1.0, sma=1, accounting="strict")
+    params = dict(epsilon=eps, w=1, lower=0.0, upper=1.0, window=1, accounting="strict")
     b = SQUARE_WAVE.constants(eps / 2).b
     grid = np.linspace(-b, 1 + b, 9)
     worst = max(_likelihood("ipp", [a, 0.5], [y1, y2], params) / _likelihood("ipp", [1 - a, 0.5], [y1, y2], params)
@@ -236,8 +161,23 @@ def test_ledger_figures_for_every_method(method, accounting):
         assert sum(e for e, _ in rel.components.values()) == 1.0
     else:
         assert rel.params["epsilon_report"] == pytest.approx(EXPECTED_REPORT_EPS[method, accounting], rel=1e-15)
-    history = budget.history()
+    history = budget.history(full=True)
     assert history["method"].to_list() == [method] and history["private"].to_list() == [False]
+
+
+@pytest.mark.parametrize(("epsilon", "w", "memory"), [(0.3, 6, 1), (0.3, 7, 2), (1.1, 10, 10), (0.9, 5, 5)])
+def test_du_reports_in_a_window_never_exceed_epsilon_exactly(epsilon, w, memory):
+    """Strict accounting: ``w + memory`` reports at ``epsilon_report`` each must compose to at
+    most ``epsilon`` in exact arithmetic (``epsilon / k`` times ``k`` can exceed it by an ulp)."""
+    k = w + memory
+    assert Fraction(per_report_epsilon(epsilon, w=w, memory=memory, accounting="strict")) * k <= Fraction(epsilon)
+
+
+@pytest.mark.parametrize(("epsilon", "w"), [(0.3, 7), (0.3, 2), (1.1, 5), (2.3, 10)])
+def test_ba_sw_units_in_a_window_never_exceed_epsilon_exactly(epsilon, w):
+    """BA-SW spends at most ``2 w`` unit budgets per window (``w`` for M1, ``w`` for M2)."""
+    rel = run("ba_sw", np.linspace(0.0, 1.0, 50), noise=keys(0), epsilon=epsilon, w=w, lower=0.0, upper=1.0)
+    assert Fraction(rel.params["epsilon_unit"]) * 2 * w <= Fraction(epsilon)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -288,7 +228,8 @@ def test_unbounded_memory_only_under_paper_accounting():
     (lambda: dpsql.ldp.capp([0.1], epsilon=1.0, w=2, lower=0, upper=1, bounds_mode="wide"), "bounds_mode"),
     (lambda: dpsql.ldp.capp([0.1], epsilon=1.0, w=2, lower=0, upper=1, bounds_mode="fixed_delta"), "clip_delta"),
     (lambda: dpsql.ldp.capp([0.1], epsilon=1.0, w=2, lower=0, upper=1, clip_delta=0.1), "clip_delta"),
-    (lambda: dpsql.ldp.ipp([0.1], epsilon=1.0, w=2, lower=0, upper=1, sma=2, align="center"), "odd"),
+    (lambda: dpsql.ldp.ipp([0.1], epsilon=1.0, w=2, lower=0, upper=1, window=2, align="center"), "odd"),
+    (lambda: dpsql.ldp.ipp([0.1], epsilon=1.0, w=2, lower=0, upper=1, sma=3), "sma"),
     (lambda: dpsql.ldp.ipp([0.1], epsilon=1.0, w=2, lower=0, upper=1, align="left"), "align"),
     (lambda: dpsql.ldp.ipp([0.1], epsilon=1.0, w=2, lower=0, upper=1, memory=3), "memory"),
     (lambda: dpsql.ldp.app([0.1], epsilon=1.0, w=2, lower=0, upper=1, memory=0), "memory"),
@@ -316,9 +257,9 @@ def test_values_outside_bounds_are_clipped_not_refused():
 def test_ba_sw_nullifies_after_a_publication_and_spends_at_most_w_units_per_window():
     w = 4
     x = np.random.default_rng(3).uniform(0, 1, 400)
-    plan = du._plan("ba_sw", epsilon=2.0, w=w, lower=0.0, upper=1.0, accounting="strict", sma=1,
-                    align="trailing", noise=SeededNoise(0))
-    encoder = du.AbsorptionEncoder(plan, SeededNoise(11), users=3)
+    plan = make_plan("ba_sw", epsilon=2.0, w=w, lower=0.0, upper=1.0, accounting="strict", window=1,
+                     align="trailing", private=False)
+    encoder = AbsorptionEncoder(plan, keys(11).partitions([b"a", b"b", b"c"]))
     values, units = encoder.push(np.tile(x, (3, 1)))
     for user in range(3):
         u = units[user]
@@ -334,11 +275,11 @@ def test_ba_sw_nullifies_after_a_publication_and_spends_at_most_w_units_per_wind
 
 
 def test_ba_sw_repeats_when_the_dissimilarity_is_small():
-    plan = du._plan("ba_sw", epsilon=2.0, w=3, lower=0.0, upper=1.0, accounting="strict", sma=1,
-                    align="trailing", noise=SeededNoise(0))
+    plan = make_plan("ba_sw", epsilon=2.0, w=3, lower=0.0, upper=1.0, accounting="strict", window=1,
+                     align="trailing", private=False)
     # first draw: the publication (0.4); afterwards every dissimilarity report is 0
     stub = Scripted([0.4] + [0.0] * 50)
-    encoder = du.AbsorptionEncoder(plan, SeededNoise(0), randomiser=stub)
+    encoder = AbsorptionEncoder(plan, keys(0).partitions([b""]), randomiser=stub)
     values, units = encoder.push(np.full((1, 30), 0.4))
     assert units[0, 0] == 1 and not units[0, 1:].any()
     assert np.all(values == 0.4)
@@ -348,26 +289,22 @@ def test_ba_sw_repeats_when_the_dissimilarity_is_small():
 
 
 def _users(method, x, users, seed, **params):
-    """Many independent users of the same stream in lock step, through the library's encoder."""
-    with seeded(0):
-        machine = dpsql.api.machine_for(method, len(x), dpsql.noise.current(), params)
-    plan = machine.plan
-    encoder = machine.encoder_class(plan, SeededNoise(seed), users=users)
-    reports, lengths = encoder.push(np.tile(plan.to_unit(x), (users, 1)))
-    streams = np.array([du.published_stream(plan.to_data(r), lengths, len(x), sma=plan.sma, align=plan.align)
-                        for r in reports])
-    return streams
+    """The published streams (users x slots) of many independent users of the same stream,
+    released together (one partition each)."""
+    with seeded(seed):
+        release = dpsql.publish(method, np.tile(x, users), partition_offsets=np.arange(users + 1) * len(x),
+                                progress=False, **params)
+    return release.values.reshape(users, len(x))
 
 
 def _model(method, x, **params):
-    with seeded(1):
-        return run(method, x, noise=dpsql.noise.current(), **params)
+    return run(method, x, noise=keys(1), **params)
 
 
 @pytest.mark.parametrize("method, params", [
-    ("sw_direct", dict(sma=1)),
-    ("sw_direct", dict(sma=3, align="center")),
-    ("sampling", dict(n_s=3, qlen=9, sma=3)),
+    ("sw_direct", dict(window=1)),
+    ("sw_direct", dict(window=3, align="center")),
+    ("sampling", dict(n_s=3, qlen=9, window=3)),
 ])
 def test_error_model_is_exact_at_the_worst_case_input(method, params):
     x = np.full(45, 20.0)  # the upper bound: SW's variance is largest there
@@ -384,7 +321,7 @@ def test_error_model_brackets_feedback_noise_and_feedback_matters():
     clipped): the model with the smallest per-report variance is a lower bound, the
     release's model (largest) an upper bound, and both are far below independent noise."""
     x = np.full(40, 0.5)
-    common = dict(epsilon=16.0, w=1, lower=0.0, upper=1.0, sma=1)
+    common = dict(epsilon=16.0, w=1, lower=0.0, upper=1.0, window=1)
     rel = _model("ipp", x, **common)
     eps = rel.params["epsilon_report"]
     gain = UNIT.gain(eps)
@@ -411,7 +348,7 @@ def test_range_ci_covers_sw_direct_noise():
     assert 0.94 <= coverage <= 0.995
 
 
-def test_lemma_iv_1_sma_divides_iid_variance_by_the_window():
+def test_lemma_iv_1_moving_average_divides_iid_variance_by_the_window():
     x = np.full(3000, 0.5)
     with seeded(8):
         raw = dpsql.ldp.sw_direct(x, epsilon=1.0, w=5, lower=0.0, upper=1.0)
@@ -424,44 +361,28 @@ def test_lemma_iv_1_sma_divides_iid_variance_by_the_window():
 # -- streaming, device and collector -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method, params", [("capp", dict(align="center", sma=5)), ("pp_s", dict(n_s=3, qlen=7)),
-                                            ("ba_sw", {}), ("ipp", {})])
-def test_chunked_feed_equals_one_shot(method, params):
-    x = np.random.default_rng(1).uniform(0, 10, 83)
-    common = dict(epsilon=1.0, w=7, lower=0.0, upper=10.0, **params)
-    one = run(method, x, noise=SeededNoise(3), **common)
-    chunked = run(method, x, noise=SeededNoise(3), chunk=5, **common)
-    assert np.array_equal(one.values, chunked.values)
-    assert np.array_equal(one.reports, chunked.reports)
-
-
-def test_device_encoder_reports_are_the_release_reports_and_the_collector_rebuilds_the_stream():
-    x = np.random.default_rng(2).uniform(0, 100, 50)
-    common = dict(epsilon=1.0, w=6, lower=0.0, upper=100.0, n_s=3, qlen=6, base="app")
+def test_collector_rebuilds_the_published_stream_bit_for_bit():
+    x = np.random.default_rng(2).uniform(0, 100, 50)  # test values, not privacy noise
     with seeded(6):
-        rel = dpsql.ldp.pp_s(x, **common)
-    with seeded(6):
-        device = dpsql.ldp.DeviceEncoder("pp_s", **common)
-        reports = np.concatenate([device.push(x[:11]), device.push(x[11:])])
-    assert np.array_equal(reports, rel.reports)
-    assert np.array_equal(du.published_stream(reports, du.report_lengths(rel), 50), rel.values)
-    with seeded(6):
-        smoothed = dpsql.ldp.capp(x, epsilon=1.0, w=6, lower=0.0, upper=100.0, sma=3, align="center")
-    assert np.allclose(du.published_stream(smoothed.reports, du.report_lengths(smoothed), 50, sma=3,
-                                           align="center"), smoothed.values)
+        released = [dpsql.ldp.pp_s(x, epsilon=1.0, w=6, lower=0.0, upper=100.0, n_s=3, qlen=6, base="app"),
+                    dpsql.ldp.capp(x, epsilon=1.0, w=6, lower=0.0, upper=100.0, window=3, align="center")]
+    for rel, (window, align) in zip(released, [(1, "trailing"), (3, "center")]):
+        rebuilt = collector.published_stream(rel.reports, collector.report_lengths(rel), 50, window=window,
+                                             align=align)
+        np.testing.assert_array_equal(rebuilt, rel.values)
 
 
 def test_metrics_against_independent_oracles():
     rng = np.random.default_rng(0)
     a, b = rng.normal(size=300), rng.normal(0.3, 2.0, size=200)
-    assert du.wasserstein_1(a, b) == pytest.approx(stats.wasserstein_distance(a, b), rel=1e-12)
+    assert collector.wasserstein_1(a, b) == pytest.approx(stats.wasserstein_distance(a, b), rel=1e-12)
     u, v = rng.normal(size=(4, 30)), rng.normal(size=(4, 30))
     expected = np.array([1 - np.dot(p, q) / np.linalg.norm(p) / np.linalg.norm(q) for p, q in zip(u, v)])
-    assert du.cosine_distance(u, v) == pytest.approx(expected)
-    assert du.cosine_similarity(u, v) == pytest.approx(1 - expected)
+    assert collector.cosine_distance(u, v) == pytest.approx(expected)
+    assert collector.cosine_similarity(u, v) == pytest.approx(1 - expected)
     truth, estimate = np.arange(10.0), np.arange(10.0) + np.r_[np.zeros(5), np.ones(5)]
-    assert du.subsequence_mean_mse(estimate, truth, [0, 5, 3], [5, 10, 7]) == pytest.approx((0 + 1 + 0.25) / 3)
-    support, cdf = du.crowd_distribution(a)
+    assert collector.subsequence_mean_mse(estimate, truth, [0, 5, 3], [5, 10, 7]) == pytest.approx((0 + 1 + 0.25) / 3)
+    support, cdf = collector.crowd_distribution(a)
     assert cdf[-1] == 1.0 and np.all(np.diff(support) > 0)
 
 
@@ -474,15 +395,15 @@ def test_capp_beats_sw_direct_on_subsequence_means_in_strict_mode():
     starts = np.arange(0, 50, 5)
     mse = {}
     for method in ("sw_direct", "capp"):
-        streams = _users(method, x, 2000, 31, epsilon=0.5, w=10, lower=0.0, upper=1.0, sma=1)
-        mse[method] = du.subsequence_mean_mse(streams, x, starts, starts + 10)
+        streams = _users(method, x, 2000, 31, epsilon=0.5, w=10, lower=0.0, upper=1.0, window=1)
+        mse[method] = collector.subsequence_mean_mse(streams, x, starts, starts + 10)
     assert mse["capp"] < 0.95 * mse["sw_direct"]
 
 
 def test_debiased_sw_direct_is_unbiased_and_feedback_methods_are_refused():
     x = np.linspace(0.0, 100.0, 40)
     streams = _users("sw_direct", x, 4000, 41, epsilon=2.0, w=2, lower=0.0, upper=100.0)
-    estimate = du.debias(streams, lower=0.0, upper=100.0, epsilon_report=1.0)
+    estimate = collector.debias(streams, lower=0.0, upper=100.0, epsilon_report=1.0)
     b, p, q = SQUARE_WAVE.constants(1.0)
     se = np.sqrt(100.0**2 * SQUARE_WAVE.worst_variance(1.0) / (2 * b * (p - q)) ** 2 / 4000)
     assert np.all(np.abs(estimate.mean(axis=0) - x) < 4.5 * se)
@@ -490,4 +411,4 @@ def test_debiased_sw_direct_is_unbiased_and_feedback_methods_are_refused():
     with seeded(0):
         rel = dpsql.ldp.capp(x, epsilon=1.0, w=2, lower=0.0, upper=100.0)
     with pytest.raises(InvalidParameter, match="debiasing"):
-        du.debiased_slot_values(rel)
+        collector.debiased_slot_values(rel)

@@ -1,4 +1,5 @@
-"""ToPL (Wang et al., CCS 2021, §4; ALGORITHMS.md §5): a stream of single values under event-level local DP.
+"""ToPL (Wang et al., CCS 2021, §4; ALGORITHMS.md §5): a stream of single values under event-level local DP,
+and DU's ``pm_direct`` baseline. The machines behind :func:`dpsql.ldp.topl` and :func:`dpsql.ldp.pm_direct`.
 
 Each value belongs to one report made by its owner's device; the server only post-processes.
 
@@ -32,7 +33,7 @@ intervals are conservative there.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import copy
 
 import numpy as np
 
@@ -49,14 +50,11 @@ from dpsql.mechanisms.ldp import (
     sw_em,
     sw_w_prune,
 )
-from dpsql.noise import Draws, Keystream
-from dpsql.release import IndependentNoise, Release, StreamMachine
+from dpsql.noise import Draws, DrawsBatch, Keystream
+from dpsql.release import IndependentNoise, StreamMachine
 from dpsql.streams.holdout import DEFAULT_HOLDOUT
 
-if TYPE_CHECKING:
-    from dpsql.budget import Budget
-
-#: The paper's maximal query range ``r`` (Eq. 8); by default capped at the stream length after the hold-out.
+#: The paper's maximal query range ``r`` (Eq. 8), the default.
 PAPER_RANGE = 1 << 20
 PRUNING_RULES = ("paper", "code", "none")
 COMPAT = ("paper", "code")
@@ -100,7 +98,9 @@ class ToplDevice:
     def report(self, values) -> np.ndarray:
         """One report per reading."""
         shifted = np.asarray(values, dtype=np.float64) - self.lower
-        u = report_uniforms(self._noise, self._reports, shifted.size).reshape(*shifted.shape, -1)
+        randomiser = SQUARE_WAVE if self.threshold is None else HYBRID
+        u = report_uniforms(self._noise, self._reports, shifted.size, uniforms=randomiser.uniforms)
+        u = u.reshape(*shifted.shape, -1)
         self._reports += shifted.size
         if self.threshold is None:
             return SQUARE_WAVE.perturb(shifted / (self.upper - self.lower), self.threshold_epsilon, u)
@@ -271,71 +271,6 @@ class ToplStream(StreamMachine):
                     reports=np.concatenate(self._reports))
 
 
-def topl(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | None = None,
-         threshold_epsilon: float | None = None, r: int | None = None, pruning: str = "paper",
-         variance_units: str = "paper", bias_coefficient: str = "paper", budget: Budget | None = None,
-         note: str | None = None) -> Release:
-    """ToPL: every value reported once under local DP; unbiased estimates of the clipped values.
-
-    Simulates the collection: each value's device reports it (:class:`ToplDevice`), the
-    server estimates the threshold from the first ``m`` reports and then every later
-    value's estimate (module docstring).
-
-    Parameters
-    ----------
-    values : array-like
-        One value per event, in time order; clipped to ``[lower, upper]``.
-    epsilon : float
-        LDP parameter of each stream report (Hybrid mechanism).
-    upper, lower : float
-        Public bounds of the values.
-    m : int, optional
-        Hold-out length; default ``min(65536, n // 4)``.
-    threshold_epsilon : float, optional
-        LDP parameter of each hold-out report (Square Wave); default ``epsilon``.
-    r : int, optional
-        Maximal range length for Eq. 8; default ``min(2**20, n - m)``.
-    pruning : {"paper", "code", "none"}
-        SW-W pruning rule; ``"none"`` is the paper's plain-SW baseline. On the retail and
-        traffic streams (BENCHMARKS.md, ToPL section) both pruning rules fired inside the
-        data's support, because EM without smoothing returns a spiky density, and
-        ``"none"`` was never worse and up to several hundred times better in range-sum
-        MSE; the paper's rule stays the default as specified.
-    variance_units, bias_coefficient : {"paper", "code"}
-        Eq. 8 as in the paper (``theta^2/4``, ``r^2/6``) or the reference code (``theta^2``, ``r^2/24``).
-    budget : Budget, optional
-        An ``"ldp"`` scope; charged ``max(threshold_epsilon, epsilon)`` once through
-        :func:`dpsql.publishing.publish`. A central-DP scope refuses the release (NotionMismatch).
-
-    Returns
-    -------
-    Release
-        Notion ``"ldp"``; ``threshold`` in data units; ``reports`` the raw reports.
-
-    Privacy
-    -------
-    Event-level ``max(threshold_epsilon, epsilon)``-LDP: each value is perturbed once by an
-    LDP randomiser; a value may be replaced by any other in ``[lower, upper]``.
-
-    Examples
-    --------
-    >>> import numpy as np, dpsql
-    >>> budget = dpsql.Budget.in_memory(epsilon=2.0, notion="ldp")
-    >>> values = np.tile(np.arange(1.0, 11.0), 2000)
-    >>> with dpsql.testing.seeded(4):
-    ...     rel = dpsql.ldp.topl(values, epsilon=1.0, upper=20.0, m=5000, budget=budget)
-    >>> budget.spent, rel.notion
-    ((1.0, 0.0), 'ldp')
-    >>> 0 < rel.threshold <= 20.0
-    True
-    """
-    from dpsql.publishing import publish
-
-    return publish("topl", values, budget=budget, note=note, epsilon=epsilon, upper=upper, lower=lower, m=m,
-                   threshold_epsilon=threshold_epsilon, r=r, pruning=pruning, variance_units=variance_units,
-                   bias_coefficient=bias_coefficient)
-
-
 class PmDirectStream(StreamMachine):
     """The reference DU code's "ToPL" baseline, named ``pm_direct`` (ALGORITHMS.md §6.9):
     every slot of one user's stream reported once by the Piecewise mechanism at ``epsilon / w``.
@@ -349,59 +284,52 @@ class PmDirectStream(StreamMachine):
 
     notion = "w-event-ldp"
     neighbour = W_EVENT_LDP_NEIGHBOUR
+    batchable = True
 
     def __init__(self, n: int | None = None, *, epsilon: float, w: int, lower: float = 0.0, upper: float = 1.0,
                  noise: Draws):
         self.epsilon = _validate.epsilon(epsilon)
         self.w = _validate.integer(w, "w", minimum=1)
         self.lower, self.upper = _validate.bounds(lower, upper)
-        self.report_epsilon = largest_share(self.epsilon, self.epsilon / self.w, count=self.w)
+        self.epsilon_report = largest_share(self.epsilon, self.epsilon / self.w, count=self.w)
         self.cost = (self.epsilon, 0.0)
-        self._noise = noise
+        self._start(DrawsBatch([noise]))
+
+    def batched(self, draws: DrawsBatch) -> PmDirectStream:
+        """This machine for ``len(draws)`` users of its length, fed ``(users, rows)`` chunks."""
+        machine = copy.copy(self)
+        machine._start(draws)
+        return machine
+
+    def _start(self, draws: DrawsBatch) -> None:
+        self._draws = draws
         self._reports: list[np.ndarray] = []
         self._rows = 0
+        self._lead: tuple = ()
 
     def feed(self, chunk: np.ndarray) -> np.ndarray:
+        self._lead = chunk.shape[:-1]
+        rows = chunk.reshape(len(self._draws), -1)
         scale = self.upper - self.lower
-        u = report_uniforms(self._noise, self._rows, len(chunk))
-        self._rows += len(chunk)
-        reports = PIECEWISE.perturb(2.0 * (chunk - self.lower) / scale - 1.0, self.report_epsilon, u)
+        u = report_uniforms(self._draws, self._rows, rows.shape[1], uniforms=PIECEWISE.uniforms)
+        self._rows += rows.shape[1]
+        reports = PIECEWISE.perturb(2.0 * (rows - self.lower) / scale - 1.0, self.epsilon_report, u)
         self._reports.append(reports)
-        return self.lower + scale * (reports + 1.0) / 2.0
+        return (self.lower + scale * (reports + 1.0) / 2.0).reshape(chunk.shape)
 
     def close(self) -> np.ndarray:
-        return np.empty(0)
+        return np.empty((*self._lead, 0))
 
     def describe(self) -> dict:
+        return self.describe_partition(0)
+
+    def describe_partition(self, partition: int) -> dict:
+        if len(self._reports) != 1:  # concatenated once for all users
+            self._reports = [np.concatenate(self._reports, axis=1)]
         params = {"epsilon": self.epsilon, "w": self.w, "lower": self.lower, "upper": self.upper,
-                  "report_epsilon": self.report_epsilon}
-        row_variance = ((self.upper - self.lower) / 2.0) ** 2 * PIECEWISE.worst_variance(self.report_epsilon)
-        kurtosis = PIECEWISE.worst_excess_kurtosis(self.report_epsilon)
+                  "epsilon_report": self.epsilon_report}
+        row_variance = ((self.upper - self.lower) / 2.0) ** 2 * PIECEWISE.worst_variance(self.epsilon_report)
+        kurtosis = PIECEWISE.worst_excess_kurtosis(self.epsilon_report)
         return dict(method="pm_direct", params=params,
                     error=IndependentNoise(row_variance, self._rows, excess_kurtosis=kurtosis),
-                    components={"reports": (self.epsilon, 0.0)}, reports=np.concatenate(self._reports))
-
-
-def pm_direct(values, *, epsilon: float, w: int, lower: float = 0.0, upper: float = 1.0,
-              budget: Budget | None = None, note: str | None = None) -> Release:
-    """Piecewise-mechanism reports of one user's stream at ``epsilon / w`` each (DU's "ToPL" baseline).
-
-    Values are clipped to ``[lower, upper]`` (part of the mechanism). Privacy: w-event
-    ``epsilon``-LDP (one user's values may change arbitrarily within any ``w`` consecutive
-    slots); ``budget`` must be a ``"w-event-ldp"`` scope with the same ``w`` and is
-    charged ``epsilon`` through :func:`dpsql.publishing.publish`.
-
-    Examples
-    --------
-    >>> import numpy as np, dpsql
-    >>> budget = dpsql.Budget.in_memory(epsilon=1.0, notion="w-event-ldp", w=10)
-    >>> with dpsql.testing.seeded(2):
-    ...     rel = dpsql.ldp.pm_direct(np.full(5000, 0.25), epsilon=1.0, w=10, budget=budget)
-    >>> rel.params["report_epsilon"], budget.spent
-    (0.1, (1.0, 0.0))
-    >>> bool(abs(rel.values.mean() - 0.25) < 4 * rel.range_variance(0, 5000) ** 0.5 / 5000)
-    True
-    """
-    from dpsql.publishing import publish
-
-    return publish("pm_direct", values, budget=budget, note=note, epsilon=epsilon, w=w, lower=lower, upper=upper)
+                    components={"reports": (self.epsilon, 0.0)}, reports=self._reports[0][partition])

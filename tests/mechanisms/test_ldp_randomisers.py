@@ -1,26 +1,29 @@
-"""Local-DP randomisers (ALGORITHMS.md P8-P11) and the SW density estimator."""
+"""Local-DP randomisers (ALGORITHMS.md P8-P11): constants, exact distributions, the lattice,
+the LDP ratio bound cell by cell, moments, and reports as functions of their addresses."""
 
 import math
 
 import numpy as np
 import pytest
 
+import dpsql
 from dpsql.mechanisms.ldp import (
     HYBRID,
     PIECEWISE,
     SQUARE_WAVE,
     STOCHASTIC_ROUNDING,
-    SWKernel,
     lattice_spacing,
-    sw_em,
-    sw_histogram,
-    sw_output_edges,
-    sw_transition_matrix,
-    sw_w_prune,
+    report_uniforms,
 )
-from dpsql.testing import seeded
+from dpsql.noise import Lane
+from dpsql.testing import draws
 
 RANDOMISERS = [SQUARE_WAVE, PIECEWISE, STOCHASTIC_ROUNDING, HYBRID]
+
+
+def perturbed(randomiser, x, eps, seed):
+    """``randomiser``'s reports of ``x`` with the uniforms of reports ``0 ..`` of ``seed``'s draws."""
+    return randomiser.perturb(x, eps, report_uniforms(draws(seed), 0, len(x), uniforms=randomiser.uniforms))
 
 
 def exact_moments(randomiser, x, eps):
@@ -87,8 +90,7 @@ def test_square_wave_worst_variance_is_at_the_domain_end():
 def test_square_wave_empirical_moments_and_debias():
     n, eps = 200_000, 1.0
     for x in (0.0, 0.3, 1.0):
-        with seeded(11) as source:
-            y = SQUARE_WAVE.perturb(np.full(n, x), eps, source)
+        y = perturbed(SQUARE_WAVE, np.full(n, x), eps, 11)
         mean, var, mu4 = exact_moments(SQUARE_WAVE, x, eps)
         assert abs(y.mean() - mean) < 4 * math.sqrt(var / n)
         assert abs(y.var() - var) < 4 * math.sqrt((mu4 - var**2) / n)
@@ -98,8 +100,7 @@ def test_square_wave_empirical_moments_and_debias():
 
 
 def test_inputs_are_clipped_to_the_domain():
-    with seeded(1) as source:
-        y = SQUARE_WAVE.perturb(np.full(50_000, 7.0), 2.0, source)
+    y = perturbed(SQUARE_WAVE, np.full(50_000, 7.0), 2.0, 1)
     lo, hi = SQUARE_WAVE.output_range(2.0)
     assert y.min() >= lo - 1e-6 and y.max() <= hi + 1e-6
     assert abs(y.mean() - float(SQUARE_WAVE.mean(1.0, 2.0))) < 0.01
@@ -153,8 +154,7 @@ def test_reports_lie_on_the_public_lattice(randomiser, continuous):
     eps = 1.0
     lo, hi = randomiser.domain
     support = randomiser.cell_probabilities(lo, eps)[0]
-    with seeded(5) as source:
-        y = randomiser.perturb(np.linspace(lo, hi, 20_000), eps, source)
+    y = perturbed(randomiser, np.linspace(lo, hi, 20_000), eps, 5)
     assert np.all(np.isin(y, support))
     # Continuous reports are midpoints of power-of-two cells; HM's SR reports are the two public points ±C.
     out_lo, out_hi = continuous.output_range(eps)
@@ -186,8 +186,7 @@ def test_unbiased_with_the_stated_variance(randomiser, eps):
         mean, var, mu4 = exact_moments(randomiser, x, eps)
         assert mean == pytest.approx(x, abs=1e-9)  # unbiased, exactly (up to the lattice)
         assert var == pytest.approx(float(randomiser.variance(x, eps)), rel=1e-9)
-        with seeded(int(100 * (x + 2) + 10 * eps)) as source:
-            y = randomiser.perturb(np.full(n, x), eps, source)
+        y = perturbed(randomiser, np.full(n, x), eps, int(100 * (x + 2) + 10 * eps))
         assert abs(y.mean() - x) < 4 * math.sqrt(var / n)
         assert abs(y.var() - var) < 4 * math.sqrt((mu4 - var**2) / n)
         assert mu4 == pytest.approx(float(randomiser.central_moment4(x, eps)), rel=1e-9)
@@ -247,8 +246,7 @@ def test_hybrid_oracles(eps, worst, alpha):
 def test_hybrid_switch_boundary_is_the_papers():
     assert HYBRID.pm_probability(0.61) == 0.0  # paper: eps <= 0.61 -> SR only (the code used <)
     assert HYBRID.pm_probability(0.6100001) > 0.0
-    with seeded(3) as source:
-        y = HYBRID.perturb(np.zeros(1000), 0.61, source)
+    y = perturbed(HYBRID, np.zeros(1000), 0.61, 3)
     assert set(np.unique(np.abs(y))) == {STOCHASTIC_ROUNDING.bound(0.61)}
 
 
@@ -263,97 +261,42 @@ def test_pdf_matches_cell_probabilities():
         math.exp(eps) / (math.exp(eps) + 1))
 
 
-# -- SW density estimation --------------------------------------------------------------------------
+# -- reports as functions of their addresses -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("eps", [0.5, 2.0])
-def test_transition_matrix_is_exact(eps):
-    n_out, n_in = 32, 16
-    kernel = sw_transition_matrix(eps, n_out, n_in)
-    np.testing.assert_allclose(kernel.sum(axis=0), 1.0, atol=1e-12)
-    edges = sw_output_edges(eps, n_out)
-    for i in (0, 5, 15):
-        vs = (i + (np.arange(4000) + 0.5) / 4000) / n_in  # midpoint rule over the input bin
-        per_v = np.diff(np.stack([SQUARE_WAVE.cdf(edges, v, eps) for v in vs]), axis=1).mean(axis=0)
-        np.testing.assert_allclose(kernel[:, i], per_v, atol=1e-7)
+@pytest.mark.parametrize("eps", [0.005, 0.05, 0.4, 1.0, 3.0, 12.0])
+def test_plain_float_sampler_is_perturb_bit_for_bit(eps):
+    """The sequential loops' Square Wave is the vectorised one, to the last bit, on every branch
+    of the inverse CDF (u at and around the band's edges) and at both ends of the input domain."""
+    b, p, q = SQUARE_WAVE.constants(eps)
+    rng = np.random.default_rng(7)  # test inputs, not privacy noise
+    z = np.concatenate([[0.0, 1.0, 0.5, 1e-300, 1 - 2**-53], rng.uniform(size=3000)])
+    u = rng.uniform(size=z.size)
+    edges = np.concatenate([q * z, q * z + 2 * b * p])  # where the inverse CDF changes branch
+    z = np.concatenate([z, z, z, z, z])
+    u = np.concatenate([u, edges, np.nextafter(edges, 0), np.nextafter(edges, 1)])[:z.size]
+    sample = SQUARE_WAVE.sampler(eps)
+    plain = np.array([sample(a, c) for a, c in zip(z.tolist(), u.tolist())])
+    np.testing.assert_array_equal(plain, SQUARE_WAVE.perturb(z, eps, u[:, None]))
 
 
-@pytest.mark.parametrize("eps", [0.05, 1.0, 4.0])
-def test_fast_kernel_equals_the_dense_matrix(eps):
-    kernel, fast = sw_transition_matrix(eps, 1024, 512), SWKernel(eps, 1024, 512)
-    with seeded(2) as source:
-        theta, y = source.uniform(512), source.uniform(1024)
-    np.testing.assert_allclose(fast.forward(theta), kernel @ theta, rtol=1e-9)
-    np.testing.assert_allclose(fast.adjoint(y), kernel.T @ y, rtol=1e-9)
+def test_report_uniforms_are_addressed_by_key_partition_and_index():
+    keys = dpsql.testing.keys(5)
+    user = keys.partition(b"user-1")
+    whole = report_uniforms(user, 0, 100)
+    np.testing.assert_array_equal(whole, report_uniforms(dpsql.testing.keys(5).partition(b"user-1"), 0, 100))
+    np.testing.assert_array_equal(whole[40:70], report_uniforms(user, 40, 30))  # any piece, the same uniforms
+    np.testing.assert_array_equal(whole[:, 1], user.lane(Lane.LDP_REPORT, 1).uniform(0, 100))  # uniform k: level k
+    assert not np.isin(report_uniforms(keys.partition(b"user-2"), 0, 100), whole).any()
+    assert not np.isin(report_uniforms(dpsql.testing.keys(6).partition(b"user-1"), 0, 100), whole).any()
+    assert not np.isin(report_uniforms(user, 0, 100, lane=Lane.LDP_CHOICE), whole).any()
+    batch = keys.partitions([b"user-2", b"user-1"])
+    np.testing.assert_array_equal(report_uniforms(batch, 0, 100)[1], whole)
 
 
-def test_histogram_of_lattice_reports_matches_the_bin_edges_exactly():
-    eps, x, n_out = 1.0, 0.37, 64
-    reports, mass = SQUARE_WAVE.cell_probabilities(x, eps)
-    binned = np.bincount(np.searchsorted(sw_output_edges(eps, n_out)[1:-1], reports, side="right"),
-                         weights=mass, minlength=n_out)
-    np.testing.assert_allclose(binned, np.diff(SQUARE_WAVE.cdf(sw_output_edges(eps, n_out), x, eps)), atol=1e-12)
-    counts = sw_histogram(reports[::1000], eps, n_out)
-    assert counts.sum() == reports[::1000].size
-
-
-def test_em_recovers_a_point_mass():
-    with seeded(21) as source:
-        reports = SQUARE_WAVE.perturb(np.full(100_000, 0.3), 2.0, source)
-    density = sw_em(reports, 2.0)
-    assert density.sum() == pytest.approx(1.0)
-    assert abs(int(np.argmax(density)) - int(0.3 * 1024)) <= 2
-
-
-def test_em_recovers_a_known_distribution():
-    eps, n = 2.0, 100_000
-    with seeded(22) as source:
-        truth = 0.2 + 0.4 * source.uniform(n)
-        reports = SQUARE_WAVE.perturb(truth, eps, source)
-    density = sw_em(reports, eps, n_in=256, n_out=256)
-    centres = (np.arange(256) + 0.5) / 256
-    assert density[(centres > 0.2) & (centres < 0.6)].sum() > 0.85
-    # Wasserstein-1 distance between estimated and true CDFs on [0, 1].
-    true_cdf = np.clip((centres + 0.5 / 256 - 0.2) / 0.4, 0, 1)
-    assert np.abs(np.cumsum(density) - true_cdf).sum() / 256 < 0.03
-    smoothed = sw_em(reports, eps, n_in=256, n_out=256, smoothing=True)
-    assert smoothed.sum() == pytest.approx(1.0)
-    assert np.abs(np.diff(smoothed, 2)).sum() < np.abs(np.diff(density, 2)).sum()
-
-
-def test_binomial_smoothing_keeps_a_uniform_density_and_mass():
-    from dpsql.mechanisms.ldp import _binomial_smooth
-
-    np.testing.assert_allclose(_binomial_smooth(np.full(8, 0.125)), 0.125)
-    spike = np.r_[1.0, np.zeros(4)]
-    np.testing.assert_allclose(_binomial_smooth(spike), [2 / 3, 1 / 4, 0, 0, 0])
-
-
-def test_sw_w_prune_paper_rule():
-    d = np.array([0.5, 0.3, 0.19, 0.0, 0.0, 0.0, 0.0, 0.0, 0.01])
-    np.testing.assert_allclose(sw_w_prune(d), np.r_[d[:3], np.zeros(6)] / 0.99)
-    # Empty bins below the support do not qualify as w: w must itself hold mass.
-    shifted = np.r_[np.zeros(6), d]
-    np.testing.assert_allclose(sw_w_prune(shifted), np.r_[np.zeros(6), d[:3], np.zeros(6)] / 0.99)
-    # Nor do ripples below the median followed by small bins: the search starts at the median bin.
-    ripple = np.r_[0.001, np.zeros(6), 0.3, 0.4, 0.299, np.zeros(6)]
-    np.testing.assert_allclose(sw_w_prune(ripple), ripple)
-    # A run shorter than 5 small bins does not prune.
-    short = np.array([0.5, 0.3, 0.0, 0.0, 0.0, 0.0, 0.2])
-    np.testing.assert_allclose(sw_w_prune(short), short)
-    # Small means below fraction * total (here 1e-4).
-    tiny = np.array([0.6, 0.39, 5e-5, 5e-5, 5e-5, 5e-5, 5e-5, 0.00975])
-    assert sw_w_prune(tiny)[2:].sum() == 0.0
-
-
-def test_sw_w_prune_code_rule():
-    d = np.array([0.5, 5e-5, 0.3, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.09995])
-    pruned = sw_w_prune(d, rule="code")
-    # Bin 1 zeroed (< 1e-4), tail from the 5-zero run removed, lost mass spread over the 3 kept bins.
-    lost = 5e-5 + 0.09995
-    np.testing.assert_allclose(pruned, [0.5 + lost / 3, 0, 0.3 + lost / 3, 0.1 + lost / 3, 0, 0, 0, 0, 0, 0])
-    # The code's rule on a density with an empty start would remove everything: left unchanged.
-    empty_start = np.r_[np.zeros(5), 1.0]
-    np.testing.assert_allclose(sw_w_prune(empty_start, rule="code"), empty_start)
-    with pytest.raises(ValueError, match="pruning rule"):
-        sw_w_prune(d, rule="other")
+def test_hybrid_takes_its_choice_from_the_second_uniform():
+    u = report_uniforms(draws(4), 0, 20_000, uniforms=HYBRID.uniforms)
+    y = HYBRID.perturb(np.zeros(20_000), 2.0, u)
+    chose_pm = u[:, 1] < HYBRID.pm_probability(2.0)
+    np.testing.assert_array_equal(y[chose_pm], PIECEWISE.perturb(np.zeros(chose_pm.sum()), 2.0, u[chose_pm]))
+    np.testing.assert_array_equal(np.abs(y[~chose_pm]), STOCHASTIC_ROUNDING.bound(2.0))

@@ -9,8 +9,8 @@ Common interface (:class:`Randomiser`): ``perturb(x, eps, u)``, ``variance(x, ep
 ``worst_variance(eps)``, ``output_range(eps)``, ``pdf(y, x, eps)`` and, for the ratio
 tests, ``cell_probabilities(x, eps)`` (the exact distribution of the released report).
 
-Randomness: ``perturb`` takes :data:`REPORT_UNIFORMS` uniforms per report, ``u`` shaped
-``(*x.shape, REPORT_UNIFORMS)``, drawn by the caller from the report's address
+Randomness: ``perturb`` takes :attr:`Randomiser.uniforms` uniforms per report, ``u``
+shaped ``(*x.shape, uniforms)``, drawn by the caller from the report's address
 (:func:`report_uniforms`): a report is a function of its value and its address, so a
 retried or re-run encoder sends the same report.
 
@@ -41,8 +41,7 @@ Examples
 (0.2561, 1.1363, 0.418)
 >>> round(float(SQUARE_WAVE.mean(1.0, 1.0)), 5), round(float(SQUARE_WAVE.variance(1.0, 1.0)), 5)
 (0.68394, 0.18663)
->>> with dpsql.testing.seeded(0) as keys:
-...     reports = SQUARE_WAVE.perturb(np.full(4, 0.3), 1.0, report_uniforms(keys.partition(), 0, 4))
+>>> reports = SQUARE_WAVE.perturb(np.full(4, 0.3), 1.0, report_uniforms(dpsql.testing.draws(0), 0, 4))
 >>> bool(np.all((reports >= -c.b - 1e-6) & (reports <= 1 + c.b + 1e-6)))
 True
 """
@@ -55,25 +54,40 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dpsql.accounting import Neighbour
 from dpsql.noise import Draws, DrawsBatch, Lane
 
 #: Bits of resolution of the report lattice below the output interval's width.
 LDP_LATTICE_BITS = 20
-#: Uniforms a report takes: the sample's, and the Hybrid mechanism's choice of PM or SR.
+#: Uniforms a report takes at most: the sample's, and the Hybrid mechanism's choice of PM or SR.
 REPORT_UNIFORMS = 2
 
 
-def report_uniforms(draws: Draws | DrawsBatch, start: int, count: int, lane: Lane = Lane.LDP_REPORT) -> np.ndarray:
-    """The uniforms of reports ``start .. start + count - 1``: ``(count, REPORT_UNIFORMS)``, or
-    ``(partitions, count, REPORT_UNIFORMS)`` for a :class:`~dpsql.noise.DrawsBatch`; uniform ``k``
-    of report ``t`` is index ``t`` of ``lane`` at level ``k``."""
-    return np.stack([draws.lane(lane, level).uniform(start, count) for level in range(REPORT_UNIFORMS)], axis=-1)
+def report_uniforms(draws: Draws | DrawsBatch, start: int, count: int, *, uniforms: int = REPORT_UNIFORMS,
+                    lane: Lane = Lane.LDP_REPORT) -> np.ndarray:
+    """The uniforms of reports ``start .. start + count - 1``: ``(count, uniforms)``, or
+    ``(partitions, count, uniforms)`` for a :class:`~dpsql.noise.DrawsBatch`. Uniform ``k`` of
+    report ``t`` is index ``t`` of ``lane`` at level ``k``: a report's uniforms are a function
+    of the key, the partition (the user), the report's index and nothing else, so a device
+    that re-sends a report sends the same one. ``uniforms`` is the randomiser's
+    :attr:`Randomiser.uniforms` (fewer than :data:`REPORT_UNIFORMS` skips unused draws, the
+    addresses of the others do not move).
+
+    Examples
+    --------
+    >>> import dpsql
+    >>> draws = dpsql.testing.draws(0)
+    >>> u = report_uniforms(draws, 0, 5)
+    >>> u.shape, bool((report_uniforms(draws, 2, 3, uniforms=1)[:, 0] == u[2:, 0]).all())
+    ((5, 2), True)
+    """
+    return np.stack([draws.lane(lane, level).uniform(start, count) for level in range(uniforms)], axis=-1)
+
 
 #: Neighbour relation of event-level LDP releases (one report per value).
-EVENT_LDP_NEIGHBOUR = "local: any one reported value replaced by any other value in [lower, upper] (event-level LDP)"
+EVENT_LDP_NEIGHBOUR = Neighbour.LDP_EVENT.value
 #: Neighbour relation of w-event LDP releases (one user's stream).
-W_EVENT_LDP_NEIGHBOUR = ("local: one user's values replaced arbitrarily within any window of w consecutive "
-                         "slots (w-event LDP)")
+W_EVENT_LDP_NEIGHBOUR = Neighbour.LDP_W_EVENT.value
 
 
 def lattice_spacing(width: float) -> float:
@@ -97,6 +111,8 @@ class Randomiser(ABC):
     #: Input domain; inputs are clipped to it.
     domain: tuple[float, float]
     name: str
+    #: Uniforms per report (the last axis of ``perturb``'s ``u``; :func:`report_uniforms`).
+    uniforms: int = 1
 
     @abstractmethod
     def perturb(self, x, eps: float, u: np.ndarray) -> np.ndarray:
@@ -250,6 +266,36 @@ class SquareWave(Randomiser):
     def perturb(self, x, eps, u):
         x = self.clip(x)
         return self.density(x, eps).sample(np.asarray(u)[..., 0])
+
+    def sampler(self, eps: float):
+        """``sample(z, u)``: the report for one input ``z`` already in ``[0, 1]`` and its
+        uniform ``u``, in plain Python floats, for sequential loops in which a numpy call per
+        report would cost more than the report. Bit for bit :meth:`perturb` (the same
+        operations in the same order: IEEE arithmetic rounds them alike).
+
+        Examples
+        --------
+        >>> sample = SQUARE_WAVE.sampler(1.0)
+        >>> sample(0.3, 0.25) == float(SQUARE_WAVE.perturb(np.array([0.3]), 1.0, np.array([[0.25]]))[0])
+        True
+        """
+        b, p, q = self.constants(eps)
+        lo = -b
+        first, last, g = _BandDensity(lo, 1.0 + b, None, None, p, q).cells()
+        floor = math.floor
+
+        def sample(z: float, u: float) -> float:
+            a, c = z - b, z + b
+            left_mass, band_mass = q * (a - lo), p * (c - a)
+            if u <= left_mass:
+                y = lo + u / q
+            elif u <= left_mass + band_mass:
+                y = a + (u - left_mass) / p
+            else:
+                y = c + (u - left_mass - band_mass) / q
+            return (min(max(floor(y / g), first), last) + 0.5) * g
+
+        return sample
 
     def mean(self, x, eps) -> np.ndarray:
         """``E[SW(x)] = 1/2 + 2b(p - q)(x - 1/2)``."""
@@ -444,6 +490,7 @@ class Hybrid(Randomiser):
 
     domain = (-1.0, 1.0)
     name = "hybrid"
+    uniforms = 2
 
     @staticmethod
     def pm_probability(eps: float) -> float:
@@ -491,222 +538,3 @@ class Hybrid(Randomiser):
 PIECEWISE = Piecewise()
 STOCHASTIC_ROUNDING = StochasticRounding()
 HYBRID = Hybrid()
-
-
-# -- Square Wave density estimation (server side, post-processing of SW reports) ---------------------
-
-
-def sw_transition_matrix(eps: float, n_out: int = 1024, n_in: int = 1024) -> np.ndarray:
-    """``K[j, i] = P(report in output bin j | input uniform in input bin i)``, exactly.
-
-    Output bins split ``[-b, 1 + b]`` into ``n_out`` equal bins whose inner edges are
-    rounded to the report lattice, so a lattice report falls in bin ``j`` exactly when the
-    continuous draw does (see :func:`sw_histogram`); input bins split ``[0, 1]``. For a
-    fixed input ``v``, ``P(y <= a) = q (a + b) + (p - q) |[-b, a] ∩ [v - b, v + b]|``; the
-    overlap term averaged over ``v`` in ``[c1, c2]`` integrates in closed form to
-    ``(R(a+b-c1) - R(a+b-c2) - R(a-b-c1) + R(a-b-c2)) / (c2 - c1)``, ``R(t) = max(t, 0)^2 / 2``.
-    Columns sum to 1 (up to rounding).
-
-    Examples
-    --------
-    >>> kernel = sw_transition_matrix(1.0, n_out=8, n_in=4)
-    >>> kernel.shape, bool(np.allclose(kernel.sum(axis=0), 1.0))
-    ((8, 4), True)
-    """
-    b, p, q = SQUARE_WAVE.constants(eps)
-    edges = sw_output_edges(eps, n_out)[:, None]
-    inputs = np.linspace(0.0, 1.0, n_in + 1)
-    c1, c2 = inputs[:-1][None, :], inputs[1:][None, :]
-
-    def ramp_square(t):
-        return np.maximum(t, 0.0) ** 2 / 2.0
-
-    overlap = (ramp_square(edges + b - c1) - ramp_square(edges + b - c2)
-               - ramp_square(edges - b - c1) + ramp_square(edges - b - c2)) / (c2 - c1)
-    cdf = q * (edges + b) + (p - q) * overlap
-    return np.maximum(np.diff(cdf, axis=0), 0.0)
-
-
-class SWKernel:
-    """The operator of :func:`sw_transition_matrix` applied in ``O((n_in + n_out) log)`` time.
-
-    ``K theta`` is the difference, at the output edges, of
-    ``Phi(a) = q (a + b) sum(theta) + (p - q) / h [Psi(a + b) - Psi(a - b)]`` where
-    ``Psi(s) = sum_k u_k R(s - c_k)`` runs over the input edges ``c_k`` with weights
-    ``u_k = theta_k - theta_{k-1}`` (``R(t) = max(t, 0)^2 / 2``, ``h`` the input bin width):
-    the closed form of the matrix entries summed by parts. A sum of ``R`` over the nodes
-    below ``s`` is a quadratic in ``s`` with prefix-summed coefficients. ``K^T y`` is the
-    same construction with the roles of input and output edges swapped. Exact (to
-    rounding) and independent of any BLAS threading, which matters on a busy machine.
-
-    Examples
-    --------
-    >>> theta = np.linspace(1.0, 2.0, 16)
-    >>> bool(np.allclose(SWKernel(1.0, 32, 16).forward(theta), sw_transition_matrix(1.0, 32, 16) @ theta))
-    True
-    """
-
-    def __init__(self, eps: float, n_out: int = 1024, n_in: int = 1024):
-        self.b, self.p, self.q = SQUARE_WAVE.constants(eps)
-        self.out_edges = sw_output_edges(eps, n_out)
-        self.in_edges = np.linspace(0.0, 1.0, n_in + 1)
-        self.h = 1.0 / n_in
-
-    @staticmethod
-    def _ramp_sums(points: np.ndarray, nodes: np.ndarray, weights: np.ndarray, below: bool) -> np.ndarray:
-        """``sum_k weights_k R(points - nodes_k)`` (``below``) or ``sum_k weights_k R(nodes_k - points)``."""
-        w0 = np.concatenate([[0.0], np.cumsum(weights)])
-        w1 = np.concatenate([[0.0], np.cumsum(weights * nodes)])
-        w2 = np.concatenate([[0.0], np.cumsum(weights * nodes**2)])
-        if below:
-            k = np.searchsorted(nodes, points, side="left")
-            s0, s1, s2 = w0[k], w1[k], w2[k]
-        else:
-            k = np.searchsorted(nodes, points, side="right")
-            s0, s1, s2 = w0[-1] - w0[k], w1[-1] - w1[k], w2[-1] - w2[k]
-        return 0.5 * (points**2 * s0 - 2.0 * points * s1 + s2)
-
-    def forward(self, theta: np.ndarray) -> np.ndarray:
-        """``K @ theta``: expected output-bin probabilities for input-bin masses ``theta``."""
-        u = np.diff(np.concatenate([[0.0], theta, [0.0]]))
-        a = self.out_edges
-        psi = (self._ramp_sums(a + self.b, self.in_edges, u, below=True)
-               - self._ramp_sums(a - self.b, self.in_edges, u, below=True))
-        phi = self.q * (a + self.b) * theta.sum() + (self.p - self.q) / self.h * psi
-        return np.diff(phi)
-
-    def adjoint(self, y: np.ndarray) -> np.ndarray:
-        """``K.T @ y``."""
-        # Summation by parts: sum_j y_j (F(e_{j+1}) - F(e_j)) = sum_j z_j F(e_j), z_j = y_{j-1} - y_j.
-        z = -np.diff(np.concatenate([[0.0], y, [0.0]]))
-        e, c = self.out_edges, self.in_edges
-        lam = self._ramp_sums(c, e + self.b, z, below=False) - self._ramp_sums(c, e - self.b, z, below=False)
-        return self.q * float(z @ (e + self.b)) + (self.p - self.q) / self.h * (lam[:-1] - lam[1:])
-
-
-def sw_output_edges(eps: float, n_out: int = 1024) -> np.ndarray:
-    """Edges of the EM output bins: ``n_out`` equal bins on ``[-b, 1 + b]``, inner edges on the lattice.
-
-    Examples
-    --------
-    >>> edges = sw_output_edges(1.0, 4)
-    >>> bool(edges[0] == -SQUARE_WAVE.constants(1.0).b), bool(np.all(np.mod(edges[1:-1], 2.0**-20) == 0))
-    (True, True)
-    """
-    lo, hi = SQUARE_WAVE.output_range(eps)
-    g = lattice_spacing(hi - lo)
-    edges = np.linspace(lo, hi, n_out + 1)
-    edges[1:-1] = np.round(edges[1:-1] / g) * g
-    return edges
-
-
-def sw_histogram(reports, eps: float, n_out: int = 1024) -> np.ndarray:
-    """Counts of SW reports in the EM output bins of :func:`sw_output_edges`.
-
-    Examples
-    --------
-    >>> sw_histogram(np.array([-0.2, 0.5, 0.51, 1.2]), 1.0, n_out=3).tolist()
-    [1.0, 2.0, 1.0]
-    """
-    inner = sw_output_edges(eps, n_out)[1:-1]
-    return np.bincount(np.searchsorted(inner, _as_array(reports), side="right"), minlength=n_out).astype(np.float64)
-
-
-def _binomial_smooth(density: np.ndarray) -> np.ndarray:
-    """``[1, 2, 1] / 4`` smoothing, renormalised at the two ends (weights ``[2, 1] / 3``)."""
-    padded = np.concatenate([[0.0], density, [0.0]])
-    weights = np.full(density.size, 4.0)
-    weights[[0, -1]] = 3.0
-    return (padded[:-2] + 2.0 * padded[1:-1] + padded[2:]) / weights
-
-
-def sw_em(reports, eps: float, *, n_out: int = 1024, n_in: int = 1024, smoothing: bool = False,
-          max_iterations: int = 10_000, tolerance: float = 1e-3) -> np.ndarray:
-    """Estimate the input distribution on ``[0, 1]`` from SW reports by EM (or EMS).
-
-    Returns the probability mass of each of ``n_in`` equal input bins (sums to 1).
-    Iterates ``theta <- theta * K^T (hist / K theta)``, normalised, with the exact
-    :func:`sw_transition_matrix`; ``smoothing=True`` applies the binomial kernel after each
-    step (EMS). The kernel is applied by :class:`SWKernel` (exact, no dense matrix). Stops
-    when the L1 change is at most ``1 / len(reports)`` or, after two
-    iterations, when the log-likelihood improves by less than ``tolerance``, or after
-    ``max_iterations`` (the reference code's rules). Post-processing: costs nothing.
-
-    Examples
-    --------
-    >>> import dpsql
-    >>> with dpsql.testing.seeded(3) as keys:
-    ...     reports = SQUARE_WAVE.perturb(np.full(20_000, 0.3), 2.0, report_uniforms(keys.partition(), 0, 20_000))
-    >>> density = sw_em(reports, 2.0, n_in=64, n_out=64)
-    >>> abs(int(np.argmax(density)) - int(0.3 * 64)) <= 2
-    True
-    """
-    reports = _as_array(reports)
-    kernel = SWKernel(eps, n_out, n_in)
-    hist = sw_histogram(reports, eps, n_out)
-    theta = np.full(n_in, 1.0 / n_in)
-    previous_loglik = -np.inf
-    for iteration in range(max_iterations):
-        old = theta
-        theta = old * kernel.adjoint(hist / kernel.forward(old))
-        theta /= theta.sum()
-        if smoothing:
-            theta = _binomial_smooth(theta)
-            theta /= theta.sum()
-        if np.abs(theta - old).sum() <= 1.0 / reports.size:
-            break
-        loglik = float(hist @ np.log(kernel.forward(theta)))
-        if iteration > 1 and abs(loglik - previous_loglik) < tolerance:
-            break
-        previous_loglik = loglik
-    return theta
-
-
-def sw_w_prune(density, *, rule: str = "paper", fraction: float = 1e-4, run: int = 5) -> np.ndarray:
-    """SW-W pruning of an estimated density whose upper tail should vanish (ToPS §4.1).
-
-    ``rule="paper"``: find the first bin ``w`` at or above the median bin, holding at least
-    ``fraction`` of the mass, whose next ``run`` bins all hold less; zero every bin after
-    ``w``. The paper's words ("the first value w whose next 5 consecutive estimates are
-    all below 0.01 %") leave open where "first" counts from. Counting from 0 lets empty
-    bins below the data's support, or EM ripples there (observed for a point mass at
-    ``eps = 2``), prune the whole distribution; SW-W exists to cut the *upper tail*, so
-    we count from the median and require ``w`` itself to hold mass.
-    ``rule="code"`` reproduces the reference code: zero every bin below ``fraction`` of the
-    mass, then zero everything from the start of the first run of ``run`` zero bins, then
-    spread the removed mass equally over the remaining non-zero bins.
-    Either way, a rule that would remove all mass leaves the density unchanged; the result
-    sums to 1. Post-processing: costs nothing.
-
-    Examples
-    --------
-    >>> d = np.array([0.5, 0.3, 0.19, 0.0, 0.0, 0.0, 0.0, 0.0, 0.01])
-    >>> sw_w_prune(d).round(3).tolist()
-    [0.505, 0.303, 0.192, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
-    """
-    density = _as_array(density)
-    total = density.sum()
-    small = density < fraction * total
-    if rule == "paper":
-        followed_by_small_run = np.lib.stride_tricks.sliding_window_view(small[1:], run).all(axis=1)
-        median_bin = int(np.searchsorted(np.cumsum(density), 0.5 * total))
-        candidate = ~small[:followed_by_small_run.size] & followed_by_small_run
-        cut = median_bin + np.flatnonzero(candidate[median_bin:])
-        pruned = density.copy()
-        if cut.size:
-            pruned[cut[0] + 1:] = 0.0
-        return pruned / pruned.sum()
-    if rule != "code":
-        raise ValueError(f"unknown pruning rule {rule!r}")
-    pruned = np.where(small, 0.0, density)
-    zero = np.concatenate([[False], pruned == 0, [False]])
-    starts = np.flatnonzero(~zero[:-1] & zero[1:])
-    ends = np.flatnonzero(zero[:-1] & ~zero[1:])
-    long_runs = starts[ends - starts >= run]
-    if long_runs.size:
-        pruned[long_runs[0]:] = 0.0
-    kept = pruned > 0
-    if not kept.any():
-        return density / total
-    pruned[kept] += (total - pruned.sum()) / kept.sum()
-    return pruned / total

@@ -1,0 +1,7 @@
+"""Du et al.'s perturbation parameterisation under w-event local DP (ALGORITHMS.md §6), as
+machines: the public parameters (:mod:`.plan`), the device side (:mod:`.encoders`) and the
+machines that :mod:`dpsql.methods` registers (:mod:`.machines`)."""
+
+from dpsql.streams.du.machines import MACHINES
+
+__all__ = ["MACHINES"]
