@@ -61,8 +61,7 @@ def binary_tree(values, *, epsilon: float, upper: float, lower: float = 0.0, hor
     True
     """
     return publish("binary_tree", values, budget=budget, note=note, fresh=fresh, epsilon=epsilon, upper=upper,
-                   lower=lower,
-                   horizon=horizon)
+                   lower=lower, horizon=horizon)
 
 
 def pak(values, *, epsilon: float, upper: float, delta: float | None = None, lower: float = 0.0,
@@ -76,11 +75,11 @@ def pak(values, *, epsilon: float, upper: float, delta: float | None = None, low
     smooth-sensitivity margin (PAK's ``kappa`` offset, NRS07 constant
     ``b = epsilon_1 / (2 ln(2 / delta))``, two-sided window), times ``rho``; it uses
     ``epsilon_1 = (1 - holdout_share) * epsilon`` and ``delta``. The hold-out rows are
-    released as ``1/m`` each of their total clipped at the threshold plus Laplace noise
-    at ``holdout_share * epsilon``. The other rows go through :func:`binary_tree` with
-    bounds ``[lower, lower + threshold]`` at the full ``epsilon`` (unbounded, or with the
-    declared ``horizon``). A ``threshold`` released before (and paid for then) skips the
-    hold-out.
+    released by the flat :func:`hierarchy` at ``holdout_share * epsilon``, clipped at the
+    threshold (PAK publishes their noisy total: the case of one block). The other rows go
+    through :func:`binary_tree` with bounds ``[lower, lower + threshold]`` at the full
+    ``epsilon`` (unbounded, or with the declared ``horizon``). A ``threshold`` released
+    before (and paid for then) skips the hold-out.
 
     Cost: ``(epsilon, delta)``-DP, replace-one-value neighbours (time order public);
     ``delta`` defaults to ``1 / n**2`` and must be > 0. Values outside ``[lower, upper]``
@@ -98,35 +97,31 @@ def pak(values, *, epsilon: float, upper: float, delta: float | None = None, low
     (True, True)
     """
     return publish("pak", values, budget=budget, note=note, fresh=fresh, epsilon=epsilon, upper=upper, delta=delta,
-                   lower=lower,
-                   m=m, holdout_share=holdout_share, tail_p=tail_p, lam=lam, beta_lt=beta_lt, rho=rho,
+                   lower=lower, m=m, holdout_share=holdout_share, tail_p=tail_p, lam=lam, beta_lt=beta_lt, rho=rho,
                    horizon=horizon, threshold=threshold)
 
 
-def tops(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | None = None, r: int | None = None,
-         fanout: int = 16, smoother: str = "recent", window: int = 8, alpha: float = 0.6,
-         holdout_share: float = 0.15, c: float = 60.0, step: float | None = None, levels_for_nm: str = "paper",
-         threshold: float | None = None, budget: Budget | None = None, note: str | None = None,
-         fresh: bool = False) -> Release:
-    """ToPS (Wang et al., CCS 2021): a Noisy-Max threshold from the first ``m`` rows, then an
-    online consistent fanout-16 hierarchy over blocks clipped at that threshold, then a smoother.
+def tops(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | None = None,
+         smoother: str = "none", window: int = 8, alpha: float = 0.6, r: int | None = None, fanout: int = 16,
+         depth: int | None = None, block: int | None = None, holdout_share: float = 0.5, c: float = 60.0,
+         step: float | None = None, levels_for_nm: str = "paper", threshold: float | None = None,
+         budget: Budget | None = None, note: str | None = None, fresh: bool = False) -> Release:
+    """ToPS (Wang et al., CCS 2021): a Noisy-Max threshold from the first ``m`` rows, then
+    :func:`hierarchy` on the later rows, clipped at that threshold.
 
-    Threshold: Report-Noisy-Max over ToPS Eq. 6 at ``(1 - holdout_share) * epsilon`` (candidates
-    ``step, 2 step, ..., upper - lower``; ``levels_for_nm`` chooses the paper's or the reference
-    code's level count). Hold-out rows: each carries ``1/m`` of their total clipped at the
-    threshold plus Laplace noise at ``holdout_share * epsilon``. Other rows: per chunk of ``r``
-    rows, a forest whose leaves are blocks of ``g = fanout**s`` values (``s`` by Eq. 7), Laplace
-    noise at ``epsilon / levels`` per level, consistency (Hay et al.) applied online, and the
-    ``smoother`` (``recent``, ``mean``, ``median``, ``moving`` with ``window``, ``exponential``
-    with ``alpha``, or ``none``) spreading each block sum over its rows causally, starting
-    from the hold-out's released mean. ``m`` defaults to 4096 and ``r`` to ``2**20`` (fixed:
-    a continual stream's length is unknown). A ``threshold`` released before (and paid for
-    then) skips the hold-out.
+    Threshold: Report-Noisy-Max over ToPS Eq. 6 at ``(1 - holdout_share) * epsilon``
+    (candidates ``step, 2 step, ..., upper - lower``), with the paper's constants whatever
+    the table's length (``levels_for_nm="code"`` counts levels as the reference code).
+    Hold-out rows (``m``, default 4096: fixed, so that a stream's first rows are released
+    as soon as 4096 have arrived): the flat hierarchy at ``holdout_share * epsilon``, clipped
+    at the threshold. Later rows: :func:`hierarchy` with the threshold as bound, at the full
+    ``epsilon``; ``smoother``, ``r``, ``fanout``, ``depth`` and ``block`` as there. A
+    ``threshold`` released before (and paid for then) skips the hold-out.
 
     Cost: ``epsilon``-DP (delta = 0), replace-one-value neighbours (time order public). Values
-    outside ``[lower, upper]`` are clipped to it, and stream values above the threshold to the
-    threshold: that is part of the mechanism. ``range_ci`` covers the noise only, not this
-    clipping bias or the smoother's prediction bias.
+    outside ``[lower, upper]`` are clipped to it, and values above the threshold to the
+    threshold: that is part of the mechanism. ``range_ci`` covers the clipped sum: the noise,
+    plus the spreading of any block a range cuts.
 
     Examples
     --------
@@ -134,31 +129,36 @@ def tops(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | N
     >>> budget = dpsql.Budget.in_memory(epsilon=1.0)
     >>> values = np.arange(300_000) % 10.0
     >>> with dpsql.testing.seeded(2):
-    ...     rel = dpsql.tops(values, epsilon=0.5, upper=1000.0, m=65536, budget=budget)
-    >>> budget.spent, rel.params["m"], rel.params["block"], 9.0 <= rel.threshold <= 40.0
-    ((0.5, 0.0), 65536, 256, True)
+    ...     rel = dpsql.tops(values, epsilon=0.5, upper=1000.0, budget=budget)
+    >>> budget.spent, rel.params["m"], rel.params["blocks"], 9.0 <= rel.threshold <= 1000.0
+    ((0.5, 0.0), 4096, [256, 512, 512], True)
     >>> low, high = rel.range_ci(100_000, 200_000)
     >>> bool(low <= values[100_000:200_000].sum() <= high)
     True
     """
     return publish("tops", values, budget=budget, note=note, fresh=fresh, epsilon=epsilon, upper=upper, lower=lower,
-                   m=m, r=r,
-                   fanout=fanout, smoother=smoother, window=window, alpha=alpha, holdout_share=holdout_share, c=c,
-                   step=step, levels_for_nm=levels_for_nm, threshold=threshold)
+                   m=m, smoother=smoother, window=window, alpha=alpha, r=r, fanout=fanout, depth=depth, block=block,
+                   holdout_share=holdout_share, c=c, step=step, levels_for_nm=levels_for_nm, threshold=threshold)
 
 
-def hierarchy(values, *, epsilon: float, upper: float, lower: float = 0.0, r: int | None = None, fanout: int = 16,
-              consistency: bool = True, smoother: str = "recent", window: int = 8, alpha: float = 0.6,
-              depth: int | None = None, budget: Budget | None = None, note: str | None = None,
-              fresh: bool = False) -> Release:
-    """The ToPS perturber and smoother with a known public bound (the paper's ``H^c_16``).
+def hierarchy(values, *, epsilon: float, upper: float, lower: float = 0.0, smoother: str = "none", window: int = 8,
+              alpha: float = 0.6, r: int | None = None, fanout: int = 16, consistency: bool = True,
+              depth: int | None = None, block: int | None = None, initial: float | None = None,
+              budget: Budget | None = None, note: str | None = None, fresh: bool = False) -> Release:
+    """Range sums of a stream with a known public bound: a consistent fan-out-16 forest over
+    blocks of rows, each block's noisy sum spread over its rows (ToPS's perturber, ``H^c_16``).
 
-    Values are clipped to ``[lower, upper]``. Per chunk of ``r`` rows (default
-    ``2**20``) a forest of ``fanout``-ary trees over blocks of ``g = fanout**depth``
-    values (``depth`` by ToPS Eq. 7 unless given) gets Laplace noise at ``epsilon / levels`` per
-    level; ``consistency`` (Hay et al., applied online) makes it least-squares consistent; the
-    ``smoother`` spreads each block's noisy sum over its rows (see :func:`tops`). With
-    ``consistency=False`` each block keeps its own leaf noise (ablation).
+    Values are clipped to ``[lower, upper]``. The stream is cut into chunks (by default of
+    ``4096 * 16**k`` rows, so the layout needs no length), each chunk into blocks whose
+    length minimises ToPS Eq. 7 for the ``smoother``; a forest of ``fanout``-ary trees over
+    each chunk's block sums gets Laplace noise at ``epsilon / levels`` per level and is made
+    least-squares consistent (Hay et al., online). ``smoother="none"`` (default) gives each
+    row of a block the block's sum over its length, released with the block's last row; the
+    predictive smoothers (``recent``, ``mean``, ``median``, ``moving`` with ``window``,
+    ``exponential`` with ``alpha``, starting from ``initial``) release each row when it
+    arrives, in the paper's layout (chunks of ``r = 2**20`` rows, blocks of ``16**s``).
+    ``depth`` (blocks of ``fanout**depth`` rows; 0 is the exact tree) or ``block`` override
+    the block rule; ``consistency=False`` keeps each block's own noise (ablation).
 
     Cost: ``epsilon``-DP (delta = 0), replace-one-value neighbours (time order public). Values
     outside ``[lower, upper]`` are clipped to it: that is part of the mechanism.
@@ -167,17 +167,15 @@ def hierarchy(values, *, epsilon: float, upper: float, lower: float = 0.0, r: in
     --------
     >>> import numpy as np, dpsql
     >>> with dpsql.testing.seeded(4):
-    ...     rel = dpsql.hierarchy(np.full(2**16, 3.0), epsilon=1.0, upper=8.0, r=2**16, fanout=2, depth=0,
-    ...                           smoother="none")
+    ...     rel = dpsql.hierarchy(np.full(2**16, 3.0), epsilon=1.0, upper=8.0, r=2**16, fanout=2, depth=0)
     >>> rel.params["levels"], rel.epsilon
-    (16, 1.0)
+    ([16], 1.0)
     >>> bool(abs(rel.range_sum(0, 2**16) - 3.0 * 2**16) < 5 * rel.range_variance(0, 2**16) ** 0.5)
     True
     """
     return publish("hierarchy", values, budget=budget, note=note, fresh=fresh, epsilon=epsilon, upper=upper,
-                   lower=lower, r=r,
-                   fanout=fanout, consistency=consistency, smoother=smoother, window=window, alpha=alpha,
-                   depth=depth)
+                   lower=lower, smoother=smoother, window=window, alpha=alpha, r=r, fanout=fanout,
+                   consistency=consistency, depth=depth, block=block, initial=initial)
 
 
 def threshold(values, *, epsilon: float, upper: float, lower: float = 0.0, method: str = "nm",

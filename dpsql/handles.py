@@ -22,9 +22,9 @@ import numpy as np
 
 from dpsql import _state
 from dpsql._tables import table_of
+from dpsql.error_models import ErrorModel
 from dpsql.errors import InvalidParameter, UnknownRelease
 from dpsql.records import ReleaseRecord
-from dpsql.release import ErrorModel
 
 #: Release records a resolver keeps in memory (more are read back from the ledger as needed).
 CACHED_RECORDS = 256

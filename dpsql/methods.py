@@ -19,12 +19,13 @@ from dpsql.noise import Draws, Keystream
 from dpsql.release import Release, StreamMachine, chunks_of, release_from
 from dpsql.streams.binary_tree import BinaryTreeStream
 from dpsql.streams.du import MACHINES as DU_MACHINES
+from dpsql.streams.hierarchy import HierarchyStream
 from dpsql.streams.laplace import LaplaceStream
 from dpsql.streams.pak import PakStream
 from dpsql.streams.pegasus import CountLaplaceStream, PegasusStream
 from dpsql.streams.threshold import ThresholdRelease
 from dpsql.streams.topl import PmDirectStream, ToplStream
-from dpsql.streams.tops import HierarchyStream, ToPS
+from dpsql.streams.tops import ToPS
 
 #: name -> machine factory ``(n, *, noise, **params) -> StreamMachine``.
 METHODS: dict[str, Callable[..., StreamMachine]] = {

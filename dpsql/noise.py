@@ -85,7 +85,7 @@ class Lane(enum.IntEnum):
     ROWS = 1  #: one draw per row (per-value Laplace, count perturbers)
     TREE = 2  #: binary-tree nodes (level, node index)
     FOREST = 3  #: hierarchy forests (level 0, node index across the stream's forests)
-    HOLDOUT_TOTAL = 4  #: a hold-out's noisy total
+    HOLDOUT = 4  #: a hold-out's block hierarchy (level: its chunk)
     NOISY_MAX = 5  #: Report-Noisy-Max candidates
     SMOOTH_SENSITIVITY = 6  #: the smooth-sensitivity quantile's draw
     SVT_THRESHOLD = 7  #: a sparse-vector session's noisy threshold (index: the step that opens it)

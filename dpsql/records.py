@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpsql import _state
+from dpsql.error_models import ErrorModel
 from dpsql.errors import InvalidParameter
-from dpsql.release import ErrorModel, PartitionedRelease, Release
+from dpsql.release import PartitionedRelease, Release
 
 
 def describe(release: Release | PartitionedRelease) -> dict:

@@ -8,168 +8,21 @@ never touch a ledger; :func:`dpsql.publishing.publish` charges for them.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import json
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from statistics import NormalDist
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
 from dpsql._memory import pooled_array
+from dpsql.accounting import Neighbour
+from dpsql.error_models import ErrorModel, check_level
 from dpsql.errors import InvalidParameter
 
-#: Neighbour relations, recorded with every release.
-REPLACE_ONE = "replace-one-value (time order and partition keys public)"
-ADD_REMOVE_EVENT = "add/remove one event (time domain and partition keys public)"
-
-
-class ErrorModel(ABC):
-    """Noise structure of a release: the variance of the noise in any range sum.
-
-    The variance is that of the *noise only*. Clipping to the public bounds or to a
-    private threshold, and block smoothing, add a data-dependent bias that no error
-    bar drawn from the release can know; :meth:`Release.range_ci` says so.
-
-    An error model is public (its arguments are public parameters and functions of
-    released values) and is recorded in the ledger with its release: every subclass's
-    constructor arguments are remembered, and :meth:`to_state` / :meth:`from_state` turn the
-    model into plain data and back (only registered subclasses, only plain data: reading a
-    ledger never runs code).
-    """
-
-    #: An upper bound on the excess kurtosis of the noise of any range sum. Any
-    #: weighted sum of i.i.d. Laplace variables has excess kurtosis <= 3.
-    excess_kurtosis: float = 3.0
-    _registry: ClassVar[dict[str, type[ErrorModel]]] = {}
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        ErrorModel._registry[cls.__name__] = cls
-        init = cls.__dict__.get("__init__")
-        if init is None:
-            return
-        signature = inspect.signature(init)
-
-        @functools.wraps(init)
-        def remembering(self, *args, **kw):
-            if "_arguments" not in self.__dict__:  # the outermost constructor's arguments
-                bound = signature.bind(self, *args, **kw)
-                bound.apply_defaults()
-                self._arguments = dict(list(bound.arguments.items())[1:])
-            init(self, *args, **kw)
-
-        cls.__init__ = remembering
-
-    @abstractmethod
-    def range_variance(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
-        """Noise variance of ``values[start:stop].sum()`` for each pair (int64 arrays)."""
-
-    def to_state(self) -> dict:
-        """This model as plain data (see :meth:`from_state`)."""
-        return {"kind": type(self).__name__, "arguments": _plain(self.__dict__.get("_arguments", {}))}
-
-    @staticmethod
-    def from_state(state: dict) -> ErrorModel:
-        """The model :meth:`to_state` described."""
-        kind = ErrorModel._registry.get(state.get("kind"))
-        if kind is None:
-            raise InvalidParameter(f"unknown error model {state.get('kind')!r} in a release record")
-        return kind(**_models(state["arguments"]))
-
-
-def _plain(value):
-    if isinstance(value, ErrorModel):
-        return {"error_model": value.to_state()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
-def _models(value):
-    if isinstance(value, dict):
-        if set(value) == {"error_model"}:
-            return ErrorModel.from_state(value["error_model"])
-        return {k: _models(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_models(v) for v in value]
-    return value
-
-
-class IndependentNoise(ErrorModel):
-    """Independent noise per row with known per-row variances (e.g. per-value Laplace)."""
-
-    def __init__(self, row_variance: np.ndarray | float, n: int, excess_kurtosis: float = 3.0):
-        row_variance = np.asarray(row_variance, dtype=np.float64)
-        # equal variances (the common case) need no O(n) prefix sums
-        self._equal = float(row_variance) if row_variance.ndim == 0 else None
-        if self._equal is None:
-            row_variance = np.broadcast_to(row_variance, (n,))
-            self._cumulative = np.concatenate([[0.0], np.cumsum(row_variance)])
-        self.excess_kurtosis = excess_kurtosis
-
-    def range_variance(self, starts, stops):
-        if self._equal is not None:
-            return (np.asarray(stops) - np.asarray(starts)) * self._equal
-        return self._cumulative[stops] - self._cumulative[starts]
-
-
-class SegmentedNoise(ErrorModel):
-    """Independent noise on consecutive row segments (e.g. hold-out, then chunks):
-    variances of the pieces of a range add up.
-
-    ``boundaries`` are ``[0, b_1, ..., n]``; segment ``k`` covers rows
-    ``boundaries[k]:boundaries[k+1]`` and ``models[k]`` sees segment-local row indices.
-    """
-
-    def __init__(self, boundaries, models):
-        self._boundaries = np.asarray(boundaries, dtype=np.int64)
-        self._models = list(models)
-        self.excess_kurtosis = max(m.excess_kurtosis for m in self._models)
-
-    def range_variance(self, starts, stops):
-        total = np.zeros(np.shape(starts), dtype=np.float64)
-        for a, b, model in zip(self._boundaries[:-1], self._boundaries[1:], self._models):
-            s = np.clip(starts, a, b) - a
-            e = np.clip(stops, a, b) - a
-            hit = e > s
-            if hit.any():
-                total[hit] += model.range_variance(s[hit], e[hit])
-        return total
-
-
-class SharedTotalNoise(ErrorModel):
-    """``m`` rows that each carry ``1/m`` of one noisy total (a hold-out's published sum):
-    a range over ``k`` of them has variance ``(k/m)^2 * total_variance``."""
-
-    def __init__(self, total_variance: float, m: int):
-        self._total_variance = total_variance
-        self._m = m
-
-    def range_variance(self, starts, stops):
-        return ((np.asarray(stops) - np.asarray(starts)) / self._m) ** 2 * self._total_variance
-
-
-def _quantile_multiplier(level: float, excess_kurtosis: float) -> float:
-    """Two-sided multiplier ``k`` of the noise standard deviation at ``level``.
-
-    Range-sum noise is a weighted sum of independent Laplace (or Gaussian) variables.
-    A single Laplace variable has the heaviest tail of that family at the levels used
-    for error bars, a sum of many is close to Gaussian; taking the larger of the two
-    quantiles, ``max(z, ln(1 / (1 - level)) / sqrt(2))``, covers both ends. At 95 %
-    that is 2.12 sigma (exact for one Laplace variable; the Gaussian 1.96 would cover
-    only 93.7 % of it).
-    """
-    gaussian = NormalDist().inv_cdf(0.5 + level / 2)
-    if excess_kurtosis <= 0:
-        return gaussian
-    return max(gaussian, math.log(1.0 / (1.0 - level)) / math.sqrt(2.0))
+#: The neighbour relation most releases protect (time order and partition keys public).
+REPLACE_ONE = Neighbour.REPLACE_ONE.value
 
 
 @dataclass(frozen=True, eq=False)
@@ -241,16 +94,16 @@ class Release:
     def range_ci(self, i, j, level: float = 0.95):
         """``(low, high)`` interval for the sum of rows ``i..j-1`` at confidence ``level``.
 
-        Derived from the mechanism's noise structure: ``sum ± k * sqrt(variance)`` with
-        ``k`` from the noise's distribution family (see ``_quantile_multiplier``). The
-        interval covers the noise only; bias from clipping at the public bounds or at a
-        private threshold, and from block smoothing, is not included.
+        ``sum ± margin`` with the error model's :meth:`~dpsql.error_models.ErrorModel.range_margin`:
+        the noise at ``level`` plus, for a range that cuts a block the release spread over
+        its rows, the most that spreading can be off. It covers the sum of the values as
+        clipped by the release (to the public bounds, or to the private threshold) at least
+        at ``level``; ranges along block boundaries get the noise alone.
         """
-        if not 0 < level < 1:
-            raise InvalidParameter(f"level must satisfy 0 < level < 1, got {level!r}")
+        level = check_level(level)
+        i, j = self._check_range(i, j)
         total = np.asarray(self.range_sum(i, j))
-        half = _quantile_multiplier(level, self.error.excess_kurtosis) * np.sqrt(
-            np.asarray(self.range_variance(i, j)))
+        half = self.error.range_margin(np.atleast_1d(i), np.atleast_1d(j), level).reshape(total.shape)
         low, high = total - half, total + half
         if low.ndim == 0:
             return float(low), float(high)

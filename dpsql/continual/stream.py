@@ -54,11 +54,12 @@ from dpsql.continual.state import (
     plain,
     scalar_like,
 )
+from dpsql.error_models import check_level
 from dpsql.errors import InvalidParameter, UnknownStream
 from dpsql.ledger.streams import PartitionRow, StreamRow, StreamStore
 from dpsql.methods import COUNT_METHODS, check_method, machine_for
 from dpsql.noise import Draws, Keystream, partition_address
-from dpsql.release import Release, _quantile_multiplier
+from dpsql.release import Release
 from dpsql.timegrid import TimeGrid, duration, instant
 
 
@@ -265,16 +266,14 @@ class Stream:
         return float(release.range_variance(i, j)) if j > i else 0.0
 
     def range_ci(self, start=None, stop=None, partition=None, level: float = 0.95) -> tuple[float, float]:
-        """``(low, high)`` interval for :meth:`range_sum` at confidence ``level`` (noise only,
-        as :meth:`dpsql.Release.range_ci`)."""
-        if not 0 < level < 1:
-            raise InvalidParameter(f"level must satisfy 0 < level < 1, got {level!r}")
+        """``(low, high)`` interval for :meth:`range_sum` at confidence ``level``, as
+        :meth:`dpsql.Release.range_ci` gives it."""
+        level = check_level(level)
         release = self._partition_release(partition)
         i, j = self._row_bounds(release, start, stop, partition)
-        total = float(release.values[i:j].sum())
-        half = _quantile_multiplier(level, release.error.excess_kurtosis) * (
-            float(release.range_variance(i, j)) if j > i else 0.0) ** 0.5
-        return total - half, total + half
+        if j <= i:
+            return 0.0, 0.0
+        return release.range_ci(i, j, level)
 
     def _value_column(self) -> str:
         return "count" if self.spec.counts else self.spec.value

@@ -36,7 +36,8 @@ SQL surface (installed by :func:`dpsql.duckdb.register`):
 
 ``dp_range_margin(start_row, stop_row, level := 0.95)``
     Half-width of the interval :meth:`dpsql.Release.range_ci` gives for that sum: the
-    window's ``sum(value) ± margin``. Noise only: clipping and smoothing bias excluded.
+    window's ``sum(value) ± margin``: the noise at ``level`` plus, for a window that cuts
+    a released block, the most the block's spreading can be off (clipping excluded).
 
 ``dp_threshold(tbl, value_col, method := 'nm', epsilon := ..., upper := ..., ...)``
     Table macro returning one row: the private clipping threshold of ``value_col``
@@ -74,7 +75,6 @@ from dpsql.duckdb._machinery import (
     resolve_source,
 )
 from dpsql.errors import InvalidParameter
-from dpsql.release import _quantile_multiplier
 
 THRESHOLD_METHOD = "threshold"
 THRESHOLD_SCHEMA = pa.schema([("threshold", pa.float64()), ("epsilon", pa.float64()), ("delta", pa.float64()),
@@ -121,10 +121,11 @@ def _install_error_bars(context: Context) -> None:
             raise InvalidParameter(f"level must satisfy 0 < level < 1, got {bad[0]!r}")
         out = np.empty(len(i), dtype=np.float64)
         for positions, model, part_i, part_j in context.handles.ranges(i, j):
-            # A level is usually one constant: one multiplier per distinct level.
-            distinct, which = np.unique(level[positions], return_inverse=True)
-            multiplier = np.array([_quantile_multiplier(lv, model.excess_kurtosis) for lv in distinct])
-            out[positions] = multiplier[which] * np.sqrt(model.range_variance(part_i, part_j))
+            # A level is usually one constant: one margin computation per distinct level.
+            levels = level[positions]
+            for lv in np.unique(levels):
+                at = levels == lv
+                out[positions[at]] = model.range_margin(part_i[at], part_j[at], float(lv))
         return _with_nulls(out, valid, pa.float64())
 
     def release_id(rows):

@@ -24,14 +24,13 @@ are never released.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from dpsql.mechanisms.laplace import LaplaceLattice, LatticeBatch
-from dpsql.mechanisms.smoothers import prefix_terms_of
 from dpsql.noise import BatchLaneDraws, LaneDraws
-from dpsql.release import ErrorModel
 
 
 def tree_height(r: int, fanout: int) -> int:
@@ -46,22 +45,85 @@ def tree_height(r: int, fanout: int) -> int:
     return height
 
 
+#: Eq. 7's bias coefficient for predictive smoothers (the paper's): a range end inside a block
+#: is predicted from the block before, ``E[err^2] ~ g^2 / 36`` in units of the squared drift
+#: per block and threshold.
+PREDICTIVE_BIAS = 36.0
+#: The same coefficient for the flat spread. Under a linear drift of ``d`` per block, a range
+#: end at offset ``u = a / g`` of a block is off by ``g d u (1 - u) / 2`` when the block's sum
+#: is spread evenly, against ``g d (u + u^2) / 2`` when it is predicted from the block before
+#: (``recent``); for ``u`` uniform, ``E[err^2]`` is ``g^2 d^2 / 120`` against
+#: ``0.258 g^2 d^2``: 31 times smaller, hence ``36 * 31``.
+FLAT_BIAS = 36.0 * 31
+#: The largest block the flat rule picks: no released row waits for more than this many later rows.
+MAX_FLAT_BLOCK = 1 << 13
+#: Geometric chunks (the layout without a declared range): chunk ``k`` covers
+#: ``FIRST_CHUNK * CHUNK_GROWTH**k`` rows, so its forest spans about the stream's length so far.
+FIRST_CHUNK = 1 << 12
+CHUNK_GROWTH = 16
+
+
+def _convex_argmin(derivative, low: float, high: float) -> float:
+    """The minimiser on ``[low, high]`` of a convex function, by bisection on its ``derivative``."""
+    if derivative(low) >= 0:
+        return low
+    if derivative(high) <= 0:
+        return high
+    for _ in range(200):
+        middle = 0.5 * (low + high)
+        low, high = (middle, high) if derivative(middle) < 0 else (low, middle)
+    return 0.5 * (low + high)
+
+
 # Cached: a partitioned release builds one hierarchy per partition with the same public parameters.
 @functools.lru_cache(maxsize=256)
-def smoothing_depth(epsilon: float, r: int, fanout: int) -> int:
-    """ToPS Eq. 7: the number ``s`` of lowest levels the smoother replaces (discrete argmin).
+def predictive_depth(epsilon: float, r: int, fanout: int) -> int:
+    """ToPS Eq. 7 for predictive smoothers: the number ``s`` of lowest levels the smoother
+    replaces (blocks of ``fanout**s`` rows).
 
-    ``s = argmin_{s in 0..h-1} 2 (fanout - 1) (h - s)^3 / epsilon^2 + fanout^(2 s) / 36`` with
-    ``h = ceil(log_fanout r)``; the threshold's square cancels. The reference code's continuous
-    ``fmin`` picks s = 3 at epsilon = 0.05 where this picks 2 (ALGORITHMS.md 4.5.3).
+    The continuous minimiser of ``2 (f - 1) (H - s)^3 / epsilon^2 + f^(2 s) / 36`` over real
+    ``s`` in ``[0, H]``, ``H = log_f r``, rounded to the nearest integer and kept below
+    ``ceil(log_f r)`` (the threshold's square multiplies both terms and cancels). This is the
+    rule of the paper's reference code; minimising over integers instead picks ``s = 2``
+    where the continuous minimum is 2.55 (epsilon 0.05, r = 2**20), which measured about
+    twice the range-sum error (BENCHMARKS.md).
 
-    >>> [smoothing_depth(e, 2**20, 16) for e in (0.01, 0.02, 0.05, 0.1)]
-    [3, 3, 2, 2]
+    >>> [predictive_depth(e, 2**20, 16) for e in (0.01, 0.05, 0.1, 0.5, 1.0)]
+    [3, 3, 2, 2, 2]
     """
-    h = tree_height(r, fanout)
-    s = np.arange(h)
-    cost = 2.0 * (fanout - 1) * (h - s).astype(np.float64) ** 3 / epsilon**2 + np.float64(fanout) ** (2 * s) / 36.0
-    return int(np.argmin(cost))
+    log_f = math.log(fanout)
+    height = math.log(r) / log_f
+    a = 2.0 * (fanout - 1) / epsilon**2
+
+    def derivative(s):
+        return -3.0 * a * (height - s) ** 2 + 2.0 * log_f / PREDICTIVE_BIAS * math.exp(2.0 * s * log_f)
+
+    s = round(_convex_argmin(derivative, 0.0, height))
+    return int(min(max(s, 0), tree_height(r, fanout) - 1))
+
+
+@functools.lru_cache(maxsize=256)
+def flat_block(epsilon: float, r: int, fanout: int) -> int:
+    """The block length of a flat-spread hierarchy over chunks of ``r`` rows.
+
+    Eq. 7 with the flat spread's bias term (:data:`FLAT_BIAS`), over the block length ``x``
+    itself: ``x* = argmin 2 (f - 1) log_f(r / x)^3 / epsilon^2 + x^2 / 1116`` (convex in
+    ``ln x``), rounded to the nearest power of two (not of ``f``: a power of 16 makes the
+    choice jump sixteenfold between neighbouring epsilons) and kept in
+    ``[1, min(r, MAX_FLAT_BLOCK)]``. Depends on public parameters only.
+
+    >>> [flat_block(e, 2**16, 16) for e in (0.01, 0.05, 0.1, 0.5, 1.0)]
+    [8192, 4096, 2048, 512, 256]
+    """
+    log_f = math.log(fanout)
+    log_r = math.log(r)
+    a = 2.0 * (fanout - 1) / epsilon**2
+
+    def derivative(y):
+        return -3.0 * a * ((log_r - y) / log_f) ** 2 / log_f + 2.0 * math.exp(2.0 * y) / FLAT_BIAS
+
+    x = math.exp(_convex_argmin(derivative, 0.0, log_r))
+    return int(min(max(2 ** round(math.log2(x)), 1), r, MAX_FLAT_BLOCK))
 
 
 @dataclass(frozen=True)
@@ -154,6 +216,86 @@ class Forest:
         return np.diff(inverse, prepend=0.0)
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """Rows ``start .. start + rows`` of a stream: one forest over blocks of ``block`` rows
+    (``rows`` is a whole number of blocks)."""
+
+    index: int
+    start: int
+    rows: int
+    block: int
+    forest: Forest
+
+    @property
+    def blocks(self) -> int:
+        return self.rows // self.block
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.rows
+
+
+class Layout:
+    """How a hierarchy cuts a stream into chunks, each with its own forest and block length.
+
+    ``r`` given: every chunk covers ``r`` rows (rounded up to whole blocks), the paper's
+    layout. ``r=None``: geometric chunks of ``FIRST_CHUNK * CHUNK_GROWTH**k`` rows, so that
+    a stream of unknown length gets, at any length, a forest spanning about that length
+    (a fixed chunk either wastes levels on short streams or cuts long ranges into many
+    chunk totals). ``block`` given: every chunk's block; ``None``: each chunk's
+    :func:`flat_block` for its own length. Everything here is a function of public
+    parameters.
+
+    Examples
+    --------
+    >>> layout = Layout(epsilon=1.0, fanout=16)
+    >>> [(c.start, c.rows, c.block, c.forest.levels) for c in layout.chunks_until(70_000)]
+    [(0, 4096, 128, 2), (4096, 65536, 256, 2), (69632, 1048576, 512, 3)]
+    >>> layout.chunk_at(4096).index, Layout(epsilon=1.0, fanout=16, r=1000, block=16).chunk(3).start
+    (1, 3024)
+    """
+
+    def __init__(self, *, epsilon: float, fanout: int, r: int | None = None, block: int | None = None):
+        self.epsilon, self.fanout, self.r, self.block = epsilon, fanout, r, block
+        self._chunks: list[Chunk] = []
+
+    @property
+    def geometric(self) -> bool:
+        return self.r is None
+
+    def chunk(self, k: int) -> Chunk:
+        if not self._chunks:
+            self._chunks.append(self._make(0))
+        if not self.geometric:  # every chunk is the first, moved
+            first = self._chunks[0]
+            return first if k == 0 else Chunk(k, k * first.rows, first.rows, first.block, first.forest)
+        while len(self._chunks) <= k:
+            self._chunks.append(self._make(len(self._chunks)))
+        return self._chunks[k]
+
+    def _make(self, k: int) -> Chunk:
+        span = FIRST_CHUNK * CHUNK_GROWTH**k if self.geometric else self.r
+        block = flat_block(self.epsilon, span, self.fanout) if self.block is None else self.block
+        blocks = -(-span // block)
+        levels = tree_height(blocks, self.fanout)
+        start = self._chunks[-1].stop if k else 0
+        return Chunk(k, start, blocks * block, block, Forest.covering(blocks, self.fanout, levels))
+
+    def chunk_at(self, row: int) -> Chunk:
+        """The chunk holding row ``row``."""
+        if not self.geometric:
+            return self.chunk(row // self.chunk(0).rows)
+        k = 0
+        while self.chunk(k).stop <= row:
+            k += 1
+        return self.chunk(k)
+
+    def chunks_until(self, rows: int) -> list[Chunk]:
+        """The chunks that hold rows ``0 .. rows - 1``."""
+        return [self.chunk(k) for k in range(self.chunk_at(rows - 1).index + 1)] if rows else []
+
+
 def leaf_interval_variance(starts, stops, *, fanout: int, levels: int, node_variance: float,
                            consistent: bool = True) -> np.ndarray:
     """Noise variance of the sum of leaves ``starts:stops`` of one forest (vectorised).
@@ -186,153 +328,3 @@ def leaf_interval_variance(starts, stops, *, fanout: int, levels: int, node_vari
         inside = ((stops - starts).astype(np.float64)) ** 2 / size
         total += kappa[level] * np.where(first_whole <= last_whole, spread, inside)
     return node_variance * total
-
-
-
-class BlockStreamNoise(ErrorModel):
-    """Noise of range sums of a stream released block by block from consecutive forests.
-
-    Rows form blocks of ``block`` values; a block's noisy sum is released with its last row.
-    ``smoother`` describes the block smoother (:meth:`~dpsql.mechanisms.smoothers.BlockSmoother.partition_terms`).
-    Rows of an incomplete last block carry predictions only, unless ``short_last_block`` (a
-    one-shot release with the unpredictive ``none`` smoother, which releases that block's
-    partial sum). Chunks of ``chunk_blocks`` blocks each get their own forest with
-    independent noise.
-    ``prefix_terms(blocks, offsets, lengths) -> (points, coefs)`` (from the smoother) writes
-    the noise of the output prefix sum ``values[:x].sum()`` of row ``x`` (in block ``t`` at
-    ``offset``) as ``sum_k coefs[k] * U(points[k])`` with ``U(p)`` the noise of the first ``p``
-    block sums. A range sum is a difference of two prefix sums, so its variance follows from
-    the variances of block intervals: for coefficients ``a_k`` summing to zero,
-    ``Var(sum_k a_k U(y_k)) = -1/2 sum_{k,k'} a_k a_k' Var(U(y_k) - U(y_k'))``.
-    """
-
-    #: Queries are evaluated in batches of at most this many (query, term) or, pairwise,
-    #: (query, term, term) entries, to bound memory.
-    _BATCH_PAIRS = 1 << 22
-    #: Above this many prefix terms per query (the exponential smoother) the pairwise
-    #: evaluation, quadratic in the terms, gives way to a per-query step-function sum.
-    _PAIRWISE_TERMS = 24
-
-    def __init__(self, *, n_rows: int, block: int, chunk_blocks: int, fanout: int, levels: int,
-                 node_variance: float, consistent: bool, smoother: dict, short_last_block: bool = False):
-        self._n_rows = n_rows
-        self._block = block
-        self._chunk_blocks = chunk_blocks
-        self._short_last = short_last_block
-        self._n_blocks = -(-n_rows // block) if short_last_block else n_rows // block
-        self._interval = dict(fanout=fanout, levels=levels, node_variance=node_variance, consistent=consistent)
-        self._prefix_terms = prefix_terms_of(smoother)
-
-    # Built on the first query, not with the release: many releases (one per partition) never
-    # get one.
-    @functools.cached_property
-    def _chunks_before(self) -> np.ndarray:
-        """Noise variance of the first ``k`` chunks' block sums, for every ``k``."""
-        nb = self._chunk_blocks
-        n_chunks = -(-self._n_blocks // nb)
-        chunk_sizes = np.minimum(nb, self._n_blocks - nb * np.arange(n_chunks))
-        whole = leaf_interval_variance(np.zeros(n_chunks, dtype=np.int64), chunk_sizes, **self._interval)
-        return np.concatenate([[0.0], np.cumsum(whole)])
-
-    def _block_interval_variance(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Variance of the noise in block sums ``lo:hi`` (global block indices, ``lo <= hi``)."""
-        nb = self._chunk_blocks
-        first_chunk = lo // nb
-        last_chunk = np.maximum(hi - 1, lo) // nb
-        same = first_chunk == last_chunk
-        a = lo - first_chunk * nb
-        b = hi - last_chunk * nb
-        within = leaf_interval_variance(a, np.where(same, b, nb), **self._interval)
-        tail = leaf_interval_variance(np.zeros_like(b), np.where(same, 0, b), **self._interval)
-        middle = self._chunks_before[last_chunk] - self._chunks_before[np.minimum(first_chunk + 1, last_chunk)]
-        return within + np.where(same, 0.0, tail + middle)
-
-    def _row_terms(self, rows: np.ndarray):
-        chunk_rows = self._chunk_blocks * self._block
-        chunk, within = np.divmod(rows, chunk_rows)
-        blocks = chunk * self._chunk_blocks + within // self._block
-        offsets = within % self._block
-        if self._short_last:
-            at_end = rows == self._n_rows
-            blocks = np.where(at_end, self._n_blocks, blocks)
-            offsets = np.where(at_end, 0, offsets)
-        lengths = np.where(blocks == self._n_blocks - 1, self._n_rows - (self._n_blocks - 1) * self._block,
-                           self._block)
-        points, coefs = self._prefix_terms(blocks, offsets, lengths)
-        return np.minimum(points, self._n_blocks), coefs
-
-    def range_variance(self, starts, stops):
-        starts = np.asarray(starts, dtype=np.int64)
-        stops = np.asarray(stops, dtype=np.int64)
-        terms = 2 * self._row_terms(stops[:1])[0].shape[1] + 1  # both ends and the origin
-        batch = max(1, self._BATCH_PAIRS // (terms**2 if terms <= self._PAIRWISE_TERMS else terms))
-        return np.concatenate([self._batch_variance(starts[i:i + batch], stops[i:i + batch])
-                               for i in range(0, len(starts), batch)] or [np.empty(0)])
-
-    def _batch_variance(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
-        stop_points, stop_coefs = self._row_terms(stops)
-        start_points, start_coefs = self._row_terms(starts)
-        points = np.concatenate([stop_points, start_points, np.zeros((len(starts), 1), dtype=np.int64)], axis=1)
-        coefs = np.concatenate([stop_coefs, -start_coefs, np.zeros((len(starts), 1))], axis=1)
-        coefs[:, -1] = -coefs.sum(axis=1)
-        if points.shape[1] > self._PAIRWISE_TERMS:
-            out = np.array([self._step_variance(p, c) for p, c in zip(points, coefs)])
-        else:
-            out = self._pairwise_variance(points, coefs)
-        return np.maximum(out, 0.0)
-
-    def _pairwise_variance(self, points: np.ndarray, coefs: np.ndarray) -> np.ndarray:
-        """All queries at once, from the variances of the intervals between every two points."""
-        lo = np.minimum(points[:, :, None], points[:, None, :])
-        hi = np.maximum(points[:, :, None], points[:, None, :])
-        interval = self._block_interval_variance(lo.ravel(), hi.ravel()).reshape(lo.shape)
-        return -0.5 * np.einsum("qk,ql,qkl->q", coefs, coefs, interval)
-
-    def _step_variance(self, points: np.ndarray, coefs: np.ndarray) -> float:
-        """One query with many terms, in O(K log K) per level.
-
-        The noise is ``b . u`` with the step function ``b_j = sum_{k: p_k > j} a_k``, constant
-        between consecutive points (chunk starts are added as points, so no step crosses a
-        chunk). Per level, ``Q_l = sum_nodes S_n^2 / f^l``: nodes inside one step of value ``V``
-        contribute ``V^2 f^l`` each (a chunk's truncated last node ``(V len)^2 / f^l``); the few
-        nodes with a point strictly inside are summed explicitly from the cumulative of ``b``.
-        """
-        nb, n_blocks = self._chunk_blocks, self._n_blocks
-        inner_chunk_starts = np.arange((points.min() // nb + 1) * nb, points.max(), nb)
-        p, where = np.unique(np.concatenate([points, inner_chunk_starts]), return_inverse=True)
-        a = np.bincount(where, weights=np.concatenate([coefs, np.zeros(len(inner_chunk_starts))]))
-        value = np.cumsum(a[::-1])[::-1][1:]  # b on [p_k, p_{k+1})
-        length = np.diff(p)
-        node_variance = self._interval["node_variance"]
-        if not self._interval["consistent"]:
-            return node_variance * float(np.sum(value**2 * length))
-        cumulative = np.concatenate([[0.0], np.cumsum(value * length)])
-
-        def b_sum_before(x):
-            k = np.clip(np.searchsorted(p, x, side="right") - 1, 0, len(p) - 1)
-            slope = np.where(k < len(value), np.append(value, 0.0)[k], 0.0)
-            return np.where(x <= p[0], 0.0, cumulative[k] + slope * (np.minimum(x, p[-1]) - p[k]))
-
-        seg_start, seg_end = p[:-1], p[1:]
-        chunk_start = (seg_start // nb) * nb
-        chunk_end = np.minimum(chunk_start + nb, n_blocks)
-        point_chunk = (p // nb) * nb
-        point_chunk_end = np.minimum(point_chunk + nb, n_blocks)
-        fanout, levels = self._interval["fanout"], self._interval["levels"]
-        kappa = Forest(fanout, levels, 1).least_squares_weights()
-        total = 0.0
-        for level in range(levels):
-            size = fanout**level
-            first = -(-(seg_start - chunk_start) // size)
-            last = (seg_end - chunk_start) // size
-            clean = value**2 * size * np.maximum(last - first, 0)
-            truncated_start = chunk_start + ((chunk_end - chunk_start) // size) * size
-            truncated = (seg_end == chunk_end) & (truncated_start < chunk_end) & (truncated_start >= seg_start)
-            clean += np.where(truncated, (value * (chunk_end - truncated_start)) ** 2 / size, 0.0)
-            node_start = point_chunk + ((p - point_chunk) // size) * size
-            node_end = np.minimum(node_start + size, point_chunk_end)
-            dirty = np.unique(node_start[(p > node_start) & (p < node_end)])
-            dirty_end = np.minimum(dirty + size, np.minimum((dirty // nb) * nb + nb, n_blocks))
-            sums = b_sum_before(dirty_end) - b_sum_before(dirty)
-            total += kappa[level] * (clean.sum() + np.sum(sums**2) / size)
-        return node_variance * total

@@ -15,12 +15,13 @@ import polars as pl
 
 from dpsql import handles
 from dpsql.budget import default_budget
+from dpsql.error_models import check_level
 from dpsql.errors import InvalidParameter
 from dpsql.methods import check_method
 from dpsql.polars._machinery import RowsInTimeOrder, check_budget, private_expression
 from dpsql.polars._namespace import namespace_method
 from dpsql.publishing import publish
-from dpsql.release import PartitionedRelease, Release, _quantile_multiplier
+from dpsql.release import PartitionedRelease, Release
 
 #: Field names of the ``errors=True`` struct: the released value, its noise standard
 #: deviation and its ledger row handle (``dp_row``, as in SQL).
@@ -180,8 +181,7 @@ def _interval_columns(frame, column: str, sums: pl.Expr, starts: pl.Expr, stops:
     :meth:`dpsql.Release.range_ci` interval, the window's rows given as ledger row handles
     ``starts .. stops - 1``, resolved through ``budget``'s ledger (default: the budget of the
     release in this process, else :func:`dpsql.use_budget`'s)."""
-    if not 0 < level < 1:
-        raise InvalidParameter(f"level must satisfy 0 < level < 1, got {level!r}")
+    level = check_level(level)
     names = [f"{column}_sum", f"{column}_low", f"{column}_high"]
 
     def intervals(batch: pl.Series) -> pl.Series:
@@ -196,7 +196,7 @@ def _interval_columns(frame, column: str, sums: pl.Expr, starts: pl.Expr, stops:
                                    "was charged to: pass budget=")
         half = np.empty(len(start))
         for positions, model, i, j in handles.HandleResolver(owner).ranges(start, stop):
-            half[positions] = _quantile_multiplier(level, model.excess_kurtosis) * np.sqrt(model.range_variance(i, j))
+            half[positions] = model.range_margin(i, j, level)
         return pl.DataFrame(dict(zip(names, [total, total - half, total + half]))).to_struct()
 
     bands = pl.struct(sums.alias("sum"), starts.alias("start"), stops.alias("stop")).map_batches(
@@ -210,11 +210,10 @@ def window_ci(frame, column: str, *, order_by: str, period, partition_by=None, c
 
     For each row, the window holds the rows of its partition whose ``order_by`` lies
     in ``(t - period, t]`` (Polars ``rolling_sum_by`` semantics, ``closed`` as there).
-    Adds ``{column}_sum``, ``{column}_low`` and ``{column}_high``. The interval is
-    ``sum ± k * sd`` with ``sd`` the window's exact noise standard deviation from the
-    release's error model and ``k`` the multiplier of :meth:`dpsql.Release.range_ci`
-    (the window's sum and interval are exactly that method's); it covers the noise only, not clipping or
-    smoothing bias. Pure post-processing: reads only released values, costs nothing.
+    Adds ``{column}_sum``, ``{column}_low`` and ``{column}_high``: the window's sum and
+    exactly the interval :meth:`dpsql.Release.range_ci` gives for it (the noise at ``level``
+    from the release's error model, plus the most a released block's spreading can be off
+    where the window cuts one). Pure post-processing: reads only released values, costs nothing.
     A ``period`` covering the whole time span gives running totals (``cum_sum``).
 
     Parameters

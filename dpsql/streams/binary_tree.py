@@ -35,10 +35,11 @@ import numpy as np
 
 from dpsql import _validate
 from dpsql.accounting import largest_share
+from dpsql.error_models import ErrorModel
 from dpsql.errors import HorizonExceeded
 from dpsql.mechanisms import LaplaceLattice
 from dpsql.noise import Draws, Lane
-from dpsql.release import ErrorModel, StreamMachine
+from dpsql.release import StreamMachine
 
 
 def tree_levels(n: int) -> int:

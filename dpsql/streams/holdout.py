@@ -1,17 +1,19 @@
 """The two-phase skeleton shared by ToPS and PAK: a private threshold from a hold-out
 prefix, then a stream phase on the remaining values clipped at that threshold.
 
-Hold-out rows are released too (PAK publishes their noisy total; dpsql does the same
-for ToPS): every hold-out row carries ``1/m`` of the hold-out's clipped noisy total, so
-any range sum covering the whole hold-out is unbiased up to clipping, and ranges
-inside it are spread evenly.
+The hold-out has a fixed length ``m`` (4096 rows by default: a stream's length is unknown,
+and a hold-out that grows with the table delays every release). Its rows are released too,
+once the threshold is known, by the flat block hierarchy (:mod:`dpsql.streams.hierarchy`:
+one chunk of ``m`` rows, blocks from the same rule) at ``holdout_share * epsilon``, clipped
+at the threshold: ranges inside the hold-out get exact noise variances, and a range that
+cuts one of its blocks an honest bound for the spreading (PAK publishes only the hold-out's
+noisy total, which is the case of one block).
 
 Privacy (replace-one-value neighbours, values clipped to the public ``[lower, upper]``):
 
 * hold-out rows: threshold at ``(1 - holdout_share) * epsilon`` (plus the threshold
-  method's delta), then their clipped total with Laplace noise of scale
-  ``threshold / (holdout_share * epsilon)``; sequential composition gives
-  ``epsilon`` (and delta) on the hold-out;
+  method's delta), then their hierarchy clipped at it at ``holdout_share * epsilon``:
+  sequential composition gives ``epsilon`` (and delta) on the hold-out;
 * remaining rows: the stream phase's own ``epsilon`` guarantee, with sensitivity the
   (now public) threshold;
 * the two row sets are disjoint: parallel composition, so the release costs
@@ -31,10 +33,11 @@ import numpy as np
 
 from dpsql import _validate
 from dpsql.accounting import largest_share
+from dpsql.error_models import IndependentNoise, SegmentedNoise
 from dpsql.errors import InvalidParameter
-from dpsql.mechanisms.laplace import LatticeBatch
 from dpsql.noise import Draws, DrawsBatch, Lane
-from dpsql.release import IndependentNoise, SegmentedNoise, SharedTotalNoise, StreamMachine, written_in_place
+from dpsql.release import StreamMachine, written_in_place
+from dpsql.streams.hierarchy import HierarchyStream
 
 #: The hold-out length when none is given: fixed (a stream's length is unknown).
 DEFAULT_HOLDOUT = 4096
@@ -44,7 +47,7 @@ _ANY_LENGTH = 1 << 62
 
 
 class ThresholdedStream(StreamMachine):
-    """Buffer the first ``m`` rows, choose the threshold, release the hold-out's total,
+    """Buffer the first ``m`` rows, choose the threshold, release the hold-out's rows,
     then delegate every later row to the stream phase. With ``threshold`` given (a value
     released before, whose cost was charged then) there is no hold-out: every row goes to
     the stream phase, which gets the whole ``epsilon``.
@@ -65,7 +68,7 @@ class ThresholdedStream(StreamMachine):
     writes_out = True
 
     def __init__(self, n: int | None = None, *, epsilon: float, upper: float, lower: float = 0.0,
-                 m: int | None = None, holdout_share: float = 0.15, threshold: float | None = None,
+                 m: int | None = None, holdout_share: float = 0.5, threshold: float | None = None,
                  noise: Draws):
         self.epsilon = _validate.epsilon(epsilon)
         self.lower, self.upper = _validate.bounds(lower, upper)
@@ -87,7 +90,7 @@ class ThresholdedStream(StreamMachine):
         self.holdout_share = _validate.probability(holdout_share, "holdout_share")
         self.epsilon_threshold = (1.0 - self.holdout_share) * self.epsilon
         # rounded so that the two hold-out charges never add up to more than epsilon
-        self.epsilon_total = largest_share(self.epsilon, self.holdout_share * self.epsilon,
+        self.epsilon_holdout = largest_share(self.epsilon, self.holdout_share * self.epsilon,
                                            rest=self.epsilon_threshold)
         self._start(DrawsBatch([noise]))
 
@@ -104,7 +107,7 @@ class ThresholdedStream(StreamMachine):
         self._held: list[np.ndarray] = []
         self._held_rows = 0
         self._stream: StreamMachine | None = None
-        self._holdout_variance: np.ndarray | None = None
+        self._holdout: HierarchyStream | None = None
         self._lead = ()
         if self.given_threshold is not None:
             self._begin_stream(np.full(self.partitions, self.given_threshold), None)
@@ -155,7 +158,7 @@ class ThresholdedStream(StreamMachine):
         emitted = 0 if rest is None else rest.shape[-1]
         buffer = np.empty((self.partitions, held + emitted)) if room is None else room[:, :held + emitted]
         if holdout is not None:
-            buffer[:, :held] = holdout[:, None]
+            buffer[:, :held] = holdout
         if emitted:
             stream_part = buffer[:, held:]
             if not written_in_place(rest, stream_part):
@@ -177,17 +180,21 @@ class ThresholdedStream(StreamMachine):
         return values + self.lower if self.lower else values
 
     def _release_holdout(self) -> np.ndarray:
-        """Choose the thresholds, start the stream phase; return each hold-out row's value."""
+        """Choose the thresholds, release the hold-out's rows, start the stream phase; return
+        the hold-out's released values ``(partitions, m)``, shifted back."""
         held = self._held[0] if len(self._held) == 1 else np.concatenate(self._held, axis=1)
         holdout = np.clip(self._shift(held), 0.0, self.bound)
         self._held = []
         thresholds = np.clip(self._choose_thresholds(holdout), _MIN_THRESHOLD * self.bound, self.bound)
-        totals = LatticeBatch(thresholds, self.epsilon_total)
-        noisy_totals = totals.release(np.minimum(holdout, thresholds[:, None]).sum(axis=1),
-                                      self._draws.lane(Lane.HOLDOUT_TOTAL), 0)
-        self._holdout_variance = totals.variance
-        self._begin_stream(thresholds, np.clip(noisy_totals / self.m, 0.0, thresholds))
-        return noisy_totals / self.m + self.lower
+        self._holdout = self._holdout_machine(thresholds)
+        released = np.concatenate([self._holdout.feed(holdout), self._holdout.close()], axis=1)
+        self._begin_stream(thresholds, np.clip(released.mean(axis=1), 0.0, thresholds))
+        return self._shift_back(released)
+
+    def _holdout_machine(self, thresholds: np.ndarray) -> HierarchyStream:
+        """The flat hierarchy releasing the hold-out's rows, clipped at ``thresholds`` (module docstring)."""
+        template = HierarchyStream(epsilon=self.epsilon_holdout, upper=self.bound, r=self.m, noise=self._draws[0])
+        return template.for_partitions(thresholds, self._draws, lane=Lane.HOLDOUT)
 
     def _begin_stream(self, thresholds: np.ndarray, initials: np.ndarray | None) -> None:
         self.thresholds = thresholds
@@ -197,16 +204,19 @@ class ThresholdedStream(StreamMachine):
     def snapshot(self) -> dict:
         held = self._held[0] if len(self._held) == 1 else np.concatenate(self._held or [np.empty((1, 0))], axis=1)
         return {"held": held, "thresholds": self.thresholds, "initials": self._initials if self._stream else None,
-                "holdout_variance": self._holdout_variance,
+                "holdout": None if self._holdout is None else self._holdout.snapshot(),
                 "stream": None if self._stream is None else self._stream.snapshot()}
 
     def restore(self, state: dict) -> None:
         held = np.asarray(state["held"], dtype=np.float64).reshape(self.partitions, -1)
         self._held, self._held_rows = [held], held.shape[1]
         if state["stream"] is not None:
-            self._holdout_variance = state["holdout_variance"]
+            thresholds = np.asarray(state["thresholds"], dtype=np.float64)
+            if state["holdout"] is not None:
+                self._holdout = self._holdout_machine(thresholds)
+                self._holdout.restore(state["holdout"])
             initials = None if state["initials"] is None else np.asarray(state["initials"], dtype=np.float64)
-            self._begin_stream(np.asarray(state["thresholds"], dtype=np.float64), initials)
+            self._begin_stream(thresholds, initials)
             self._stream.restore(state["stream"])
 
     def describe(self) -> dict:
@@ -220,14 +230,13 @@ class ThresholdedStream(StreamMachine):
             components = {}
         else:
             components = {"threshold": (self.epsilon_threshold, self.threshold_delta),
-                          "holdout_total": (self.epsilon_total, 0.0)}
+                          "holdout": (self.epsilon_holdout, 0.0)}
         if self._stream is None:  # a stream still filling its hold-out has released nothing
             return dict(method=self.method, params=params, error=IndependentNoise(0.0, 0), components=components)
         stream = self._stream.describe_partition(partition) if self.partitions > 1 else self._stream.describe()
         components.update(stream.get("components", {}))
         if self.m:
-            holdout_error = SharedTotalNoise(float(self._holdout_variance[partition]), self.m)
-            error = SegmentedNoise([0, self.m, _ANY_LENGTH], [holdout_error, stream["error"]])
+            error = SegmentedNoise([0, self.m, _ANY_LENGTH], [self._holdout.error_model(partition), stream["error"]])
         else:
             error = stream["error"]
         return dict(method=self.method, params=params, threshold=float(self.thresholds[partition]) + self.lower,

@@ -14,9 +14,10 @@ import copy
 import numpy as np
 
 from dpsql import _validate
+from dpsql.error_models import IndependentNoise
 from dpsql.mechanisms.laplace import LatticeBatch
 from dpsql.noise import Draws, DrawsBatch, Lane
-from dpsql.release import IndependentNoise, StreamMachine
+from dpsql.release import StreamMachine
 
 
 class RowNoiseStream(StreamMachine):

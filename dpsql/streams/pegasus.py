@@ -46,11 +46,12 @@ from functools import cache
 import numpy as np
 
 from dpsql import _validate
-from dpsql.accounting import largest_share
+from dpsql.accounting import Neighbour, largest_share
+from dpsql.error_models import ErrorModel
 from dpsql.mechanisms import LaplaceLattice
 from dpsql.mechanisms.svt import AboveThreshold
 from dpsql.noise import Draws, Lane
-from dpsql.release import ADD_REMOVE_EVENT, ErrorModel, Release, StreamMachine
+from dpsql.release import Release, StreamMachine
 from dpsql.streams.laplace import RowNoiseStream
 
 SMOOTHERS = ("median", "average", "js")
@@ -70,7 +71,7 @@ THETA_TIMES_SCALE = 5.0
 def count_neighbour(sensitivity: float) -> str:
     """The neighbour relation of a count release in which one count moves by ``sensitivity``."""
     if sensitivity == 1.0:
-        return ADD_REMOVE_EVENT
+        return Neighbour.ADD_REMOVE_EVENT.value
     return (f"add/remove one privacy unit's events within one time step (at most {sensitivity:g} counted per "
             "step; time domain and partition keys public)")
 

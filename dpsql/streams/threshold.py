@@ -17,11 +17,12 @@ from __future__ import annotations
 import numpy as np
 
 from dpsql import _validate
+from dpsql.error_models import ErrorModel
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_threshold
 from dpsql.mechanisms.smooth_sensitivity import check_pak_threshold, pak_threshold
 from dpsql.noise import Draws, Lane
-from dpsql.release import ErrorModel, StreamMachine
+from dpsql.release import StreamMachine
 
 ESTIMATORS = ("nm", "pak")
 

@@ -39,6 +39,7 @@ import numpy as np
 
 from dpsql import _validate
 from dpsql.accounting import largest_share
+from dpsql.error_models import IndependentNoise
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.ldp import (
     EVENT_LDP_NEIGHBOUR,
@@ -51,7 +52,7 @@ from dpsql.mechanisms.ldp import (
     sw_w_prune,
 )
 from dpsql.noise import Draws, DrawsBatch, Keystream
-from dpsql.release import IndependentNoise, StreamMachine
+from dpsql.release import StreamMachine
 from dpsql.streams.holdout import DEFAULT_HOLDOUT
 
 #: The paper's maximal query range ``r`` (Eq. 8), the default.

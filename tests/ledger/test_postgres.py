@@ -48,7 +48,7 @@ def test_the_ledger_works_on_postgres_as_on_sqlite(postgres_url):
 def test_streams_on_postgres_continue_from_another_process(postgres_url):
     budget = dpsql.Budget.open(postgres_url, epsilon=1.0)
     stream = budget.stream("kwh", method="hierarchy", epsilon=0.5, order_by="ts", value="kwh", partition_by="meter",
-                           upper=10.0, r=256)
+                           upper=10.0, r=256, depth=0)
     frame = pl.DataFrame({"meter": np.arange(3000) % 3, "ts": np.arange(3000), "kwh": np.ones(3000)})
     stream.append(frame.head(1000))
     code = f"""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dpsql.release import ErrorModel
+from dpsql.error_models import ErrorModel
 
 ALIGNS = ("trailing", "center")
 

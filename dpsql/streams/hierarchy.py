@@ -1,0 +1,377 @@
+"""The block hierarchy (method ``"hierarchy"``, and ToPS's stream phase): range sums of a
+stream whose values are clipped to a public bound.
+
+Rows are cut into chunks (:class:`~dpsql.mechanisms.hierarchy.Layout`), each chunk into
+blocks of ``g`` rows; a consistent fan-out-``f`` forest of noisy sums sits over each chunk's
+blocks (:mod:`dpsql.mechanisms.hierarchy`), and the rows of a block share its noisy sum:
+
+* ``smoother="none"`` (the default, the *flat spread*): every row of a block gets the block's
+  noisy sum divided by its length, released when the block's last row arrives. A range's
+  noise then comes from the forest nodes it covers and, at each end, from the fraction of
+  a block it cuts: a ``w``-row window inside blocks of ``g`` rows carries about
+  ``(w / g)^2`` of a block's noise variance.
+* the predictive smoothers (``recent``, ``mean``, ``median``, ``moving``, ``exponential``;
+  ToPS App. D, :mod:`dpsql.mechanisms.smoothers`) release every row when it arrives, with a
+  prediction from the blocks before, and put the rest of the block's sum on its last row,
+  so a window holding a block end carries that block's whole noise: about ``w / g`` of it.
+
+Defaults (derivation in :func:`~dpsql.mechanisms.hierarchy.flat_block` and
+:class:`~dpsql.mechanisms.hierarchy.Layout`): the flat spread over geometric chunks of
+``4096 * 16**k`` rows, each with the block length that minimises Eq. 7 with the flat
+spread's bias term, a power of two; the predictive smoothers keep the paper's layout
+(chunks of ``r = 2**20`` rows, blocks of ``16**s`` rows, ``s`` Eq. 7's continuous minimum,
+rounded). ``depth`` (blocks of ``fanout**depth`` rows) or ``block`` (any length) override
+the rule; ``depth=0`` is the exact, unsmoothed tree.
+
+Privacy (replace-one-value neighbours; time order public): every value lies in one node per
+level of its chunk's forest, and a chunk of ``L`` levels gives each level ``epsilon / L``
+with sensitivity ``upper - lower``: each chunk is ``epsilon``-DP, chunks are disjoint
+(parallel composition), spreading and smoothing are post-processing. The whole release is
+``epsilon``-DP. Clipping to ``[lower, upper]`` is part of the mechanism.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from dpsql import _validate
+from dpsql.accounting import largest_share
+from dpsql.error_models import SegmentedNoise
+from dpsql.errors import InvalidParameter
+from dpsql.mechanisms.block_error import BlockStreamNoise
+from dpsql.mechanisms.hierarchy import Chunk, Layout, predictive_depth, tree_height
+from dpsql.mechanisms.laplace import LatticeBatch
+from dpsql.mechanisms.smoothers import MIN_ALPHA, SMOOTHERS, make_smoother
+from dpsql.noise import Draws, DrawsBatch, Lane
+from dpsql.release import StreamMachine, leading_columns
+
+#: The paper's largest query range, the chunk length of its (fixed) layout.
+PAPER_RANGE = 1 << 20
+#: The largest block a user may ask for (rows wait for their block's last row).
+MAX_BLOCK = 1 << 24
+
+
+def check_hierarchy_options(*, fanout, consistency, smoother, window, alpha, r, depth, block):
+    """The hierarchy's options, validated (typed errors naming the parameter); returns
+    ``(fanout, consistency, smoother, window, alpha, r, depth, block)`` with ``r`` resolved
+    for predictive smoothers (the paper's fixed layout)."""
+    fanout = _validate.integer(fanout, "fanout", minimum=2)
+    if not isinstance(consistency, bool):
+        raise InvalidParameter(f"consistency must be True or False, got {consistency!r}")
+    smoother = _validate.choice(smoother, "smoother", SMOOTHERS)
+    window = _validate.integer(window, "window", minimum=1)
+    alpha = _validate.real(alpha, "alpha")
+    if not MIN_ALPHA <= alpha <= 1:
+        raise InvalidParameter(f"alpha must satisfy {MIN_ALPHA} <= alpha <= 1, got {alpha!r}")
+    if r is not None:
+        r = _validate.integer(r, "r", minimum=1)
+    elif smoother != "none":
+        r = PAPER_RANGE
+    if depth is not None and block is not None:
+        raise InvalidParameter("give depth (blocks of fanout**depth rows) or block (rows per block), not both")
+    if depth is not None:
+        depth = _validate.integer(depth, "depth", minimum=0)
+        height = tree_height(r or PAPER_RANGE, fanout)
+        if depth >= height:
+            raise InvalidParameter(f"depth must be < {height} (the levels of a tree over r={r or PAPER_RANGE} "
+                                   f"rows at fanout {fanout}), got {depth}")
+    if block is not None:
+        block = _validate.integer(block, "block", minimum=1)
+        if block > MAX_BLOCK:
+            raise InvalidParameter(f"block must be at most {MAX_BLOCK} rows, got {block}")
+    return fanout, consistency, smoother, window, alpha, r, depth, block
+
+
+class HierarchyStream(StreamMachine):
+    """Known-bound block hierarchy with online consistency (method ``"hierarchy"``; module docstring).
+
+    Parameters: ``epsilon``; public bounds ``lower``/``upper`` (values are clipped to them);
+    ``smoother`` (default ``"none"``, the flat spread) with ``window`` (moving, 8) and
+    ``alpha`` (exponential, 0.6, the reference code's; at least 0.001); ``r`` the chunk length
+    (default: geometric chunks for the flat spread, ``2**20`` for predictive smoothers);
+    ``fanout`` (16); ``consistency`` (True; False releases each block's own noise: the
+    ablation); ``depth`` or ``block`` override the block rule; ``initial`` a predictive
+    smoother's first per-row guess (default halfway between the bounds).
+
+    Online: the flat spread releases a block's rows with its last row; predictive smoothers
+    release every row on arrival. At the end of a one-shot release the rows of an incomplete
+    last block share its noisy partial sum (flat) or keep their predictions, exactly what a
+    continual stream has released of them so far. Chunk ``k``'s forest is the ``FOREST``
+    lane at level ``k``, drawn and made consistent when its first row arrives, so the state
+    is the row count, the open block's partial sum (secret) and the smoother's state.
+
+    Error model: every smoother except ``median`` is linear in the block sums, so range-sum
+    variances are exact (the rounding of the consistent noise to the lattice, at most
+    ``gamma / 2`` per block, aside); ``median``'s are exact given the released positions of
+    its medians. The bias bound covers the spreading of a cut block
+    (:class:`~dpsql.mechanisms.block_error.BlockStreamNoise`).
+
+    Partitions: :meth:`for_partitions` gives the machine for ``k`` equal-length streams at
+    once, each with its own upper bound (ToPS: its own threshold), lattice, draws, forests and
+    smoother state, fed ``(k, rows)`` chunks; every partition's release is exactly what its
+    own single stream gives.
+
+    Examples
+    --------
+    >>> import numpy as np, dpsql
+    >>> with dpsql.testing.seeded(0) as keys:
+    ...     machine = HierarchyStream(None, epsilon=1.0, upper=10.0, noise=keys.partition())
+    ...     out = np.concatenate([machine.feed(np.full(3000, 4.0)), machine.feed(np.full(1096, 4.0))])
+    >>> out.shape, machine.params()["blocks"]
+    ((4096,), [128])
+    """
+
+    batchable = True
+    writes_out = True
+
+    def __init__(self, n: int | None = None, *, epsilon: float, upper: float, lower: float = 0.0,
+                 smoother: str = "none", window: int = 8, alpha: float = 0.6, r: int | None = None,
+                 fanout: int = 16, consistency: bool = True, depth: int | None = None, block: int | None = None,
+                 initial: float | None = None, noise: Draws):
+        self.epsilon = _validate.epsilon(epsilon)
+        self.lower, self.upper = _validate.bounds(lower, upper)
+        (self.fanout, self.consistency, self.smoother_name, self.window, self.alpha, self.r, self.depth,
+         self.block) = check_hierarchy_options(fanout=fanout, consistency=consistency, smoother=smoother,
+                                               window=window, alpha=alpha, r=r, depth=depth, block=block)
+        if self.depth is not None:
+            fixed_block = self.fanout**self.depth
+        elif self.block is not None:
+            fixed_block = self.block
+        elif self.smoother_name != "none":
+            fixed_block = self.fanout ** predictive_depth(self.epsilon, self.r, self.fanout)
+        else:
+            fixed_block = None  # the flat rule, per chunk
+        self.layout = Layout(epsilon=self.epsilon, fanout=self.fanout, r=self.r, block=fixed_block)
+        self.cost = (self.epsilon, 0.0)
+        if initial is not None:
+            initial = _validate.real(initial, "initial")
+        self._start(np.array([self.upper]), DrawsBatch([noise]),
+                    None if initial is None else np.array([initial - self.lower]), Lane.FOREST)
+
+    def for_partitions(self, uppers: np.ndarray, draws: DrawsBatch, initials: np.ndarray | None = None,
+                       lane: Lane = Lane.FOREST) -> HierarchyStream:
+        """This machine (not yet fed) for ``len(uppers)`` equal-length partitions, partition ``j``
+        clipped to ``[lower, uppers[j]]`` (public or privately released bounds above ``lower``),
+        drawing its forests from ``lane`` of ``draws[j]``, its predictive smoother's first
+        guess per row ``initials[j]`` (a value already released, such as a hold-out's mean)."""
+        machine = copy.copy(self)
+        machine._start(np.asarray(uppers, dtype=np.float64), draws, initials, lane)
+        return machine
+
+    def batched(self, draws: DrawsBatch) -> HierarchyStream:
+        return self.for_partitions(np.full(len(draws), self.upper), draws)
+
+    def _start(self, uppers: np.ndarray, draws: DrawsBatch, initials, lane: Lane) -> None:
+        """Per-partition state for the upper bounds ``uppers``, nothing fed yet."""
+        self._uppers = uppers
+        self._bounds = uppers - self.lower
+        self._draws, self._lane = draws, lane
+        guess = self._bounds / 2 if initials is None else np.clip(np.asarray(initials, dtype=np.float64), 0.0,
+                                                                  self._bounds)
+        first_block = self.layout.chunk(0).block
+        self._smoother = make_smoother(self.smoother_name, block=first_block, initial_sum=first_block * guess,
+                                       window=self.window, alpha=self.alpha)
+        self._lattices: dict[int, LatticeBatch] = {}
+        self._rows = 0
+        self._chunk: Chunk | None = None
+        self._leaf_noise: np.ndarray | None = None
+        self._partial_units = np.zeros(len(uppers))
+        self._prediction = self._smoother.first_prediction * np.ones(len(uppers))
+        self._flushed = False
+        self._lead = ()
+
+    def _lattice(self, levels: int) -> LatticeBatch:
+        """The lattice of a chunk whose forest has ``levels`` levels: ``epsilon / levels`` each."""
+        if levels not in self._lattices:
+            per_level = largest_share(self.epsilon, self.epsilon / levels, count=levels)
+            self._lattices[levels] = LatticeBatch(self._bounds, per_level)
+        return self._lattices[levels]
+
+    def _enter(self, chunk: Chunk) -> None:
+        """Make ``chunk`` the current one: draw its noise forest, make it consistent and keep
+        its leaves (integer lattice units), unless it is current already."""
+        if self._chunk is not None and self._chunk.index == chunk.index and self._leaf_noise is not None:
+            return
+        lattice = self._lattice(chunk.forest.levels)
+        lane = self._draws.lane(self._lane, chunk.index)
+        if self.consistency:
+            leaves = chunk.forest.consistent_leaf_noise(lattice, lane, 0)
+        else:
+            leaves = lattice.noise_units(lane, 0, chunk.blocks)
+        self._chunk, self._leaf_noise = chunk, leaves[:, :chunk.blocks]
+        self._inverse_gamma = (1.0 / lattice.granularity)[:, None]
+        self._bound_units = self._bounds[:, None] * self._inverse_gamma
+
+    def feed(self, chunk: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        rows = chunk.reshape(len(self._uppers), -1)
+        count = rows.shape[1]
+        # predictive smoothers emit one output per row: written straight into one buffer (the
+        # caller's, given one)
+        if self._smoother.predictive:
+            out = np.empty(rows.shape) if out is None else leading_columns(out, rows.shape)
+        else:
+            out = None
+        pieces = []
+        start = 0
+        while start < count:
+            current = self.layout.chunk_at(self._rows)
+            self._enter(current)
+            take = min(count - start, current.stop - self._rows)
+            view = None if out is None else out[:, start:start + take]
+            pieces.append(self._feed_within_chunk(rows[:, start:start + take], view))
+            start += take
+        if out is None:
+            out = np.concatenate(pieces, axis=1) if pieces else np.empty((len(rows), 0))
+        if self.lower:
+            out += self.lower
+        self._lead = chunk.shape[:-1]
+        return out.reshape((*self._lead, -1))
+
+    def _open_rows(self) -> int:
+        """Rows fed of the block still open (0 when the last block fed is complete)."""
+        if not self._rows:
+            return 0
+        chunk = self.layout.chunk_at(self._rows - 1)
+        return (self._rows - chunk.start) % chunk.block
+
+    def close(self) -> np.ndarray:
+        held = np.empty((len(self._uppers), 0))
+        offset = self._open_rows()
+        if not self._smoother.predictive and offset:
+            # a one-shot release ends inside a block: its rows share the block's noisy partial sum
+            self._enter(self.layout.chunk_at(self._rows - 1))
+            lattice = self._lattice(self._chunk.forest.levels)
+            noise = self._leaf_noise[:, (self._rows - self._chunk.start) // self._chunk.block]
+            held = np.repeat(lattice.from_units(np.rint(self._partial_units).astype(np.int64) + noise)[:, None]
+                             / offset, offset, axis=1)
+            if self.lower:
+                held += self.lower
+            self._flushed = True
+        # The machine may be kept to describe its partitions (StreamMachine.batchable): the
+        # leaf noise, with the released block sums, would give the exact clipped sums.
+        self._leaf_noise = self._partial_units = None
+        # outputs are shaped like the inputs: (partitions, rows) chunks or one stream's rows
+        return held.reshape((*self._lead, -1))
+
+    def _feed_within_chunk(self, values: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """Rows ``self._rows ..`` of the current chunk (``values`` one row per partition): clip,
+        sum per block in lattice units, release the blocks that complete, and write one output
+        per row into ``out`` (flat spread: return the rows of the completed blocks)."""
+        chunk = self._chunk
+        g = chunk.block
+        units = np.multiply(values - self.lower if self.lower else values, self._inverse_gamma)
+        np.clip(units, 0.0, self._bound_units, out=units)
+        np.rint(units, out=units)
+        # Chunks hold whole blocks, so blocks start at multiples of g within the chunk: this piece
+        # continues block b0 at ``offset`` and touches ``pieces`` blocks, all but the first and
+        # last whole.
+        count = values.shape[1]
+        position = self._rows - chunk.start
+        offset = position % g
+        head = min(g - offset, count)
+        starts = np.arange(head - g, count, g)
+        starts[0] = 0
+        pieces = len(starts)
+        sums = np.add.reduceat(units, starts, axis=1)
+        sums[:, 0] += self._partial_units
+        lengths = np.full(pieces, g)
+        lengths[0] = head
+        lengths[-1] = count - starts[-1]
+        first_block = position // g
+        self._rows += count
+        complete = pieces if (self._rows - chunk.start) % g == 0 else pieces - 1
+        self._partial_units = np.zeros(len(sums)) if complete == pieces else sums[:, -1].copy()
+        released_units = sums[:, :complete].astype(np.int64) + self._leaf_noise[:, first_block:first_block + complete]
+        released = self._lattice(chunk.forest.levels).from_units(released_units)
+        if not self._smoother.predictive:
+            return np.repeat(released / g, g, axis=1)
+        predictions = np.concatenate([self._prediction[:, None], self._smoother.predict(released)], axis=1)
+        self._prediction = predictions[:, complete].copy()
+        _spread(predictions[:, :pieces], lengths, g, out)
+        last_rows = starts[:complete] + lengths[:complete] - 1
+        out[:, last_rows] = released - (g - 1) * predictions[:, :complete]
+        return out
+
+    def snapshot(self) -> dict:
+        """The open state; of a closed machine (a released hold-out), what describes it."""
+        partial = np.zeros(len(self._uppers)) if self._partial_units is None else self._partial_units
+        return {"rows": self._rows, "partial_units": partial, "prediction": self._prediction,
+                "smoother": self._smoother.snapshot(), "flushed": self._flushed}
+
+    def restore(self, state: dict) -> None:
+        self._rows = int(state["rows"])
+        self._partial_units = np.asarray(state["partial_units"], dtype=np.float64)
+        self._prediction = np.asarray(state["prediction"], dtype=np.float64)
+        self._smoother.restore(state["smoother"])
+        self._flushed = bool(state["flushed"])
+
+    @property
+    def released_rows(self) -> int:
+        """Rows whose values have been output: all of them with a predictive smoother, the
+        completed blocks' (and a flushed last block's) with the flat spread."""
+        if self._smoother.predictive or self._flushed:
+            return self._rows
+        return self._rows - self._open_rows()
+
+    def params(self, partition: int = 0) -> dict:
+        """The public parameters actually used (defaults resolved), of one partition; the
+        layout as lists ``chunks`` (rows per chunk), ``blocks`` (rows per block) and ``levels``
+        (forest levels) of the chunks reached so far (a fixed layout's one chunk shape)."""
+        chunks = self.layout.chunks_until(self._rows) if self.layout.geometric else []
+        chunks = chunks or [self.layout.chunk(0)]
+        return {"epsilon": self.epsilon, "lower": self.lower, "upper": float(self._uppers[partition]),
+                "smoother": self.smoother_name, **self.smoother_params(), "r": self.r, "fanout": self.fanout,
+                "consistency": self.consistency, "depth": self.depth, "block": self.block,
+                "chunks": [c.rows for c in chunks], "blocks": [c.block for c in chunks],
+                "levels": [c.forest.levels for c in chunks]}
+
+    def smoother_params(self) -> dict:
+        """The smoother's own public parameters (``window``, ``alpha``), the same for every partition."""
+        return self._smoother.params()
+
+    def describe(self) -> dict:
+        return self.describe_partition(0)
+
+    def describe_partition(self, partition: int) -> dict:
+        return dict(method="hierarchy", params=self.params(partition), error=self.error_model(partition),
+                    components={"hierarchy": self.cost})
+
+    def error_model(self, partition: int) -> BlockStreamNoise | SegmentedNoise:
+        """Partition ``partition``'s error model for the rows released so far: one model over
+        a fixed layout's chunks (a predictive smoother's noise crosses chunk ends), one segment
+        per chunk of a geometric layout (independent forests)."""
+        released = self.released_rows
+        terms = self._smoother.partition_terms(partition)
+        bound = float(self._bounds[partition])
+
+        def model(chunk: Chunk, rows: int, last: bool) -> BlockStreamNoise:
+            node_variance = float(self._lattice(chunk.forest.levels).variance[partition])
+            return BlockStreamNoise(n_rows=rows, block=chunk.block, chunk_blocks=chunk.blocks, fanout=self.fanout,
+                                    levels=chunk.forest.levels, node_variance=node_variance,
+                                    consistent=self.consistency, smoother={**terms, "block": chunk.block},
+                                    bound=bound, short_last_block=self._flushed and last)
+
+        if not self.layout.geometric:
+            return model(self.layout.chunk(0), released, True)
+        chunks = self.layout.chunks_until(released) or [self.layout.chunk(0)]
+        boundaries = [c.start for c in chunks] + [released]
+        return SegmentedNoise(boundaries, [model(c, max(min(c.stop, released) - c.start, 0), c is chunks[-1])
+                                           for c in chunks])
+
+
+def _spread(per_piece: np.ndarray, lengths: np.ndarray, block: int, out: np.ndarray) -> np.ndarray:
+    """``out[:] = np.repeat(per_piece, lengths, axis=1)`` for pieces that are whole blocks except
+    the first and the last, written as one broadcast over a (partitions, blocks, block) view
+    (faster than repeat)."""
+    head = int(lengths[0])
+    out[:, :head] = per_piece[:, :1]
+    whole = len(lengths) - 2
+    if whole > 0:
+        middle = out[:, head:head + whole * block]
+        middle.shape = (len(out), whole, block)  # a view: assigning the shape never copies
+        middle[:] = per_piece[:, 1:-1, None]
+    if len(lengths) > 1:
+        out[:, head + max(whole, 0) * block:] = per_piece[:, -1:]
+    return out
