@@ -151,7 +151,7 @@ def speed() -> tuple[str, str]:
     rel = dpsql.publish("topl", values, epsilon=1.0, upper=128.0, m=m)
     topl_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    dpsql.laplace_stream(values, epsilon=1.0, upper=128.0)
+    dpsql.laplace(values, epsilon=1.0, upper=128.0)
     laplace_seconds = time.perf_counter() - start
     reports = SQUARE_WAVE.perturb(values[:m] / 128.0, 1.0, report_uniforms(Keystream.fresh().partition(), 0, m,
                                                                             uniforms=1))

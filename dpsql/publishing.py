@@ -33,7 +33,7 @@ from dpsql.budget import Budget, default_budget
 from dpsql.errors import BudgetExhausted, DPError, InvalidParameter
 from dpsql.methods import machine_for
 from dpsql.noise import DrawsBatch, Keystream, partition_address
-from dpsql.records import describe, restored
+from dpsql.records import describe
 from dpsql.release import (
     Descriptions,
     PartitionedRelease,
@@ -149,7 +149,7 @@ class _Request:
             if stored is not None:
                 record, answer = stored
                 budget.record_hit(record, rows=len(self.data), note=self.note)
-                return restored(record, _unpacked_values(answer))
+                return record.with_values(_unpacked_values(answer))
         budget.check(charge)
         parts, values = _run_partitions(self.method, templates, self.data, self.offsets, keystream, self.addresses,
                                         self.params)

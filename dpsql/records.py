@@ -85,25 +85,24 @@ class ReleaseRecord:
         out = self.error(partition).range_variance(i, j)
         return float(out[0]) if out.size == 1 else out
 
+    def with_values(self, values: np.ndarray) -> Release | PartitionedRelease:
+        """The release this record describes, with its released ``values``."""
+        d = self.description
+        offsets = self.offsets
+        if len(values) != offsets[-1]:
+            raise InvalidParameter(f"release {self.release_id} has {offsets[-1]} values; got {len(values)}")
+        parts = [Release(values=values[a:b], method=d["method"], params=p["params"], epsilon=d["epsilon"],
+                         delta=d["delta"], error=ErrorModel.from_state(p["error"]), private=d["private"],
+                         neighbour=d["neighbour"], notion=d["notion"], threshold=p["threshold"],
+                         components={k: tuple(v) for k, v in p["components"].items()}, release_id=self.release_id,
+                         first_handle=self.first_handle + int(a))
+                 for p, a, b in zip(d["parts"], offsets[:-1].tolist(), offsets[1:].tolist())]
+        if not d["partitioned"]:
+            return parts[0]
+        return PartitionedRelease(values=values, offsets=offsets, parts=parts, method=d["method"], epsilon=d["epsilon"],
+                                  delta=d["delta"], private=d["private"], release_id=self.release_id, keys=d["keys"],
+                                  first_handle=self.first_handle)
+
     def __repr__(self) -> str:
         return (f"ReleaseRecord({self.method}, id={self.release_id}, partitions={self.partitions}, "
                 f"epsilon={self.epsilon:g}, delta={self.delta:g})")
-
-
-def restored(record: ReleaseRecord, values: np.ndarray) -> Release | PartitionedRelease:
-    """The release ``record`` describes, with its released ``values``."""
-    d = record.description
-    offsets = record.offsets
-    if len(values) != offsets[-1]:
-        raise InvalidParameter(f"release {record.release_id} has {offsets[-1]} values; got {len(values)}")
-    parts = [Release(values=values[a:b], method=d["method"], params=p["params"], epsilon=d["epsilon"],
-                     delta=d["delta"], error=ErrorModel.from_state(p["error"]), private=d["private"],
-                     neighbour=d["neighbour"], notion=d["notion"], threshold=p["threshold"],
-                     components={k: tuple(v) for k, v in p["components"].items()}, release_id=record.release_id,
-                     first_handle=record.first_handle + int(a))
-             for p, a, b in zip(d["parts"], offsets[:-1].tolist(), offsets[1:].tolist())]
-    if not d["partitioned"]:
-        return parts[0]
-    return PartitionedRelease(values=values, offsets=offsets, parts=parts, method=d["method"], epsilon=d["epsilon"],
-                              delta=d["delta"], private=d["private"], release_id=record.release_id, keys=d["keys"],
-                              first_handle=record.first_handle)

@@ -132,12 +132,10 @@ class Release:
         """The release a :meth:`to_arrow` table holds, its error model read from ``budget``'s
         ledger by the table's ``release_id`` (:class:`~dpsql.UnknownRelease` if that ledger
         does not record it). The values are the table's; nothing is charged."""
-        from dpsql.records import restored
-
         meta = _metadata_of(table)
         record = budget.release(meta["release_id"])
         values = np.asarray(table.column("value").to_numpy(), dtype=np.float64)
-        return restored(record, values)
+        return record.with_values(values)
 
     def __repr__(self) -> str:
         thr = "" if self.threshold is None else f", threshold={self.threshold:.6g}"
