@@ -25,6 +25,7 @@ from dpsql.errors import (
     UnknownRelease,
     UnknownStream,
 )
+from dpsql.preview import Preview, preview
 from dpsql.publishing import publish
 from dpsql.release import PartitionedRelease, Release
 
@@ -42,6 +43,7 @@ __all__ = [
     "NonPrivateRelease",
     "NotionMismatch",
     "PartitionedRelease",
+    "Preview",
     "Release",
     "UnknownRelease",
     "UnknownStream",
@@ -54,6 +56,7 @@ __all__ = [
     "pak",
     "pegasus",
     "polars",
+    "preview",
     "publish",
     "register",
     "testing",

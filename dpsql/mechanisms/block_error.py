@@ -37,7 +37,10 @@ class BlockStreamNoise(ErrorModel):
     Predicted (the other smoothers), they get ``a`` times a prediction that lies in
     ``[0, bound]`` (an average of earlier blocks' means), as ``S_a`` lies in ``[0, a bound]``:
     at most ``a * bound`` apart. A range's bound adds those of its two ends; block
-    boundaries add nothing. Noise in the prediction is in the variance, not here.
+    boundaries add nothing. Spread evenly, a range of ``k`` rows also has its noise-free
+    release and its clipped sum both in ``[0, k * bound]``, so its bound is at most
+    ``k * bound`` (what short windows inside long blocks get: the release says nothing of
+    their share of the block). Noise in the prediction is in the variance, not here.
     """
 
     #: Queries are evaluated in batches of at most this many (query, term) or, pairwise,
@@ -99,7 +102,9 @@ class BlockStreamNoise(ErrorModel):
         return np.minimum(points, self._n_blocks), coefs
 
     def range_bias_bound(self, starts, stops):
-        return self._cut_bound(np.asarray(starts, dtype=np.int64)) + self._cut_bound(np.asarray(stops, dtype=np.int64))
+        starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
+        cuts = self._cut_bound(starts) + self._cut_bound(stops)
+        return np.minimum(cuts, (stops - starts) * self._bound) if self._spread else cuts
 
     def _cut_bound(self, rows: np.ndarray) -> np.ndarray:
         """The bias bound of the prefix sum of the first ``rows`` rows (class docstring)."""
