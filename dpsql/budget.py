@@ -200,6 +200,18 @@ class Budget:
         """Forget the stored answers of this scope (later repeats are charged); returns how many."""
         return self._ledger.clear_answers(self.scope)
 
+    def plot(self, *, ax=None):
+        """The budget's burn-down (matplotlib): epsilon spent over time, stacked by method, under
+        its total; returns the figure."""
+        from dpsql.display import plot_budget
+
+        return plot_budget(self, ax=ax)
+
+    def _repr_html_(self) -> str:
+        from dpsql.display import budget_html
+
+        return budget_html(self)
+
     def __repr__(self) -> str:
         state = self._ledger.scope(self.scope)
         where = self.location

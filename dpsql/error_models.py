@@ -80,6 +80,11 @@ class ErrorModel(ABC):
         boundaries, and for releases without blocks)."""
         return np.zeros(np.broadcast(np.asarray(starts), np.asarray(stops)).shape, dtype=np.float64)
 
+    def block_boundaries(self, n: int) -> np.ndarray | None:
+        """The rows ``0 .. n`` at which released blocks start (and ``n``): ranges between two of
+        them carry no spreading error. None when every row is released on its own."""
+        return None
+
     def range_margin(self, starts: np.ndarray, stops: np.ndarray, level: float) -> np.ndarray:
         """Half-width of the interval at confidence ``level`` for each range sum:
         ``quantile_multiplier(level) * sd + range_bias_bound`` (module docstring)."""
@@ -157,6 +162,16 @@ class SegmentedNoise(ErrorModel):
 
     def range_bias_bound(self, starts, stops):
         return self._add_pieces(starts, stops, "range_bias_bound")
+
+    def block_boundaries(self, n: int) -> np.ndarray | None:
+        pieces = [model.block_boundaries(int(min(b, n) - a)) for a, b, model in
+                  zip(self._boundaries[:-1], self._boundaries[1:], self._models) if a < n]
+        if all(piece is None for piece in pieces):
+            return None
+        starts = self._boundaries[:len(pieces)]
+        return np.unique(np.concatenate([
+            a + (np.arange(min(b, n) - a + 1) if piece is None else piece)
+            for a, b, piece in zip(starts, [*self._boundaries[1:len(pieces)], n], pieces)]))
 
     def _add_pieces(self, starts, stops, measure: str) -> np.ndarray:
         starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)

@@ -109,6 +109,22 @@ class Release:
             return float(low), float(high)
         return low, high
 
+    def plot(self, *, ax=None, truth=None, time=None, every: int | None = None, level: float = 0.95,
+             value: str = "value", unit: str | None = None, time_label: str | None = None):
+        """Draw the released stream (matplotlib): bucket means with their ``level`` interval,
+        the hold-out shaded, optionally the ``truth`` (only where you may show it) and ``time``
+        on the x axis (one entry per row, labelled ``time_label``); returns the figure.
+        Drawing is post-processing: it costs nothing. See :mod:`dpsql.display`."""
+        from dpsql.display import plot_release
+
+        return plot_release(self, ax=ax, truth=truth, time=time, every=every, level=level, value=value, unit=unit,
+                            time_label=time_label)
+
+    def _repr_html_(self) -> str:
+        from dpsql.display import release_html
+
+        return release_html(self)
+
     def with_id(self, release_id: str, first_handle: int | None = None) -> Release:
         return replace(self, release_id=release_id, first_handle=first_handle)
 
@@ -181,6 +197,17 @@ class PartitionedRelease:
         row = np.arange(len(self.values)) - np.repeat(self.offsets[:-1], lengths)
         table = pa.table({"partition": partition, "row": row, "value": self.values})
         return table.replace_schema_metadata(_arrow_metadata(self))
+
+    def plot(self, *, truth=None, time=None, **options):
+        """One panel per partition (the first twelve), as :meth:`Release.plot`; returns the figure."""
+        from dpsql.display import plot_partitions
+
+        return plot_partitions(self, truth=truth, time=time, titles=self.keys, **options)
+
+    def _repr_html_(self) -> str:
+        from dpsql.display import partitioned_html
+
+        return partitioned_html(self)
 
     def __repr__(self) -> str:
         return (f"PartitionedRelease({self.method}, partitions={len(self.parts)}, n={len(self.values)}, "

@@ -205,6 +205,18 @@ class Stream:
         return (f"Stream({self.name!r}, {self.method}, epsilon={info['epsilon']:g}, rows={info['rows']}, "
                 f"partitions={info['partitions']}, watermark={info['watermark']})")
 
+    def plot(self, *, partition=None, **options):
+        """The released rows against their order keys (matplotlib), one panel per partition
+        (the first twelve, or ``partition``), as :meth:`dpsql.Release.plot`; returns the figure."""
+        from dpsql.display import plot_stream
+
+        return plot_stream(self, partition=partition, **options)
+
+    def _repr_html_(self) -> str:
+        from dpsql.display import stream_html
+
+        return stream_html(self)
+
     # -- appending ------------------------------------------------------------------------
 
     def append(self, data, *, until=None, to_polars: bool = False):

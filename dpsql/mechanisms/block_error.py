@@ -101,6 +101,13 @@ class BlockStreamNoise(ErrorModel):
         points, coefs = self._prefix_terms(blocks, offsets, lengths)
         return np.minimum(points, self._n_blocks), coefs
 
+    def block_boundaries(self, n: int) -> np.ndarray:
+        chunk_rows = self._chunk_blocks * self._block
+        rows = min(n, self._n_rows)
+        chunks = np.arange(0, rows, chunk_rows)
+        starts = (chunks[:, None] + np.arange(0, chunk_rows, self._block)[None, :]).ravel()
+        return np.unique(np.concatenate([starts[starts < rows], [rows]]))
+
     def range_bias_bound(self, starts, stops):
         starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
         cuts = self._cut_bound(starts) + self._cut_bound(stops)
