@@ -1,0 +1,99 @@
+"""Pictures and notebook views: post-processing of released values, honest bands, readable labels."""
+
+import matplotlib
+import numpy as np
+import polars as pl
+import pytest
+
+import dpsql
+from dpsql.display import bucketed, sparkline
+
+matplotlib.use("Agg")
+
+
+def _tops(n=20_000, seed=0, **params):
+    values = 50 + 30 * np.sin(np.arange(n) * 2 * np.pi / 24)
+    with dpsql.testing.seeded(seed):
+        return values, dpsql.tops(values, epsilon=1.0, upper=500.0, budget=dpsql.Budget.in_memory(epsilon=5),
+                                  **params)
+
+
+def test_default_buckets_follow_the_release_blocks_so_bands_are_noise_only():
+    _, release = _tops()
+    series = bucketed(release)
+    assert len(series["starts"]) <= 501 and series["starts"][0] == 0 and series["stops"][-1] == len(release)
+    bias = release.error.range_bias_bound(series["starts"], series["stops"])
+    assert np.all(bias == 0)  # no bucket cuts a released block
+    boundaries = set(release.error.block_boundaries(len(release)).tolist())
+    assert set(series["starts"].tolist()) <= boundaries
+
+
+def test_bands_are_the_release_intervals_clipped_to_what_clipped_values_allow():
+    _, release = _tops()
+    series = bucketed(release, every=100)
+    low, high = release.range_ci(series["starts"], series["stops"])
+    length = series["stops"] - series["starts"]
+    assert np.allclose(series["low"], np.maximum(low, 0.0) / length)
+    assert np.allclose(series["high"], np.minimum(high, release.threshold * length) / length)
+    assert np.allclose(series["mean"], release.range_sum(series["starts"], series["stops"]) / length)
+
+
+def test_release_plot_labels_units_time_truth_and_the_holdout():
+    values, release = _tops()
+    time = np.datetime64("2024-01-01T00", "h") + np.arange(len(values))
+    fig = release.plot(truth=values, time=time, unit="kWh", value="load", time_label="hour (UTC)")
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "hour (UTC)" and ax.get_ylabel().startswith("load (kWh)")
+    assert "tops: epsilon 1" in ax.get_title()
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["95% interval", "released (tops)", "true (not released)"]
+    assert any("hold-out (4,096 rows)" in t.get_text() for t in ax.texts)
+
+
+def test_partitioned_release_draws_small_multiples_titled_by_key():
+    values = np.tile(np.arange(500.0) % 7, 3)
+    with dpsql.testing.seeded(1):
+        release = dpsql.publish("hierarchy", values, partition_offsets=[0, 500, 1000, 1500],
+                                partition_keys=["a", "b", "c"], epsilon=1.0, upper=10.0,
+                                budget=dpsql.Budget.in_memory(epsilon=1))
+    fig = release.plot()
+    assert [ax.get_title() for ax in fig.axes if ax.get_visible()] == ["a", "b", "c"]
+
+
+def test_stream_and_budget_pictures_and_views():
+    budget = dpsql.Budget.in_memory(epsilon=3)
+    with dpsql.testing.seeded(2):
+        stream = budget.stream("s", method="hierarchy", epsilon=1.0, order_by="ts", value="kwh", upper=10.0)
+    assert "dpsql Stream" in stream._repr_html_()
+    with pytest.raises(dpsql.InvalidParameter, match="released no rows"):
+        stream.plot()
+    stream.append(pl.DataFrame({"ts": np.arange(3000), "kwh": np.arange(3000) % 9 * 1.0}))
+    fig = stream.plot()
+    assert fig.axes[0].get_xlabel() == "ts" and fig.axes[0].get_ylabel().startswith("kwh")
+    figure = budget.plot()
+    assert figure.axes[0].get_ylabel() == "epsilon spent" and "1 of 3 spent" in figure.axes[0].get_title()
+    view = budget._repr_html_()
+    assert "1 of 3 spent" in view and "hierarchy" in view
+
+
+def test_release_view_shows_cost_threshold_and_only_a_few_values():
+    _, release = _tops()
+    view = release._repr_html_()
+    assert "tops" in view and "epsilon 1" in view and f"{release.threshold:.6g}" in view and "<svg" in view
+    assert view.count(", ") < 40  # head and tail, not the stream
+    assert "not charged" not in view
+
+
+def test_sparkline_is_an_svg_polyline():
+    svg = sparkline(np.sin(np.arange(1000) / 50))
+    assert svg.startswith("<svg") and svg.count(",") == 120
+
+
+def test_bad_plot_requests_are_typed_errors():
+    _values, release = _tops()
+    with pytest.raises(dpsql.InvalidParameter, match="truth has 5 rows"):
+        release.plot(truth=np.ones(5))
+    with pytest.raises(dpsql.InvalidParameter, match="every must be a positive"):
+        release.plot(every=0)
+    with pytest.raises(dpsql.InvalidParameter, match="time has 3 rows"):
+        release.plot(time=np.arange(3))
