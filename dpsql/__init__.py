@@ -5,6 +5,8 @@ Importing dpsql registers the ``dpsql`` namespace on Polars expressions
 into a DuckDB connection.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from dpsql import duckdb, ldp, polars, testing
 from dpsql.api import binary_tree, hierarchy, laplace, pak, threshold, tops
 from dpsql.budget import Budget, use_budget
@@ -28,6 +30,11 @@ from dpsql.errors import (
 from dpsql.preview import Preview, preview
 from dpsql.publishing import publish
 from dpsql.release import PartitionedRelease, Release
+
+try:
+    __version__ = version("dpsql")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "Budget",

@@ -44,6 +44,15 @@ class Budget:
     ((1.0, 0.0), (0.0, 0.0), (1.0, 0.0))
     """
 
+    _ledger: Ledger
+    #: The scope's name in its ledger.
+    scope: str
+    #: The scope's privacy notion, and its window for w-event LDP.
+    notion: Notion
+    w: int | None
+    #: Whether identical repeats are answered from stored answers.
+    caches: bool
+
     def __init__(self, *_args, **_kwargs):
         raise TypeError("use Budget.open(path, ...) or Budget.in_memory(...)")
 

@@ -100,7 +100,7 @@ class ErrorModel(ABC):
     @staticmethod
     def from_state(state: dict) -> ErrorModel:
         """The model :meth:`to_state` described."""
-        kind = ErrorModel._registry.get(state.get("kind"))
+        kind = ErrorModel._registry.get(str(state.get("kind")))
         if kind is None:
             raise InvalidParameter(f"unknown error model {state.get('kind')!r} in a release record")
         return kind(**_models(state["arguments"]))

@@ -20,7 +20,8 @@ message, with no traceback into them, no ``__context__`` and no ``__cause__``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import overload
 
 import numpy as np
 import pyarrow as pa
@@ -46,6 +47,19 @@ from dpsql.release import (
 )
 
 _ANSWER_CODEC = "zstd"
+
+
+@overload
+def publish(method: str, values, *, budget: Budget | None = ..., column: str = ..., partition_offsets: None = ...,
+            partition_keys: None = ..., partition_levels: None = ..., order_keys: Sequence = ...,
+            fresh: bool = ..., note: str | None = ..., progress: bool = ..., **params) -> Release: ...
+
+
+@overload
+def publish(method: str, values, *, budget: Budget | None = ..., column: str = ...,
+            partition_offsets: Sequence[int], partition_keys: Sequence | None = ...,
+            partition_levels: Sequence[int] | None = ..., order_keys: Sequence = ..., fresh: bool = ...,
+            note: str | None = ..., progress: bool = ..., **params) -> Release | PartitionedRelease: ...
 
 
 def publish(method: str, values, *, budget: Budget | None = None, column: str = "values",
@@ -175,7 +189,7 @@ class _Request:
         return fingerprint(header, [self.data, self.offsets, addresses, *self.order_keys])
 
 
-def _public(params: dict) -> dict:
+def _public(params: Mapping) -> dict:
     """Parameters as plain JSON-able values (numpy scalars as Python numbers)."""
     return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in params.items()}
 
@@ -217,7 +231,7 @@ def _run_partitions(method: str, templates: dict[int, StreamMachine], data: np.n
     """
     lengths = np.diff(offsets)
     spans = list(itertools.pairwise(offsets.tolist()))
-    first_of_length = {}
+    first_of_length: dict[int, int] = {}
     for k, n in enumerate(lengths.tolist()):
         first_of_length.setdefault(n, k)
     if next(iter(templates.values())).batchable and len(lengths) > 1:

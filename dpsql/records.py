@@ -5,6 +5,7 @@ noise), and releases rebuilt from it with their values, in another process or a 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,16 +18,18 @@ from dpsql.release import PartitionedRelease, Release
 
 def describe(release: Release | PartitionedRelease) -> dict:
     """The public description of ``release`` (see the module docstring)."""
-    partitioned = isinstance(release, PartitionedRelease)
-    parts = release.parts if partitioned else [release]
+    if isinstance(release, PartitionedRelease):
+        parts: Sequence[Release] = release.parts
+        offsets, keys = release.offsets, None if release.keys is None else [str(key) for key in release.keys]
+    else:
+        parts, offsets, keys = [release], np.array([0, len(release.values)]), None
     first = parts[0]
     return {
         "method": release.method, "epsilon": release.epsilon, "delta": release.delta, "private": release.private,
         "notion": str(getattr(first.notion, "value", first.notion)),
         "neighbour": str(getattr(first.neighbour, "value", first.neighbour)),
-        "offsets": np.asarray(release.offsets if partitioned else [0, len(release.values)], dtype=np.int64),
-        "keys": None if not partitioned or release.keys is None else [str(key) for key in release.keys],
-        "partitioned": partitioned,
+        "offsets": np.asarray(offsets, dtype=np.int64), "keys": keys,
+        "partitioned": isinstance(release, PartitionedRelease),
         "parts": [{"params": dict(p.params), "threshold": p.threshold,
                    "components": {k: list(v) for k, v in p.components.items()}, "error": p.error.to_state()}
                   for p in parts],

@@ -12,7 +12,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import numpy as np
 
@@ -283,8 +283,9 @@ class StreamMachine(ABC):
     writes_out: bool = False
 
     @abstractmethod
-    def feed(self, chunk: np.ndarray) -> np.ndarray:
-        """Consume ``chunk`` (already validated float64) and return new outputs."""
+    def feed(self, chunk: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Consume ``chunk`` (already validated float64) and return new outputs (into ``out``
+        where the machine :attr:`writes_out`; others never receive it)."""
 
     @abstractmethod
     def close(self) -> np.ndarray:
@@ -295,6 +296,14 @@ class StreamMachine(ABC):
         """``method``, ``params``, ``error`` and, where they apply, ``threshold``,
         ``components`` and ``reports`` (keyword arguments of :class:`Release`), for the
         outputs so far."""
+
+    def batched(self, draws) -> StreamMachine:
+        """This machine (not yet fed) for ``len(draws)`` partitions at once (see :attr:`batchable`)."""
+        raise NotImplementedError(f"{type(self).__name__} releases one partition at a time")
+
+    def describe_partition(self, partition: int) -> dict:
+        """:meth:`describe` for partition ``partition`` of a batched machine."""
+        raise NotImplementedError(f"{type(self).__name__} releases one partition at a time")
 
     def snapshot(self) -> dict:
         """The open state, as plain data (numbers, strings, lists, dicts, numpy arrays). A
@@ -360,7 +369,28 @@ def release_batched(machine: StreamMachine, rows: np.ndarray, out: np.ndarray, d
     return batch
 
 
-class Descriptions(Sequence):
+Item = TypeVar("Item")
+
+
+class _Lazy(Sequence[Item]):
+    """A sequence whose items are made when first looked at (:meth:`_item`)."""
+
+    @overload
+    def __getitem__(self, k: int) -> Item: ...
+
+    @overload
+    def __getitem__(self, k: slice) -> tuple[Item, ...]: ...
+
+    def __getitem__(self, k: int | slice) -> Item | tuple[Item, ...]:
+        if isinstance(k, slice):
+            return tuple(self._item(i) for i in range(*k.indices(len(self))))
+        return self._item(k)
+
+    def _item(self, k: int) -> Item:
+        raise NotImplementedError
+
+
+class Descriptions(_Lazy[dict]):
     """What :meth:`StreamMachine.describe` says of each partition of a partitioned release,
     with the machine's cost, neighbour relation and notion: a :class:`Release`'s arguments
     but its values, ``private`` and ``release_id``.
@@ -381,10 +411,10 @@ class Descriptions(Sequence):
     def __len__(self) -> int:
         return len(self._described)
 
-    def __getitem__(self, k: int) -> dict:
+    def _item(self, k: int) -> dict:
         description = self._described[k]
         if description is None:  # two threads at once would both describe, equally
-            machine, j = self._batches[k]
+            machine, j = self._batches[k]  # type: ignore[misc]  # described later only for batched sources
             description = self._described[k] = _described(machine, machine.describe_partition(j))
         return description
 
@@ -394,26 +424,27 @@ def _described(machine: StreamMachine, description: dict) -> dict:
                 **description)
 
 
-class ErrorModels(Sequence):
+class ErrorModels(_Lazy[ErrorModel]):
     """The :class:`ErrorModel` of each partition (from its :class:`Descriptions`), holding
     nothing else of the release: neither its values nor its other descriptions (local-DP
     reports can be larger than the values)."""
 
     def __init__(self, descriptions: Descriptions):
-        self._errors = [None if d is None else d["error"] for d in descriptions._described]
+        self._errors: list[ErrorModel | None] = [None if d is None else d["error"] for d in descriptions._described]
         self._descriptions = descriptions if any(e is None for e in self._errors) else None
 
     def __len__(self) -> int:
         return len(self._errors)
 
-    def __getitem__(self, k: int) -> ErrorModel:
+    def _item(self, k: int) -> ErrorModel:
         error = self._errors[k]
         if error is None:
+            assert self._descriptions is not None  # kept exactly while some error is still to describe
             error = self._errors[k] = self._descriptions[k]["error"]
         return error
 
 
-class Parts(Sequence):
+class Parts(_Lazy[Release]):
     """The per-partition :class:`Release` objects of a partitioned release, each made the
     first time it is looked at (see :class:`Descriptions`); ``values[k]`` are partition
     ``k``'s released values and, with ``release_id``, every part carries that ledger id.
@@ -442,9 +473,7 @@ class Parts(Sequence):
     def __len__(self) -> int:
         return len(self._values)
 
-    def __getitem__(self, k):
-        if isinstance(k, slice):
-            return tuple(self[i] for i in range(*k.indices(len(self))))
+    def _item(self, k: int) -> Release:
         release = self._made[k]
         if release is None:
             release = Release(values=self._values[k], private=self._private, release_id=self._release_id,

@@ -195,8 +195,8 @@ class Stream:
             every = given.get("every", spec.every if not spec.datetime else None)
             asked = (instant(start, "start") if spec.datetime and start is not None else start,
                      duration(every) if spec.datetime and every is not None else every)
-            stored = (spec.start if start is not None else None, spec.every if every is not None else None)
-            if asked != stored:
+            recorded = (spec.start if start is not None else None, spec.every if every is not None else None)
+            if asked != recorded:
                 raise InvalidParameter(f"stream {self.name!r} exists with another time grid (every, start); "
                                        "reopening it with a different one is refused")
 
@@ -264,7 +264,7 @@ class Stream:
 
     def to_polars(self) -> pl.DataFrame:
         """All released rows as a Polars DataFrame."""
-        return pl.from_arrow(self.released())
+        return pl.DataFrame(self.released())
 
     def range_sum(self, start=None, stop=None, partition=None) -> float:
         """Private sum of the released values with ``start <= order key < stop`` (free)."""
@@ -288,7 +288,7 @@ class Stream:
         return release.range_ci(i, j, level)
 
     def _value_column(self) -> str:
-        return "count" if self.spec.counts else self.spec.value
+        return "count" if self.spec.counts or self.spec.value is None else self.spec.value
 
     def _row_bounds(self, release: Release, start, stop, partition) -> tuple[int, int]:
         keys = self.released(partition=partition)[self.spec.order_by]
@@ -315,7 +315,7 @@ class Stream:
         state = PartitionState.unpack(part.state)
         machine = self._machine(self._keystream().partition(part.address), state.machine)
         rows = pa.concat_tables(chunks) if chunks else None
-        if rows is not None and getattr(machine, "public_columns", ()):
+        if rows is not None and getattr(machine, "public_columns", None):
             machine.restore_public({c: rows[f"dp_{c}"].to_numpy() for c in machine.public_columns})
         description = machine.describe()
         values = np.empty(0) if rows is None else rows["value"].to_numpy()

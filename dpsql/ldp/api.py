@@ -21,10 +21,12 @@ import numpy as np
 
 from dpsql import _validate
 from dpsql.budget import Budget
+from dpsql.errors import InvalidParameter
 from dpsql.methods import machine_for
 from dpsql.noise import Draws, Keystream
 from dpsql.publishing import publish
 from dpsql.release import Release
+from dpsql.streams.du.machines import MACHINES, DUStream
 from dpsql.streams.du.plan import Plan
 
 
@@ -54,8 +56,11 @@ class DeviceEncoder:
 
     def __init__(self, method: str, *, noise: Draws | None = None, **params):
         source = Keystream.fresh().partition() if noise is None else noise
-        self._machine = machine_for(method, None, source, params)
-        self.plan: Plan = self._machine.plan
+        machine = machine_for(method, None, source, params)
+        if not isinstance(machine, DUStream):
+            raise InvalidParameter(f"method {method!r} has no device encoder; expected one of {sorted(MACHINES)}")
+        self._machine = machine
+        self.plan: Plan = machine.plan
         self.epsilon_report = self.plan.epsilon_report
 
     def push(self, readings) -> np.ndarray:

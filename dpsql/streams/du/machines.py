@@ -15,7 +15,7 @@ Privacy: notion ``"w-event-ldp"``, every release costs ``epsilon`` (see
 :mod:`dpsql.streams.du.plan` for the per-report budgets of each accounting). Values outside
 the public ``[lower, upper]`` are clipped to them (part of the mechanism).
 
-Every machine is batchable: :meth:`_DUStream.batched` runs many equal-length users
+Every machine is batchable: :meth:`DUStream.batched` runs many equal-length users
 together (one partition each, their own draws), fed ``(users, rows)`` chunks; each user's
 release is exactly the one its own machine gives.
 """
@@ -52,7 +52,7 @@ from dpsql.streams.du.plan import (
 _SECONDS_PER_SLOT = {"alone": 1e-6, "together": 1e-7, "independent": 4e-7}
 
 
-class _DUStream(StreamMachine):
+class DUStream(StreamMachine):
     """Users' devices followed by the collector's published stream, online.
 
     ``feed`` encodes readings, replicates each report over its slots and releases the
@@ -76,7 +76,7 @@ class _DUStream(StreamMachine):
         self.cost = (plan.epsilon, 0.0)
         self._start(DrawsBatch([noise]))
 
-    def batched(self, draws: DrawsBatch) -> _DUStream:
+    def batched(self, draws: DrawsBatch) -> DUStream:
         machine = copy.copy(self)
         machine._start(draws)
         return machine
@@ -181,7 +181,7 @@ class _DUStream(StreamMachine):
                     reports=reports[partition], components={"reports": self.cost})
 
 
-class SWDirectStream(_DUStream):
+class SWDirectStream(DUStream):
     """``sw_direct``: SW of every value at ``epsilon / w``, raw reports published."""
 
     def __init__(self, n, *, epsilon, w, lower, upper, accounting="strict", window=1, align="trailing", noise):
@@ -189,7 +189,7 @@ class SWDirectStream(_DUStream):
                                         accounting=accounting, window=window, align=align, private=noise.private))
 
 
-class SamplingStream(_DUStream):
+class SamplingStream(DUStream):
     """``sampling``: SW of segment means, no feedback, each report replicated."""
 
     def __init__(self, n, *, epsilon, w, lower, upper, qlen=None, n_s=None, accounting="strict", window=1,
@@ -199,7 +199,7 @@ class SamplingStream(_DUStream):
                                         qlen=qlen, n_s=n_s))
 
 
-class IPPStream(_DUStream):
+class IPPStream(DUStream):
     """``ipp``: deviation feedback with memory 1 (DU §III)."""
 
     def __init__(self, n, *, epsilon, w, lower, upper, accounting="strict", window=3, align="trailing", noise):
@@ -207,7 +207,7 @@ class IPPStream(_DUStream):
                                         window=window, align=align, private=noise.private, memory=1))
 
 
-class APPStream(_DUStream):
+class APPStream(DUStream):
     """``app``: deviation feedback with memory ``H`` (default ``w``; ``"unbounded"`` = the
     paper's H = infinity, paper accounting only), DU Alg. 1."""
 
@@ -218,7 +218,7 @@ class APPStream(_DUStream):
                                         memory=memory_of(memory, w)))
 
 
-class CAPPStream(_DUStream):
+class CAPPStream(DUStream):
     """``capp``: APP in CAPP's frame ``T(e_s, e_d)`` (DU Alg. 2, ``bounds_mode`` §6.5)."""
 
     def __init__(self, n, *, epsilon, w, lower, upper, memory=None, bounds_mode="reference_code", clip_delta=None,
@@ -228,7 +228,7 @@ class CAPPStream(_DUStream):
                                         memory=memory_of(memory, w), bounds_mode=bounds_mode, clip_delta=clip_delta))
 
 
-class PPSStream(_DUStream):
+class PPSStream(DUStream):
     """``pp_s``: IPP/APP/CAPP (``base``) on segment means (DU Alg. 3). ``memory`` counts
     segment reports (default: ``n_s``, one query period; IPP: 1)."""
 
@@ -244,7 +244,7 @@ class PPSStream(_DUStream):
                                         clip_delta=clip_delta if clipped else None))
 
 
-class BASWStream(_DUStream):
+class BASWStream(DUStream):
     """``ba_sw``: Budget Absorption with SW; the published stream repeats the last
     publication between publications."""
 
