@@ -26,7 +26,7 @@ from pathlib import Path
 from dpsql import _state, _validate
 from dpsql.accounting import Charge, Kind, Neighbour, Notion, exact
 from dpsql.continual import Stream, open_stream
-from dpsql.errors import InvalidParameter, NonPrivateRelease, NotionMismatch
+from dpsql.errors import InvalidParameter, NonPrivateRelease, NotionMismatch, UnknownRelease
 from dpsql.ledger import Ledger, Receipt, memory_ledger, open_ledger
 from dpsql.ledger.store import refuse_overspend
 from dpsql.ledger.streams import StreamStore
@@ -152,9 +152,19 @@ class Budget:
             return frame
         return frame.select("time", "kind", "method", "epsilon", "delta", "rows", "note")
 
-    def release(self, release_id: str) -> ReleaseRecord:
-        """What the ledger recorded of release ``release_id``: its public description and error
-        model (no values; :meth:`dpsql.Release.from_arrow` joins them with saved values)."""
+    def release(self, release_id: str | None = None, *, dp_row: int | None = None) -> ReleaseRecord:
+        """What the ledger recorded of release ``release_id`` (or of the release that holds the
+        row handle ``dp_row``, from a released SQL table or Polars column): its public
+        description and error model, no values. ``record.with_values(values)`` (or
+        :meth:`dpsql.Release.from_arrow`) joins them with the released values."""
+        if (release_id is None) == (dp_row is None):
+            raise InvalidParameter("give a release_id or a dp_row handle")
+        if dp_row is not None:
+            row = self._ledger.release_at(_validate.integer(dp_row, "dp_row", minimum=0))
+            if row is None or "stream" in _state.unpack(row.description):
+                raise UnknownRelease(f"dp_row {dp_row} is not a row of a one-shot release in ledger {self.location} "
+                                     "(rows of a continual stream: budget.stream(name))")
+            release_id = row.release_id
         record = ReleaseRecord.from_row(self._ledger.release(release_id))
         if record.scope != self.scope:
             raise InvalidParameter(f"release {release_id} belongs to scope {record.scope!r}, not {self.scope!r}")

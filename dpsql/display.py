@@ -108,6 +108,12 @@ def plot_release(release, *, ax=None, truth=None, time=None, every: int | None =
     widths = series["stops"] - series["starts"]
     ax.set_ylabel(f"{value}{f' ({unit})' if unit else ''}" + ("" if widths.max() == 1 else ", mean per row"))
     ax.set_xlabel(time_label or ("time" if time is not None else "row"))
+    if time is not None and np.issubdtype(np.asarray(time).dtype, np.datetime64):
+        import matplotlib.dates as mdates
+
+        locator = mdates.AutoDateLocator()
+        ax.xaxis.set_major_locator(locator)
+        ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
     cost = f"epsilon {release.epsilon:g}" + (f", delta {release.delta:g}" if release.delta else "")
     buckets = "" if widths.max() == 1 else f"; buckets of {_widths(widths)} rows"
     ax.set_title(f"{release.method}: {cost}{buckets}", fontsize=10)
@@ -152,7 +158,7 @@ def plot_partitions(release, *, truth=None, time=None, titles=None, **options):
     return fig
 
 
-def plot_stream(stream, *, partition=None, **options):
+def plot_stream(stream, *, partition=None, ax=None, **options):
     """A stream's released rows against their order keys: one panel, or one per partition
     (the first twelve, or the one given); returns the figure."""
     plt = _pyplot()
@@ -163,7 +169,7 @@ def plot_stream(stream, *, partition=None, **options):
     options.setdefault("value", stream._value_column())
     options.setdefault("time_label", key)
     if not stream.spec.partition_by:
-        return plot_release(stream._partition_release(None), time=released[key].to_numpy(), **options)
+        return plot_release(stream.release(None), ax=ax, time=released[key].to_numpy(), **options)
     columns = list(stream.spec.partition_by)
     keys = released.select(columns).group_by(columns).aggregate([]).sort_by([(c, "ascending") for c in columns])
     keys = [row[0] if len(columns) == 1 else tuple(row) for row in zip(*(keys[c].to_pylist() for c in columns))]
@@ -173,7 +179,7 @@ def plot_stream(stream, *, partition=None, **options):
     fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.3 * len(keys)), squeeze=False, constrained_layout=True)
     for ax, part in zip(axes[:, 0], keys):
         rows = stream.released(partition=part)
-        plot_release(stream._partition_release(part), ax=ax, time=rows[key].to_numpy(), **options)
+        plot_release(stream.release(part), ax=ax, time=rows[key].to_numpy(), **options)
         ax.set_title(f"{', '.join(columns)} = {part}", fontsize=9)
     return fig
 

@@ -205,12 +205,13 @@ class Stream:
         return (f"Stream({self.name!r}, {self.method}, epsilon={info['epsilon']:g}, rows={info['rows']}, "
                 f"partitions={info['partitions']}, watermark={info['watermark']})")
 
-    def plot(self, *, partition=None, **options):
+    def plot(self, *, partition=None, ax=None, **options):
         """The released rows against their order keys (matplotlib), one panel per partition
-        (the first twelve, or ``partition``), as :meth:`dpsql.Release.plot`; returns the figure."""
+        (the first twelve, or ``partition``; ``ax`` for an unpartitioned stream), as
+        :meth:`dpsql.Release.plot`; returns the figure."""
         from dpsql.display import plot_stream
 
-        return plot_stream(self, partition=partition, **options)
+        return plot_stream(self, partition=partition, ax=ax, **options)
 
     def _repr_html_(self) -> str:
         from dpsql.display import stream_html
@@ -273,7 +274,7 @@ class Stream:
 
     def range_variance(self, start=None, stop=None, partition=None) -> float:
         """Noise variance of :meth:`range_sum`, from the stream's error model."""
-        release = self._partition_release(partition)
+        release = self.release(partition)
         i, j = self._row_bounds(release, start, stop, partition)
         return float(release.range_variance(i, j)) if j > i else 0.0
 
@@ -281,7 +282,7 @@ class Stream:
         """``(low, high)`` interval for :meth:`range_sum` at confidence ``level``, as
         :meth:`dpsql.Release.range_ci` gives it."""
         level = check_level(level)
-        release = self._partition_release(partition)
+        release = self.release(partition)
         i, j = self._row_bounds(release, start, stop, partition)
         if j <= i:
             return 0.0, 0.0
@@ -296,8 +297,10 @@ class Stream:
         j = len(keys) if stop is None else int(pc.sum(pc.less(keys, scalar_like(stop, keys.type))).as_py() or 0)
         return i, max(i, j)
 
-    def _partition_release(self, partition) -> Release:
-        """The released rows of one partition as a :class:`Release` with the stream's error model."""
+    def release(self, partition=None) -> Release:
+        """The rows released so far (of ``partition``, its key, for a partitioned stream) as a
+        :class:`~dpsql.Release` with the stream's error model: ``range_ci``, ``plot`` and the
+        rest work on it as on any release. Free: it reads released rows and public state."""
         if partition is None and self.spec.partition_by:
             raise InvalidParameter(f"stream {self.name!r} is partitioned by {list(self.spec.partition_by)}: pass "
                                    "partition= (its key) for error bars")

@@ -138,3 +138,27 @@ def test_the_cache_never_answers_another_scope_or_method(ledger):
     dpsql.laplace(values, epsilon=0.5, upper=1.0, budget=uncached)
     dpsql.laplace(values, epsilon=0.5, upper=1.0, budget=uncached)
     assert uncached.spent == (1.0, 0.0)
+
+
+def test_a_release_is_found_by_any_of_its_row_handles_and_rebuilt_with_its_values():
+    budget = dpsql.Budget.in_memory(epsilon=2.0)
+    frame = pl.DataFrame({"ts": np.arange(3000), "v": np.arange(3000) % 11 * 1.0})
+    with dpsql.testing.seeded(3):
+        out = frame.with_columns(pl.col("v").dpsql.range_sum(order_by="ts", method="hierarchy", epsilon=1.0,
+                                                             upper=20.0, errors=True, budget=budget).alias("dp"))
+    handles = out["dp"].struct.field("dp_row")
+    record = budget.release(dp_row=handles[1234])
+    assert record.release_id == budget.release(dp_row=handles[0]).release_id and record.method == "hierarchy"
+    release = record.with_values(out["dp"].struct.field("value").to_numpy())
+    assert release.range_ci(0, 1000) == pytest.approx(
+        (release.range_sum(0, 1000) - release.error.range_margin(np.array([0]), np.array([1000]), 0.95)[0],
+         release.range_sum(0, 1000) + release.error.range_margin(np.array([0]), np.array([1000]), 0.95)[0]))
+    with pytest.raises(dpsql.UnknownRelease, match="dp_row 99"):
+        dpsql.Budget.in_memory(epsilon=1.0).release(dp_row=99)
+    with pytest.raises(dpsql.InvalidParameter, match="release_id or a dp_row"):
+        budget.release()
+    stream = budget.stream("s", method="laplace", epsilon=0.5, order_by="ts", value="v", upper=20.0)
+    rows = stream.append(frame.head(10))
+    with pytest.raises(dpsql.UnknownRelease, match="continual stream"):
+        budget.release(dp_row=rows["dp_row"][0].as_py())
+    assert len(stream.release()) == 10 and stream.release().method == "laplace"
