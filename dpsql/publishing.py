@@ -184,9 +184,19 @@ class _Request:
 
     def _fingerprint(self, budget: Budget, charge: Charge) -> str:
         header = {"version": 1, "scope": budget.scope, "notion": charge.notion.value, "method": self.method,
-                  "params": _public(self.params), "levels": self.levels, "partitioned": self.partitioned}
+                  "params": _canonical(self.params), "levels": self.levels, "partitioned": self.partitioned}
         addresses = np.frombuffer(b"".join(len(a).to_bytes(4, "big") + a for a in self.addresses), dtype=np.uint8)
         return fingerprint(header, [self.data, self.offsets, addresses, *self.order_keys])
+
+
+def _canonical(params: Mapping) -> dict:
+    """Parameters as the answer cache compares them: a parameter left at its default (None) is
+    the same as one not given, and a number the same whatever its type (SQL's ``upper := 8000``
+    and Python's ``upper=8000.0`` ask for one release)."""
+    def number(v):
+        return float(v) if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) else v
+
+    return {k: number(v) for k, v in _public(params).items() if v is not None}
 
 
 def _public(params: Mapping) -> dict:
