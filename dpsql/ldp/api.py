@@ -8,7 +8,7 @@ charging path; the machines behind the names are in :mod:`dpsql.streams.du` and
 by a ledger scope created for another notion. ``progress=False`` silences the progress bar
 that releases expected to take more than two seconds show.
 
-Du et al.'s methods (ALGORITHMS.md §6) share one signature
+Du et al.'s methods (docs/algorithms.md, "The w-event family") share one signature
 ``f(values, *, epsilon, w, lower, upper, budget=None, note=None, progress=True, **params)``;
 their cost is ``epsilon`` under w-event LDP (neighbours: one user's values in any ``w``
 consecutive slots), values outside the public ``[lower, upper]`` are clipped to them, and

@@ -1,4 +1,5 @@
-"""The fanout-f forest over block sums (ALGORITHMS.md P5) and Hay et al.'s consistency (P6).
+"""The fanout-f forest over block sums and Hay et al.'s consistency (VLDB 2010), with the block-length
+rules and the chunk layouts of the hierarchy (docs/algorithms.md, "hierarchy").
 
 Privacy cost (stated where it is defined): a forest of ``L`` levels over block sums of
 values clipped to ``[0, theta]`` puts every value in exactly one node per level, so the

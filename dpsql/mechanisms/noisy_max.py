@@ -1,4 +1,4 @@
-"""Report-Noisy-Max (ALGORITHMS.md P2) and the ToPS threshold optimizer built on it (4.2).
+"""Report-Noisy-Max (Dwork and Roth, Claim 3.9) and the ToPS threshold optimizer built on it.
 
 Privacy cost: ``epsilon``-DP (pure) for scores whose sensitivity is ``sensitivity``.
 When every score moves in the same direction on a neighbouring input
@@ -152,7 +152,7 @@ def nm_slope(m: int, *, epsilon_perturber: float, r: int, fanout: int = 16, c: f
     """Noise-error coefficient of ToPS Eq. 6: ``3 m / (c r eps) * sqrt(2 (fanout - 1) levels^3)``.
 
     ``levels`` is ``log_fanout(r)`` (paper) or ``int(log_fanout r) + 1`` (reference code, where
-    ``r`` is the stream length ``n - m``); ALGORITHMS.md 4.5.2.
+    ``r`` is the stream length ``n - m``).
 
     >>> round(nm_slope(65536, epsilon_perturber=0.05, r=2**20), 4)
     3.8273
@@ -338,7 +338,7 @@ _SCORES_AT_ONCE = 1 << 18
 def nm_threshold(holdout_sorted: np.ndarray, *, epsilon: float, upper: float, epsilon_perturber: float, r: int,
                  fanout: int = 16, c: float = 60.0, step: float | None = None, levels_for_nm: str = "paper",
                  noise: LaneDraws) -> float:
-    """ToPS threshold optimizer (ALGORITHMS.md 4.2 Phase 1): Report-Noisy-Max over Eq. 6.
+    """ToPS threshold optimizer (ToPS §4.2, phase 1): Report-Noisy-Max over Eq. 6.
 
     Balances the hierarchy's noise, which grows with the threshold, against the truncation
     bias ``#{v > theta}`` on the sorted hold-out (values in ``[0, upper]``). Candidates are

@@ -1,5 +1,5 @@
-"""Smooth sensitivity of the empirical quantile (NRS07, ALGORITHMS.md P4) and the PAK
-threshold built on it (PAK Mechanism 1, ALGORITHMS.md §3.2).
+"""Smooth sensitivity of the empirical quantile (Nissim, Raskhodnikova, Smith 2007) and the PAK
+threshold built on it (PAK Mechanism 1; docs/algorithms.md, "pak").
 
 Privacy cost (stated where it is defined): :func:`pak_threshold` is
 ``(epsilon, delta)``-DP under replace-one-value neighbours of the hold-out (values
@@ -17,8 +17,8 @@ Writing ``lo = P+t-k-1`` and ``hi = P+t`` this is the maximum over ``lo <= P <= 
 ``lo < hi`` of ``(x_hi - x_lo) * exp(-b (hi - lo - 1))``; padding beyond ``x_0`` and
 ``x_{m+1}`` only lengthens a window without widening it. The window is two-sided
 (``t`` up to ``k + 1``): the reference code stops at ``t = k``, which misses the gap
-above the quantile and under-states the sensitivity (a privacy bug, see ALGORITHMS.md
-[!] P4). ``log(x_hi - x_lo)`` is supermodular in ``(lo, hi)`` on sorted data, so the
+above the quantile and under-states the sensitivity (a privacy bug). ``log(x_hi - x_lo)`` is
+supermodular in ``(lo, hi)`` on sorted data, so the
 largest optimal ``hi`` is non-decreasing in ``lo`` and a divide and conquer over
 ``lo`` finds every row's optimum in ``O(m log m)``, one vectorised pass per level.
 """
@@ -72,7 +72,7 @@ def smooth_sensitivity_quantile(sorted_values, rank: int, *, b: float, upper: fl
 
     Examples
     --------
-    The ALGORITHMS.md P4 oracle: data 1..10, B = 20, rank 8 (value 9), ``b = 0.5``:
+    A hand-computed oracle: data 1..10, B = 20, rank 8 (value 9), ``b = 0.5``:
     the best window is ``[9, B]`` at ``k = 1``, ``(20 - 9) * exp(-0.5)``.
 
     >>> round(smooth_sensitivity_quantile(np.arange(1.0, 11.0), 8, b=0.5, upper=20.0), 4)
@@ -129,7 +129,7 @@ def smoothing_parameter(epsilon: float, delta: float) -> float:
     ``b_ss = epsilon / (2 ln(2 / delta))``.
 
     PAK and the ToPS code use ``epsilon / (2 ln(1 / delta))``, slightly larger; dpsql
-    uses the NRS07 constant (ALGORITHMS.md [!] P4).
+    uses the NRS07 constant.
 
     Examples
     --------
@@ -150,7 +150,7 @@ def pak_kappa(*, b: float, a: float, beta_lt: float) -> float:
 
     Examples
     --------
-    The ALGORITHMS.md §3.6 oracle, with the paper's ``b_ss = 1 / (2 ln 2^20)``:
+    A hand-computed oracle, with the paper's ``b_ss = 1 / (2 ln 2^20)``:
 
     >>> round(pak_kappa(b=1 / (2 * math.log(2.0**20)), a=0.5, beta_lt=0.006), 5)
     1.48118

@@ -1,4 +1,4 @@
-"""Block smoothers (ALGORITHMS.md P7, ToPS App. D): post-processing of released block sums.
+"""Block smoothers (ToPS App. D): post-processing of released block sums.
 
 A hierarchy releases one noisy sum ``u_t`` per block of ``g`` values. A *predictive*
 smoother turns them into one value per row, causally: every row of block ``t`` except

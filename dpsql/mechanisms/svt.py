@@ -1,4 +1,4 @@
-"""Sparse vector technique: AboveThreshold sessions with group resets (ALGORITHMS.md P3).
+"""Sparse vector technique: AboveThreshold sessions with group resets (Dwork and Roth, Algorithm 1; Lyu et al. 2017).
 
 Privacy cost (stated where it is defined): one *session* draws its noisy threshold
 ``theta + Lap(2 * sensitivity / epsilon)`` once, then answers "above / below" for a
@@ -10,8 +10,8 @@ threshold nor the noisy queries.
 
 A new session must draw a *fresh* threshold: ``theta + new noise``. Re-using the last
 noisy threshold and adding noise to it (``theta_tilde += Lap``) lets the threshold
-random-walk away from ``theta``; that is the re-implementation bug of ALGORITHMS.md
-§2.9.1. Here a threshold is only ever computed by :meth:`AboveThreshold.thresholds`,
+random-walk away from ``theta``; that is the bug of a public re-implementation of PeGaSus.
+Here a threshold is only ever computed by :meth:`AboveThreshold.thresholds`,
 which adds independent noise to the public ``theta`` and nothing else.
 
 Noise is lattice Laplace (:class:`dpsql.mechanisms.LaplaceLattice`): the private query

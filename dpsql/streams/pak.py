@@ -1,4 +1,4 @@
-"""PAK (Perrier, Asghar, Kaafar, NDSS 2019; ALGORITHMS.md §3): a smooth-sensitivity
+"""PAK (Perrier, Asghar, Kaafar, NDSS 2019): a smooth-sensitivity
 threshold from a hold-out prefix, then the binary-tree counter on the rest, clipped at
 that threshold.
 

@@ -1,4 +1,4 @@
-"""ToPL (Wang et al., CCS 2021, §4; ALGORITHMS.md §5): a stream of single values under event-level local DP,
+"""ToPL (Wang et al., CCS 2021, §4): a stream of single values under event-level local DP,
 and DU's ``pm_direct`` baseline. The machines behind :func:`dpsql.ldp.topl` and :func:`dpsql.ldp.pm_direct`.
 
 Each value belongs to one report made by its owner's device; the server only post-processes.
@@ -273,7 +273,7 @@ class ToplStream(StreamMachine):
 
 
 class PmDirectStream(StreamMachine):
-    """The reference DU code's "ToPL" baseline, named ``pm_direct`` (ALGORITHMS.md §6.9):
+    """The reference DU code's "ToPL" baseline, named ``pm_direct`` (docs/algorithms.md, "pm_direct"):
     every slot of one user's stream reported once by the Piecewise mechanism at ``epsilon / w``.
 
     The value is mapped from ``[lower, upper]`` to ``[-1, 1]``; the published value

@@ -1,4 +1,4 @@
-"""Local-DP primitives (ALGORITHMS.md P8-P13): the randomisers (:mod:`.randomisers`), Square
+"""Local-DP primitives (docs/algorithms.md, "Local differential privacy"): the randomisers (:mod:`.randomisers`), Square
 Wave density estimation (:mod:`.sw_estimation`), deviation feedback (:mod:`.feedback`) and
 the linear post-processing of reports with its noise model (:mod:`.linear`).
 """

@@ -1,4 +1,5 @@
-"""Deviation feedback around Square Wave, run on the data owner's device (ALGORITHMS.md §6.3-6.5).
+"""Deviation feedback around Square Wave, run on the data owner's device (Du et al.;
+docs/algorithms.md, "The w-event family").
 
 Everything here reads true values and emits reports. One :class:`FeedbackEncoder`
 advances many independent users together: the feedback makes each user's reports a
@@ -62,7 +63,7 @@ def capp_threshold(eps: float) -> tuple[float, float, float]:
 
 
 def capp_ranges(eps: float, bounds_mode: str, clip_delta: float | None = None) -> Ranges:
-    """CAPP's clip and output frames (ALGORITHMS.md §6.5, ambiguity #14).
+    """CAPP's clip and output frames (the paper's and its code's differ: both are offered).
 
     * ``"reference_code"`` (default, produced the published numbers): ``l = T``,
       ``u = 1 - T``; the input frame is ``[min(l, 0), max(u, 1)]`` (never narrower than
@@ -104,7 +105,7 @@ class FeedbackEncoder:
     Privacy: each report is ``eps``-LDP in its input ``z``. A change of the true values
     in a window of ``w`` reports changes the inputs of those ``w`` reports and of the
     next ``memory`` ones, so by adaptive composition the window costs
-    ``eps * (w + memory)`` (ALGORITHMS.md §6.8), not the paper's ``eps * w``. That needs
+    ``eps * (w + memory)`` (docs/algorithms.md, "The w-event family"), not the paper's ``eps * w``. That needs
     ``D_t`` to be a function of the last ``memory`` deviations alone, to the last bit: a
     running float sum updated by "+ newest - oldest" would carry the rounding residue of
     every past deviation into all later inputs. Time is cut into blocks of ``memory``

@@ -2,7 +2,7 @@
 
 The published stream of every DU method is linear in the reports: reports are
 replicated over the slots they cover (``R``), then smoothed by a simple moving average
-(``S``, ALGORITHMS.md P13). Under deviation feedback the report noise itself passes
+(``S``). Under deviation feedback the report noise itself passes
 through a linear filter ``G`` (see :class:`ReportNoise`).
 """
 

@@ -1,4 +1,5 @@
-"""Local-DP randomisers (ALGORITHMS.md P8-P11): Square Wave, Piecewise, Stochastic Rounding, Hybrid.
+"""Local-DP randomisers: Square Wave, Piecewise, Stochastic Rounding, Hybrid (docs/algorithms.md,
+"Local differential privacy").
 
 Each randomiser is run by the data owner on one value; its report is ``epsilon``-LDP:
 for any two inputs ``x, x'`` in the input domain and any output set ``S``,
@@ -233,7 +234,7 @@ class SWConstants(NamedTuple):
 
 
 class SquareWave(Randomiser):
-    """Square Wave (Li et al. 2020; ALGORITHMS.md P8) on inputs in ``[0, 1]``.
+    """Square Wave (Li et al., SIGMOD 2020) on inputs in ``[0, 1]``.
 
     Report density on ``[-b, 1 + b]``: ``p`` within ``b`` of the input, ``q`` elsewhere,
     ``p / q = e^eps``, with ``b = (eps e^eps - e^eps + 1) / (2 e^eps (e^eps - 1 - eps))``.
@@ -344,7 +345,7 @@ SQUARE_WAVE = SquareWave()
 
 
 class Piecewise(Randomiser):
-    """Piecewise Mechanism (Wang et al. ICDE 2019; ALGORITHMS.md P9) on inputs in ``[-1, 1]``.
+    """Piecewise Mechanism (Wang et al., ICDE 2019) on inputs in ``[-1, 1]``.
 
     With ``C = (e^{eps/2} + 1) / (e^{eps/2} - 1)`` the report density on ``[-C, C]`` is
     ``p = (e^eps - e^{eps/2}) / (2 e^{eps/2} + 2)`` on ``[l(x), l(x) + C - 1]``,
@@ -352,7 +353,7 @@ class Piecewise(Randomiser):
     ``x^2 / (e^{eps/2} - 1) + (e^{eps/2} + 3) / (3 (e^{eps/2} - 1)^2)``. Cost: ``eps``-LDP.
 
     The reference code (``primitive.pm``) maps its draws back with the per-sample ``l(x)``
-    in place of the domain bound ``-C`` (ALGORITHMS.md P9 [!]); here the density is
+    in place of the domain bound ``-C`` (a slip of the paper); here the density is
     parameterised directly on ``[-C, C]``, so the domain bounds are the only bounds used.
 
     Examples
@@ -405,7 +406,7 @@ class Piecewise(Randomiser):
 
 
 class StochasticRounding(Randomiser):
-    """Stochastic Rounding (Duchi et al.; ALGORITHMS.md P10) on inputs in ``[-1, 1]``.
+    """Stochastic Rounding (Duchi, Jordan, Wainwright) on inputs in ``[-1, 1]``.
 
     Reports ``+C`` with probability ``1/2 + x (e^eps - 1) / (2 (e^eps + 1))``, else ``-C``,
     ``C = (e^eps + 1) / (e^eps - 1)``: unbiased, variance ``C^2 - x^2``. The two outputs
@@ -470,7 +471,7 @@ HYBRID_THRESHOLD = 0.61
 
 
 class Hybrid(Randomiser):
-    """Hybrid Mechanism (Wang et al. ICDE 2019; ALGORITHMS.md P11) on inputs in ``[-1, 1]``.
+    """Hybrid Mechanism (Wang et al., ICDE 2019) on inputs in ``[-1, 1]``.
 
     For ``eps > 0.61`` it runs :class:`Piecewise` with probability ``alpha = 1 - e^{-eps/2}``
     and :class:`StochasticRounding` otherwise; for ``eps <= 0.61`` (the paper's boundary;

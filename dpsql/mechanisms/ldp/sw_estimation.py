@@ -1,4 +1,4 @@
-"""Square Wave density estimation on the collector's side (ALGORITHMS.md P8, ToPL §5).
+"""Square Wave density estimation on the collector's side (Li et al., SIGMOD 2020; used by ToPL).
 
 Post-processing of Square Wave reports: it costs nothing beyond the reports. The exact
 transition matrix of binned reports given binned inputs (:func:`sw_transition_matrix`),

@@ -1,4 +1,4 @@
-"""The device side of Du et al.'s methods (ALGORITHMS.md §6.3-6.9): what a user's device
+"""The device side of Du et al.'s methods (Du et al.): what a user's device
 runs on its own readings, for ``users`` users at once (one per partition of a
 :class:`~dpsql.noise.DrawsBatch`).
 
@@ -80,7 +80,7 @@ def segment_means(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 class AbsorptionEncoder:
-    """Device side of BA-SW (ALGORITHMS.md §6.9).
+    """Device side of BA-SW (Kellaris et al. 2014, with Square Wave).
 
     Unit budget ``e0 = epsilon / (2w)``. Slot 0 publishes ``SW(x; e0)``. Later slots:
     (M1) ``dis = |SW(|o - x|; e0)|`` against the last publication ``o``; (M2) after a

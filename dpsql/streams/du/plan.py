@@ -1,4 +1,4 @@
-"""The public parameters of Du et al.'s methods (ALGORITHMS.md §6): the papers' choices as
+"""The public parameters of Du et al.'s methods (docs/algorithms.md, "The w-event family"): the papers' choices as
 functions, the per-report budget of each accounting, the sampling segments, and the
 validated :class:`Plan` that the device encoders and the machines share.
 
@@ -163,9 +163,9 @@ def make_plan(method: str, *, epsilon, w, lower, upper, accounting, window, alig
     if align == "center" and window % 2 == 0:
         raise InvalidParameter(f"window must be odd (2k+1) with align='center', got {window}")
     if accounting == "paper" and private:
-        raise InvalidParameter("accounting='paper' is not w-event private (ALGORITHMS.md §6.8) and is only "
-                               "available with the seeded test keys (dpsql.testing.seeded), for "
-                               "reproducing the paper")
+        raise InvalidParameter("accounting='paper' is not w-event private (a window's values reach later reports "
+                               "through the fed-back deviation) and is only available with the seeded test keys "
+                               "(dpsql.testing.seeded), for reproducing the paper")
     extra: dict = {}
     pattern = np.ones(1, dtype=np.int64)
     if qlen is not None or n_s is not None or method in ("sampling", "pp_s"):
