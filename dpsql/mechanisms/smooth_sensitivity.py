@@ -17,10 +17,9 @@ Writing ``lo = P+t-k-1`` and ``hi = P+t`` this is the maximum over ``lo <= P <= 
 ``lo < hi`` of ``(x_hi - x_lo) * exp(-b (hi - lo - 1))``; padding beyond ``x_0`` and
 ``x_{m+1}`` only lengthens a window without widening it. The window is two-sided
 (``t`` up to ``k + 1``): the reference code stops at ``t = k``, which misses the gap
-above the quantile and under-states the sensitivity (a privacy bug). ``log(x_hi - x_lo)`` is
-supermodular in ``(lo, hi)`` on sorted data, so the
-largest optimal ``hi`` is non-decreasing in ``lo`` and a divide and conquer over
-``lo`` finds every row's optimum in ``O(m log m)``, one vectorised pass per level.
+above the quantile and under-states the sensitivity (a privacy bug). ``log(x_hi - x_lo)``
+is supermodular in ``(lo, hi)`` on sorted data, so the largest optimal ``hi`` is
+non-decreasing in ``lo`` and a divide and conquer over ``lo`` finds every row's optimum in ``O(m log m)``, one vectorised pass per level.
 """
 
 from __future__ import annotations
