@@ -10,7 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 from dpsql import duckdb, ldp, polars, testing
 from dpsql.api import binary_tree, hierarchy, laplace, pak, threshold, tops
 from dpsql.budget import Budget, use_budget
-from dpsql.counts import count_stream, pegasus
+from dpsql.counts import pegasus
 from dpsql.duckdb import register
 from dpsql.errors import (
     BudgetExhausted,
@@ -27,6 +27,7 @@ from dpsql.errors import (
     UnknownRelease,
     UnknownStream,
 )
+from dpsql.polars.counts import count_stream
 from dpsql.preview import Preview, preview
 from dpsql.publishing import publish
 from dpsql.release import PartitionedRelease, Release

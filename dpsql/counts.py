@@ -30,12 +30,13 @@ public: the set of keys released is the set present in the events.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from dpsql import _validate
+from dpsql import _validate, methods
 from dpsql.budget import Budget
 from dpsql.errors import InvalidData, InvalidParameter
 from dpsql.publishing import publish
@@ -43,8 +44,10 @@ from dpsql.release import PartitionedRelease, Release
 from dpsql.streams.pegasus import DEFAULT_GROUPER_SHARE, largest_share, window_sums
 from dpsql.timegrid import TimeDomain, ticks, time_domain
 
-#: Front-end method names -> registered machines.
-COUNT_METHODS = {"pegasus": "pegasus", "laplace": "count_laplace"}
+#: Count methods by their registered names (:data:`dpsql.methods.COUNT_METHODS`, the one name
+#: every front end uses) -> the registered machine; ``"laplace"`` is the old name of ``"count_laplace"``.
+COUNT_METHODS = {name: name for name in methods.COUNT_METHODS}
+_OLD_NAMES = {"laplace": "count_laplace"}
 
 
 
@@ -97,26 +100,6 @@ def pegasus(counts, *, epsilon: float, grouper_share: float = DEFAULT_GROUPER_SH
     """
     return publish("pegasus", counts, budget=budget, column="counts", note=note, epsilon=epsilon,
                    grouper_share=grouper_share, theta=theta, smoother=smoother, sensitivity=sensitivity)
-
-
-def count_stream(frame, time_column: str, **options):
-    """Private count streams from a Polars event table: see
-    :func:`dpsql.polars.counts.count_stream` for the parameters, privacy cost and
-    neighbour relation (``epsilon``-DP, add/remove one event). Imported lazily so that
-    ``import dpsql`` does not load the Polars namespace.
-
-    Examples
-    --------
-    >>> import polars as pl, dpsql
-    >>> events = pl.DataFrame({"t": [0.5, 1.5, 1.7, 9.0]})
-    >>> with dpsql.testing.seeded(0):
-    ...     out = dpsql.count_stream(events, "t", every=1.0, start=0, stop=4, epsilon=1.0)
-    >>> out["t"].to_list(), out.columns[1:3]
-    ([0.0, 1.0, 2.0, 3.0], ['dp_count', 'dp_std_error'])
-    """
-    from dpsql.polars.counts import count_stream as polars_count_stream
-
-    return polars_count_stream(frame, time_column, **options)
 
 
 # -- bucketing --------------------------------------------------------------------------------
@@ -286,8 +269,8 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
         Event times (datetimes, or numbers with a numeric domain).
     start, stop, every :
         The public time domain ``[start, stop)`` and bucket width (:func:`time_domain`).
-    method : {"pegasus", "laplace"}
-        PeGaSus, or per-bucket Laplace (the baseline).
+    method : {"pegasus", "count_laplace"}
+        PeGaSus, or per-bucket Laplace (the baseline; ``"laplace"`` is its old name).
     keys : mapping of column name to array, optional
         Partition columns (one value per event).
     units, cap : optional
@@ -313,6 +296,10 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
     >>> len(cols["dp_count"]), cols["dp_level"][::6].tolist(), cols["room"][::6].tolist(), budget.spent
     (18, [1, 2, 2], [None, 'a', 'b'], (1.0, 0.0))
     """
+    if method in _OLD_NAMES:
+        warnings.warn(f"count method {method!r} is now called {_OLD_NAMES[method]!r}", DeprecationWarning,
+                      stacklevel=2)
+        method = _OLD_NAMES[method]
     method_name = _validate.choice(method, "method", COUNT_METHODS)
     epsilon = _validate.epsilon(epsilon)
     window = None if window is None else _validate.integer(window, "window", minimum=1)

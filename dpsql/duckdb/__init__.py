@@ -18,27 +18,27 @@ rules (what is charged when, what a failed query costs).
 Plugging in more macros
 -----------------------
 :func:`register` runs every function of :data:`_INSTALLERS` as ``install(con, context)``
-with the connection's :class:`~dpsql.duckdb._machinery.Context` (bound budget, result
-slots, row handles and error models). To add a module's macros (e.g. ``dpsql/duckdb/counts.py``,
-``dpsql/duckdb/ldp.py``), define ``install(con, context)`` in it and add two lines here:
-``from dpsql.duckdb import counts`` and ``counts.install`` in ``_INSTALLERS``.
+with the connection's :class:`~dpsql.duckdb.context.Context` (bound budget, result slots,
+macro signatures, row handles). To add a module's macros, define ``install(con, context)``
+in it and add it to ``_INSTALLERS``.
 
-The reusable pieces live in :mod:`dpsql.duckdb._machinery`:
+The reusable pieces, by concern (docs/vocabulary.md, "Where the front ends live"):
 
-* ``install_stream_release(context, "dp_pegasus", default_method="pegasus")`` is a
-  complete one-value-per-row table macro ``dp_pegasus(tbl, order_col, value_col,
-  method := 'pegasus', partition_by := NULL, <every registered method parameter>)``,
-  with the same validation, charging, outputs and error bars as ``dp_range_sum``.
+* :mod:`dpsql.duckdb.macros`: ``install_stream_release(context, "dp_pegasus",
+  default_method="pegasus")`` is a complete one-value-per-row table macro ``dp_pegasus(tbl,
+  order_col, value_col, method := 'pegasus', partition_by := NULL, <every registered method
+  parameter>)``, with the same validation, charging, outputs and error bars as
+  ``dp_range_sum``; ``method_parameters()`` and ``params_struct()`` pass named parameters
+  through to publish generically; ``row_handles`` makes the ``dp_row`` column.
 * For other shapes, a macro is ``context.macro("name(tbl, ...) AS TABLE FROM
-  query(dp__plan_name(...))")`` with a *plan* UDF registered by ``context.udf`` (which
-  sets ``side_effects=True``). At bind time it uses ``resolve_source``, ``describe``,
-  ``require_columns``, ``require_numeric`` and ``arrow_fields``, fixes the result's
-  Arrow schema and returns ``context.result_query(schema, run)``. ``run()`` is called
-  when the query executes: ``release_ordered`` for the read in stream order, with
-  the keys validated, and the one charge, ``row_handles`` for the ``dp_row`` column
-  that error bars take; it returns a ``pyarrow.Table`` of that schema.
-  ``method_parameters()`` and ``params_struct()`` pass named parameters through to
-  publish generically.
+  query(dp__plan_name(...))")`` (its signature is kept for :mod:`dpsql.duckdb.sql_errors`)
+  with a *plan* UDF registered by ``context.udf`` (which sets ``side_effects=True``). At
+  bind time the plan uses :mod:`dpsql.duckdb.sources` (``resolve_source``, ``describe``,
+  ``require_columns``, ``require_numeric``, ``arrow_fields``), fixes the result's Arrow
+  schema and returns ``context.result_query(schema, run)``. ``run()`` is called when the
+  query executes: :func:`dpsql.duckdb.ordered.release_ordered` reads the source in stream
+  order, checks the keys and makes the one charge; it returns a ``pyarrow.Table`` of that
+  schema.
 """
 
 from __future__ import annotations
@@ -47,12 +47,14 @@ import contextlib
 
 import duckdb
 
+from dpsql._frontend import check_budget
 from dpsql.budget import Budget
-from dpsql.duckdb import _machinery, counts, ldp, range_sum, streams
+from dpsql.duckdb import context as _context
+from dpsql.duckdb import counts, ldp, preview, range_sum, sql_errors, streams
 from dpsql.errors import InvalidParameter
 
 #: ``install(con, context)`` functions run by :func:`register`, in order.
-_INSTALLERS = [range_sum.install, ldp.install, counts.install, streams.install]
+_INSTALLERS = [range_sum.install, ldp.install, counts.install, streams.install, preview.install]
 
 
 def register(con: duckdb.DuckDBPyConnection, *, budget: Budget) -> None:
@@ -72,6 +74,13 @@ def register(con: duckdb.DuckDBPyConnection, *, budget: Budget) -> None:
     charged is not refunded when the rest of the query fails, because such a failure
     may depend on the private values.
 
+    Errors. A call DuckDB refuses while binding (a misspelt or missing parameter, an unquoted
+    keyword, a subquery argument) or a source the release cannot see (a TEMP table, a common
+    table expression) is re-raised as an error naming what is wrong and what to pass
+    instead, both a :class:`dpsql.InvalidParameter` and DuckDB's own error class: ``register``
+    wraps the query methods of DuckDB connections for that (:mod:`dpsql.duckdb.sql_errors`;
+    connections never registered are left as they are).
+
     Parameters
     ----------
     con : duckdb.DuckDBPyConnection
@@ -86,12 +95,12 @@ def register(con: duckdb.DuckDBPyConnection, *, budget: Budget) -> None:
     >>> con.execute("SELECT count(*) FROM duckdb_functions() WHERE function_name = 'dp_range_sum'").fetchone()
     (1,)
     """
-    if not isinstance(budget, Budget):
-        raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
+    check_budget(budget, required=True)
     if not isinstance(con, duckdb.DuckDBPyConnection):
         raise InvalidParameter(f"con must be a duckdb connection, got {type(con).__name__}")
-    context = _machinery.context_for(con, budget)
-    _machinery.install_result_slots(context)
+    sql_errors.install()
+    context = _context.context_for(con, budget)
+    _context.install_result_slots(context)
     for install in _INSTALLERS:
         install(con, context)
 
@@ -118,7 +127,7 @@ def typed_errors():
     try:
         yield
     except duckdb.Error as error:
-        original = _machinery.typed_error(error)
+        original = _context.typed_error(error)
         if original is error:
             raise
         raise original from None

@@ -4,14 +4,14 @@ SQL surface (installed by :func:`dpsql.duckdb.register`)::
 
     dp_count_stream(tbl, time_col, every := INTERVAL '5 minutes', start := ..., stop := ...,
                     epsilon := ..., method := 'pegasus', partition_by := NULL, hierarchy := false,
-                    privacy_unit := NULL, contribution_cap := NULL, window_size := NULL,
+                    privacy_unit := NULL, contribution_cap := NULL, "window" := NULL,
                     alarm_threshold := NULL, grouper_share := NULL, theta := NULL, smoother := NULL)
 
 Table macro. Counts the events (rows) of table, view, file or data-frame variable
 ``tbl`` per bucket ``[start + i * every, start + (i + 1) * every)`` of the public time
 domain ``[start, stop)`` (required: never read from the data; the last bucket may be
 shorter) and releases every count stream with PeGaSus (``method := 'pegasus'``) or
-per-bucket Laplace (``'laplace'``) through :func:`dpsql.counts.release_event_counts`:
+per-bucket Laplace (``'count_laplace'``) through :func:`dpsql.counts.release_event_counts`:
 one call of :func:`dpsql.publishing.publish`, one charge. Empty buckets are released; events
 outside the domain are dropped and counted nowhere. ``every`` must have a fixed length
 (an INTERVAL without months or years, or text such as ``'5m'``, ``'1h30m'``);
@@ -33,7 +33,8 @@ like ``time_col``), the partition columns (NULL above a row's level), ``dp_level
 (hierarchies only), ``dp_count`` (the estimate), ``dp_std_error`` (noise only) and
 ``dp_row``, the connection-wide row handle of :mod:`dpsql.duckdb.range_sum`
 (consecutive buckets of a stream have consecutive handles; ``dp_release_id(dp_row)``
-gives the ledger's ``release_id``); with ``window_size := w``, ``dp_window_sum`` (sum of
+gives the ledger's ``release_id``); with ``"window" := w`` (quoted: an SQL keyword;
+``window_size`` is its old name), ``dp_window_sum`` (sum of
 the last ``w`` estimates, fewer at the start) and ``dp_window_std_error``; with
 ``alarm_threshold``, ``dp_alarm`` (``dp_window_sum >= alarm_threshold``: event
 monitoring). Windows and alarms are post-processing; so are SQL window functions over
@@ -52,26 +53,28 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from dpsql._frontend import COUNT_METHOD, refuse_null_event_times
 from dpsql.counts import ALARM, COUNT, LEVEL, PART, ROW, STD_ERROR, WINDOW_STD_ERROR, WINDOW_SUM, release_event_counts
-from dpsql.duckdb._machinery import (
+from dpsql.duckdb.context import Context
+from dpsql.duckdb.macros import params_struct, row_handles
+from dpsql.duckdb.sources import (
     NUMERIC_TYPES,
-    Context,
     Source,
     arrow_fields,
     column_name,
     describe,
-    params_struct,
-    quote_ident,
     require_columns,
     resolve_source,
-    row_handles,
 )
-from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
+from dpsql.duckdb.sqltext import quote_ident
+from dpsql.errors import InvalidData, InvalidParameter
 
 MACRO = "dp_count_stream"
 #: Named macro parameters besides ``every`` (whose default is an interval).
 PARAMETERS = ("start", "stop", "epsilon", "method", "partition_by", "hierarchy", "privacy_unit",
-              "contribution_cap", "window_size", "alarm_threshold", "grouper_share", "theta", "smoother")
+              "contribution_cap", "window", "alarm_threshold", "grouper_share", "theta", "smoother")
+#: Old parameter names still accepted -> their names now.
+RENAMED = {"window_size": "window"}
 _INTERVAL = re.compile(r"^(?:(?P<days>-?\d+) days?)?\s*(?:(?P<sign>-)?(?P<h>\d+):(?P<m>\d\d):(?P<s>\d\d(?:\.\d+)?))?$")
 
 
@@ -90,6 +93,10 @@ def install(con, context: Context) -> None:
     def plan(table, time_col, params_json):
         time_col = column_name(time_col, "time_col")
         options = {k: v for k, v in json.loads(params_json).items() if v is not None}
+        for old, new in RENAMED.items():
+            if old in options and new in options:
+                raise InvalidParameter(f"{MACRO}(): {old!r} is the old name of {new!r}; pass only {new}")
+            options.setdefault(new, options.pop(old, None))
         partition_by = options.pop("partition_by", None)
         keys = [partition_by] if isinstance(partition_by, str) else list(partition_by or [])
         privacy_unit = options.pop("privacy_unit", None)
@@ -113,7 +120,7 @@ def install(con, context: Context) -> None:
         if options.get("hierarchy"):
             fields.append(pa.field(LEVEL, pa.int64()))
         fields += [pa.field(COUNT, pa.float64()), pa.field(STD_ERROR, pa.float64()), pa.field(ROW, pa.int64())]
-        if options.get("window_size") is not None:
+        if options.get("window") is not None:
             fields += [pa.field(WINDOW_SUM, pa.float64()), pa.field(WINDOW_STD_ERROR, pa.float64())]
             if options.get("alarm_threshold") is not None:
                 fields.append(pa.field(ALARM, pa.bool_()))
@@ -126,9 +133,9 @@ def install(con, context: Context) -> None:
         every = options.pop("every")
         result = release_event_counts(
             times, start=_instant(options.pop("start", None)), stop=_instant(options.pop("stop", None)),
-            every=_duration(every), epsilon=options.pop("epsilon", None), method=options.pop("method", "pegasus"),
+            every=_duration(every), epsilon=options.pop("epsilon", None), method=options.pop("method", COUNT_METHOD),
             keys=keys, hierarchy=bool(options.pop("hierarchy", False)), units=units,
-            cap=options.pop("contribution_cap", None), window=options.pop("window_size", None),
+            cap=options.pop("contribution_cap", None), window=options.pop("window", None),
             alarm_threshold=options.pop("alarm_threshold", None), budget=context.budget, note=count_plan.note,
             time_column=count_plan.time_col, **options)
         columns = result.columns()
@@ -141,9 +148,11 @@ def install(con, context: Context) -> None:
                                      else columns[f.name] for f in schema], schema=schema)
 
     context.udf("dp__plan_count_stream", plan, ["VARCHAR"] * 3, "VARCHAR")
-    defaults = ", ".join(f"{quote_ident(n)} := {'false' if n == 'hierarchy' else 'NULL'}" for n in PARAMETERS)
+    named = (*PARAMETERS, *RENAMED)
+    defaults = ", ".join(f"{quote_ident(n)} := {'false' if n == 'hierarchy' else 'NULL'}" for n in named)
     context.macro(f"{MACRO}(tbl, time_col, every := INTERVAL '5 minutes', {defaults}) AS TABLE "
-                  f"FROM query(dp__plan_count_stream(tbl, time_col, {params_struct(('every', *PARAMETERS))}))")
+                  f"FROM query(dp__plan_count_stream(tbl, time_col, {params_struct(('every', *named))}))",
+                  renamed=RENAMED)
 
 
 def _time_output_type(sql_type: str, name: str) -> pa.DataType:
@@ -168,9 +177,7 @@ def _read_events(context: Context, plan: CountPlan):
     finally:
         cur.close()
     time = table.column(plan.time_col)
-    if time.null_count:
-        raise InvalidTimeKey(f"time_col {plan.time_col!r} contains {time.null_count} NULL value(s); every event "
-                             "needs a time")
+    refuse_null_event_times(plan.time_col, time.null_count)
     if pa.types.is_timestamp(time.type) and time.type.tz is not None:
         time = time.cast(pa.timestamp(time.type.unit))
     times = time.to_numpy()

@@ -55,7 +55,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from dpsql.duckdb._machinery import Context, install_stream_release, release_offsets
+from dpsql.duckdb.context import Context
+from dpsql.duckdb.macros import install_stream_release, release_offsets
 from dpsql.ldp.collector import report_view
 
 USER_COLUMNS = [("dp_user", pa.int64()), ("dp_slot", pa.int64()), ("report", pa.float64()), ("dp_report", pa.int64())]

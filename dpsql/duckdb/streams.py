@@ -1,10 +1,11 @@
 """Continual streams in SQL: register once, append from any table, read what was released.
 
-``dp_stream_create(name, order_col, value_col, method := 'tops', partition_by := NULL, ...)``
+``dp_stream_create(name, order_col, value_col, method := ..., partition_by := NULL, ...)``
     Table macro returning one row describing the stream ``name`` (name, method, epsilon,
     delta, rows, partitions, watermark, created, release_id). The first execution registers
-    it in the bound budget's ledger and charges its whole cost once (:meth:`dpsql.Budget.stream`);
-    later ones reopen it for free, refusing other parameters. Count streams
+    it in the bound budget's ledger and charges its whole cost once (:meth:`dpsql.Budget.stream`):
+    it needs ``method`` and ``epsilon``, as in Python. Later ones reopen it for free
+    (``dp_stream_create('kwh', NULL, NULL)`` or with the same parameters), refusing other ones. Count streams
     (``method := 'pegasus'`` or ``'count_laplace'``) take the event table's time column as
     ``order_col`` (``value_col`` NULL) and their public grid ``every := INTERVAL ...`` and
     ``start := TIMESTAMP ...``.
@@ -43,20 +44,11 @@ import functools
 import pyarrow as pa
 
 from dpsql.continual import ROW_COLUMN, Stream
-from dpsql.duckdb._machinery import (
-    Context,
-    Source,
-    arrow_fields,
-    column_name,
-    describe,
-    method_parameters,
-    params_struct,
-    parse_params,
-    quote_ident,
-    require_columns,
-    resolve_source,
-)
+from dpsql.duckdb.context import Context
 from dpsql.duckdb.counts import _duration, _instant
+from dpsql.duckdb.macros import method_parameters, params_struct, parse_params
+from dpsql.duckdb.sources import Source, arrow_fields, column_name, describe, require_columns, resolve_source
+from dpsql.duckdb.sqltext import quote_ident
 from dpsql.errors import InvalidParameter
 
 INFO_SCHEMA = pa.schema([("name", pa.string()), ("method", pa.string()), ("epsilon", pa.float64()),
@@ -80,7 +72,8 @@ def _install_create(context: Context) -> None:
     names = [n for n in method_parameters(exclude=("method", "fresh")) if n not in ("every", "start")]
 
     def plan(name, order_col, value_col, partition_by, method, every, start, params_json):
-        arguments = dict(name=_stream_name(name), method=method, order_by=column_name(order_col, "order_col"),
+        arguments = dict(name=_stream_name(name), method=method,
+                         order_by=column_name(order_col, "order_col", required=False),
                          value=column_name(value_col, "value_col", required=False),
                          partition_by=column_name(partition_by, "partition_by", required=False),
                          every=_duration(every) if every is not None else None,
@@ -94,7 +87,7 @@ def _install_create(context: Context) -> None:
     context.udf("dp__plan_stream_create", plan, ["VARCHAR"] * 8, "VARCHAR")
     defaults = ", ".join(f"{quote_ident(n)} := NULL" for n in names)
     context.macro(
-        f"dp_stream_create(name, order_col, value_col, method := 'tops', partition_by := NULL, "
+        f"dp_stream_create(name, order_col, value_col, method := NULL, partition_by := NULL, "
         f"every := NULL, start := NULL, {defaults}) AS TABLE FROM query(dp__plan_stream_create(name, order_col, "
         f"value_col, partition_by, method, CAST(every AS VARCHAR), CAST(start AS VARCHAR), "
         f"{params_struct(names)}))")

@@ -19,6 +19,10 @@ back to the rows' physical order. What that guarantees, and why:
   before anything is charged, with a message pointing to ``partition_by``.
 * Evaluating the expression twice (collecting a lazy query twice, or using one
   expression object twice in a query) is two releases: fresh noise, two charges.
+* A dpsql error raised while the expression is evaluated reaches the caller as that
+  error, naming the user's column (:func:`surfaced`), not as Polars' wrapping of it with
+  the internal struct expression; keys are refused with the words every front end uses
+  (:mod:`dpsql._frontend`).
 
 Known gap: ``DataFrame.rolling(...).agg(...)`` and ``Expr.rolling(...)`` hand the UDF
 one window at a time *with* the struct name, so they are not detected. Each window
@@ -29,30 +33,23 @@ Polars' rolling functions on the released column: that is free post-processing.
 
 from __future__ import annotations
 
-import itertools
-import threading
+import copy
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import polars as pl
 
 from dpsql import _validate
-from dpsql.budget import Budget
-from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
-from dpsql.ordering import duplicate_time_message, order_integer_keys
-from dpsql.release import PartitionedRelease, Release
+from dpsql._frontend import check_budget, refuse_duplicate_time, refuse_nan_key, refuse_null_keys
+from dpsql.errors import DPError, InvalidData, InvalidParameter
+from dpsql.ordering import order_integer_keys
 
 _NAME_PREFIX = "__dpsql_release_"
 _VALUE, _ORDER = "__dpsql_value", "__dpsql_order"
 
-#: The most recent releases made with ``errors=True``, by the key stored in their
-#: struct column. Error bars are read from here (see :func:`release_for_key`).
-_KEPT: OrderedDict[int, Release | PartitionedRelease] = OrderedDict()
-KEEP_RELEASES = 16
-_keys = itertools.count(1)
-_kept_lock = threading.Lock()  # Polars may evaluate two releases on two threads
+__all__ = ["RowsInTimeOrder", "check_budget", "column_name", "key_expressions", "numeric_values",
+           "private_expression", "surfaced", "time_order"]
 
 
 class RowsInTimeOrder:
@@ -109,11 +106,6 @@ def key_expressions(keys, what: str) -> list[pl.Expr]:
     return out
 
 
-def check_budget(budget) -> None:
-    if budget is not None and not isinstance(budget, Budget):
-        raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
-
-
 def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partition_names: Sequence[str],
                labels: Sequence[str]) -> tuple[RowsInTimeOrder, np.ndarray]:
     """Sort ``frame``'s rows by partition then order column; refuse unusable time keys.
@@ -121,23 +113,19 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
     Returns the order and ``values`` (one per row of ``frame``) in that order.
 
     ``labels`` are the user's names of the order column then the partition columns,
-    used in messages. Null partition keys form one partition of their own; partitions
-    come in ascending key order. Integer and temporal time keys are ordered by
+    used in messages. Null keys are refused, as in every front end; partitions come in
+    ascending key order. Integer and temporal time keys are ordered by
     :func:`dpsql.ordering.order_integer_keys` (one int64 key per row; a regular time grid
     is placed by counting, with no comparison sort). Other keys, and keys spanning about
     2**62 (beyond one int64 key), take Polars' multi-column sort.
     """
     order = frame.get_column(order_name)
-    if order.null_count():
-        raise InvalidTimeKey(f"order column {labels[0]!r} contains {order.null_count()} null value(s); every row "
-                             "needs a time key")
-    if order.dtype.is_float() and order.is_nan().any():
-        raise InvalidTimeKey(f"order column {labels[0]!r} contains NaN")
+    _refuse_unusable_keys(frame, order_name, partition_names, labels)
     physical = order.to_physical()
     if physical.dtype in _NUMPY_INTEGERS:
         def refuse(time: int, _partition: int | None):
-            shown = repr(pl.Series([time]).cast(physical.dtype).cast(order.dtype)[0])
-            raise InvalidTimeKey(duplicate_time_message(labels[0], shown, labels[1:]))
+            refuse_duplicate_time(labels[0], repr(pl.Series([time]).cast(physical.dtype).cast(order.dtype)[0]),
+                                  labels[1:])
 
         partition = [_partition_ids(frame, partition_names)] if partition_names else None
         ordered = order_integer_keys([physical.to_numpy()], values, partition=partition,
@@ -149,6 +137,18 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
     rows = _sorted_by_columns(frame, order_name, partition_names, labels)
     _set_partition_keys(rows, frame, partition_names, order_name)
     return rows, rows.gather(values)
+
+
+def _refuse_unusable_keys(frame: pl.DataFrame, order_name: str, partition_names: Sequence[str],
+                          labels: Sequence[str]) -> None:
+    """NULL keys, then NaN keys, refused with every front end's messages."""
+    names = [order_name, *partition_names]
+    refuse_null_keys({label: frame.get_column(name).null_count() for name, label in zip(names, labels)},
+                     order_label=labels[0], partition_labels=labels[1:])
+    for k, (name, label) in enumerate(zip(names, labels)):
+        column = frame.get_column(name)
+        if column.dtype.is_float() and column.is_nan().any():
+            refuse_nan_key(label, partition=k > 0)
 
 
 def _set_partition_keys(rows: RowsInTimeOrder, frame: pl.DataFrame, partition_names: Sequence[str],
@@ -194,7 +194,7 @@ def _sorted_by_columns(frame: pl.DataFrame, order_name: str, partition_names: Se
     same_time = time_column.slice(1).eq_missing(time_column.slice(0, len(time_column) - 1)).to_numpy()
     repeated = np.flatnonzero(~new_partition & same_time)
     if repeated.size:
-        raise InvalidTimeKey(duplicate_time_message(labels[0], repr(time_column[int(repeated[0]) + 1]), labels[1:]))
+        refuse_duplicate_time(labels[0], repr(time_column[int(repeated[0]) + 1]), labels[1:])
     offsets = np.concatenate([[0], np.flatnonzero(new_partition) + 1, [len(permutation)]])
     return RowsInTimeOrder(permutation, offsets, partitioned=bool(partition_names))
 
@@ -208,7 +208,7 @@ def numeric_values(series: pl.Series, name: str) -> np.ndarray:
 
 def private_expression(value: pl.Expr, release: Callable[[np.ndarray, RowsInTimeOrder, str], object], *,
                        order_by, partition_by, output: Callable[[object, RowsInTimeOrder], pl.Series],
-                       return_dtype: pl.DataType, returns_scalar: bool = False) -> pl.Expr:
+                       return_dtype: pl.DataType, returns_scalar: bool = False, function: str = "dpsql") -> pl.Expr:
     """A Polars expression making one private release per evaluation.
 
     Parameters
@@ -223,6 +223,12 @@ def private_expression(value: pl.Expr, release: Callable[[np.ndarray, RowsInTime
     output : callable
         ``(result, rows) -> Series`` in the physical row order (or one value if
         ``returns_scalar``), of ``return_dtype``.
+    function : str
+        The user's name of the expression (``".dpsql.range_sum()"``), in error messages.
+
+    A dpsql error raised while the expression is evaluated (bad data, a parameter only the
+    method can check, an exhausted budget) reaches the caller as that error, naming the
+    column, not Polars' internal expression (:func:`surfaced`).
     """
     name = column_name(value)
     order_exprs = key_expressions(order_by, "order_by")
@@ -242,7 +248,15 @@ def private_expression(value: pl.Expr, release: Callable[[np.ndarray, RowsInTime
     fields.append(pl.lit(0, dtype=pl.Int8).shuffle().alias("__dpsql_fresh_draw"))
     struct_name = _NAME_PREFIX + uuid.uuid4().hex
 
-    def evaluate(batch: pl.Series) -> pl.Series:
+    def evaluate(batch: pl.Series, **_engine_options) -> pl.Series:
+        # (Polars first offers ``return_dtype=`` to the function; accepting it spares a retry,
+        # whose TypeError would otherwise show up as the context of any error raised here.)
+        try:
+            return released_rows(batch)
+        except DPError as error:
+            raise surfaced(error, name, function, labels) from None
+
+    def released_rows(batch: pl.Series) -> pl.Series:
         if batch.name != struct_name:
             raise InvalidParameter(
                 f"a dpsql release of {name!r} cannot be evaluated group by group (inside .over(), "
@@ -261,3 +275,33 @@ def private_expression(value: pl.Expr, release: Callable[[np.ndarray, RowsInTime
     released = pl.struct(fields).alias(struct_name).map_batches(
         evaluate, return_dtype=return_dtype, is_elementwise=False, returns_scalar=returns_scalar)
     return released.alias(name)
+
+
+def surfaced(error: DPError, column: str, function: str, keys: Sequence[str] = ()) -> DPError:
+    """``error`` as it should reach the caller of a Polars query: same type and attributes,
+    a message naming the user's column (prefixed with ``function`` and ``column`` when it
+    names neither ``column`` nor one of the ``keys``: then it is the very message SQL gives).
+
+    Polars hands an exception raised in a UDF back in two ways. Collecting a lazy query
+    re-raises the object itself. An eager ``select`` / ``with_columns`` builds a new one,
+    ``type(error)(message + the internal expression)``, dropping the attributes. So the error
+    raised is a *carrier*: an instance of a subclass of ``type(error)`` (same name and module)
+    whose construction returns the clean error, so that Polars' rebuilt exception is the clean
+    error itself, without the expression dump.
+    """
+    message = str(error)
+    if not any(repr(name) in message for name in (column, *keys)):
+        message = f"{function} of column {column!r}: {message}"
+    clean = copy.copy(error)
+    clean.args = (message,)
+    kind = type(error)
+
+    def new(cls, *args, **kwargs):
+        return clean
+
+    carrier_class = type(kind.__name__, (kind,), {"__new__": new, "__module__": kind.__module__,
+                                                  "__qualname__": kind.__qualname__})
+    carrier: DPError = BaseException.__new__(carrier_class)
+    carrier.__dict__.update(clean.__dict__)
+    carrier.args = clean.args
+    return carrier

@@ -1,4 +1,4 @@
-"""Polars front end of count streams: ``dpsql.count_stream(frame, time_column, ...)``.
+"""Polars front end of count streams: ``dpsql.count_stream(frame, order_by, ...)``.
 
 An event table (one row per event) becomes private count streams, one row per
 (partition, bucket) of the public time domain, released with PeGaSus or per-bucket
@@ -16,14 +16,14 @@ import datetime as dt
 import numpy as np
 import polars as pl
 
+from dpsql._frontend import COUNT_METHOD, check_budget, refuse_null_event_times, renamed
 from dpsql.budget import Budget
 from dpsql.counts import release_event_counts
-from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
-from dpsql.polars._machinery import check_budget
+from dpsql.errors import InvalidData, InvalidParameter
 
 
-def count_stream(frame: pl.DataFrame | pl.LazyFrame, time_column: str, *, every: str | dt.timedelta, start,
-                 stop, epsilon: float, method: str = "pegasus", partition_by: str | list[str] | None = None,
+def count_stream(frame: pl.DataFrame | pl.LazyFrame, order_by: str | None = None, *, every: str | dt.timedelta,
+                 start, stop, epsilon: float, method: str = COUNT_METHOD, partition_by: str | list[str] | None = None,
                  hierarchy: bool = False, privacy_unit: str | None = None, contribution_cap: int | None = None,
                  window: int | None = None, alarm_threshold: float | None = None, budget: Budget | None = None,
                  note: str | None = None, **params) -> pl.DataFrame:
@@ -48,14 +48,14 @@ def count_stream(frame: pl.DataFrame | pl.LazyFrame, time_column: str, *, every:
     ----------
     frame : polars.DataFrame or polars.LazyFrame
         The event table.
-    time_column : str
-        Event time: Datetime (any time zone; buckets are computed in UTC), Date, or a
-        number (with numeric ``start``/``stop``/``every``).
+    order_by : str
+        The event time column (``time_column=`` is its old name): Datetime (any time zone;
+        buckets are computed in UTC), Date, or a number (with numeric ``start``/``stop``/``every``).
     every : str or datetime.timedelta
         Bucket width, e.g. ``"5m"``, ``"1h"``, ``"1h30m"``, ``"1d"`` (fixed lengths only).
     start, stop :
         The public time domain ``[start, stop)``: datetimes or ISO strings (UTC).
-    method : {"pegasus", "laplace"}
+    method : {"pegasus", "count_laplace"}
     partition_by, hierarchy, privacy_unit, contribution_cap : optional
         See above.
     window, alarm_threshold : optional
@@ -68,7 +68,7 @@ def count_stream(frame: pl.DataFrame | pl.LazyFrame, time_column: str, *, every:
     Returns
     -------
     polars.DataFrame
-        The bucket start (named ``time_column``), the partition columns (null above a
+        The bucket start (named like ``order_by``), the partition columns (null above a
         row's level), ``dp_level`` (hierarchies), ``dp_count``, ``dp_std_error`` (noise
         only), ``dp_row``, ``dp_part`` and the window columns if asked for.
 
@@ -85,11 +85,18 @@ def count_stream(frame: pl.DataFrame | pl.LazyFrame, time_column: str, *, every:
     >>> out.shape, out.columns[:4], budget.spent
     ((12, 9), ['ts', 'room', 'dp_count', 'dp_std_error'], (1.0, 0.0))
     """
+    label = "time_column" if "time_column" in params else "order_by"
+    options = {"order_by": order_by, **params}
+    renamed(options, "time_column", "order_by", "dpsql.count_stream()")
+    time_column = options.pop("order_by")
+    params = options
+    if time_column is None:
+        raise InvalidParameter("dpsql.count_stream() needs order_by, the event time column")
     check_budget(budget)
     if not isinstance(frame, pl.DataFrame | pl.LazyFrame):
         raise InvalidParameter(f"frame must be a polars DataFrame or LazyFrame, got {type(frame).__name__}")
     keys = [partition_by] if isinstance(partition_by, str) else list(partition_by or [])
-    names = {"time_column": [time_column], "partition_by": keys,
+    names = {label: [time_column], "partition_by": keys,
              "privacy_unit": [] if privacy_unit is None else [privacy_unit]}
     schema = frame.collect_schema()
     for parameter, columns in names.items():
@@ -120,9 +127,7 @@ def count_stream(frame: pl.DataFrame | pl.LazyFrame, time_column: str, *, every:
 
 def _times(series: pl.Series, name: str) -> tuple[np.ndarray, pl.DataType]:
     """Event times as numpy (datetime64 in UTC, or numbers) and the column's dtype."""
-    if series.null_count():
-        raise InvalidTimeKey(f"time column {name!r} contains {series.null_count()} null value(s); every event "
-                             "needs a time")
+    refuse_null_event_times(name, series.null_count())
     dtype = series.dtype
     if isinstance(dtype, pl.Datetime):
         if dtype.time_zone is not None:

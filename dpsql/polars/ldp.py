@@ -13,22 +13,24 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
+from dpsql._frontend import LDP_METHOD, check_budget, check_parameters, check_range_sum_method
 from dpsql.errors import InvalidParameter
 from dpsql.ldp.collector import crowd_distribution as _crowd_distribution
 from dpsql.ldp.collector import report_view
 from dpsql.mechanisms.ldp.linear import ALIGNS
-from dpsql.methods import check_method
-from dpsql.polars._machinery import RowsInTimeOrder, check_budget, private_expression
+from dpsql.polars._machinery import RowsInTimeOrder, private_expression
 from dpsql.polars._namespace import namespace_method
 from dpsql.publishing import publish
 from dpsql.streams.du import MACHINES
 
 FIELDS = {"value": pl.Float64, "report": pl.Float64, "dp_report": pl.Int64}
+#: The keywords of :func:`ldp` besides the method's parameters.
+KEYWORDS = ("method", "order_by", "partition_by", "budget", "note", "progress")
 
 
 @namespace_method
-def ldp(value: pl.Expr, *, method: str = "capp", order_by, partition_by=None, budget=None, note: str | None = None,
-        progress: bool = True, **params) -> pl.Expr:
+def ldp(value: pl.Expr, *, method: str = LDP_METHOD, order_by=None, partition_by=None, budget=None,
+        note: str | None = None, progress: bool = True, **params) -> pl.Expr:
     """Encode every user's stream on its (simulated) device and publish it.
 
     Privacy cost: ``epsilon`` under w-event LDP per user (notion ``"w-event-ldp"`` with
@@ -74,11 +76,14 @@ def ldp(value: pl.Expr, *, method: str = "capp", order_by, partition_by=None, bu
     >>> out.columns, budget.spent
     (['user', 't', 'v', 'value', 'report', 'dp_report'], (1.0, 0.0))
     """
-    check_method(method, per_row=True)
-    check_budget(budget)
+    check_range_sum_method(method)
     if method not in MACHINES:
         raise InvalidParameter(f"method must be one of {', '.join(map(repr, MACHINES))} for an LDP user "
                                f"stream, got {method!r}")
+    check_parameters(".dpsql.ldp()", params, own=KEYWORDS, method=method)
+    check_budget(budget)
+    if order_by is None:
+        raise InvalidParameter(".dpsql.ldp() needs order_by: each user's stream is encoded in its time order")
 
     def release(values: np.ndarray, rows: RowsInTimeOrder, column: str):
         return publish(method, values, budget=budget, column=column, note=note, progress=progress,
@@ -91,7 +96,7 @@ def ldp(value: pl.Expr, *, method: str = "capp", order_by, partition_by=None, bu
                              "dp_report": rows.scatter(index)}, schema=FIELDS).to_struct()
 
     return private_expression(value, release, order_by=order_by, partition_by=partition_by, output=output,
-                              return_dtype=pl.Struct(FIELDS))
+                              return_dtype=pl.Struct(FIELDS), function=".dpsql.ldp()")
 
 
 def smoothed(report: pl.Expr | str = "report", *, partition_by, order_by, window: int = 3,

@@ -14,11 +14,12 @@ import numpy as np
 import polars as pl
 
 from dpsql import handles
+from dpsql._frontend import RANGE_SUM_METHOD, check_budget, check_parameters, check_range_sum_method
 from dpsql.budget import default_budget
 from dpsql.error_models import check_level
 from dpsql.errors import InvalidParameter
 from dpsql.methods import check_method
-from dpsql.polars._machinery import RowsInTimeOrder, check_budget, private_expression
+from dpsql.polars._machinery import RowsInTimeOrder, private_expression
 from dpsql.polars._namespace import namespace_method
 from dpsql.publishing import publish
 from dpsql.release import PartitionedRelease, Release
@@ -26,10 +27,13 @@ from dpsql.release import PartitionedRelease, Release
 #: Field names of the ``errors=True`` struct: the released value, its noise standard
 #: deviation and its ledger row handle (``dp_row``, as in SQL).
 ERROR_FIELDS = {"value": pl.Float64, "sd": pl.Float64, "dp_row": pl.Int64}
+#: The keywords of :func:`range_sum` and :func:`threshold` besides the method's parameters.
+RANGE_SUM_KEYWORDS = ("order_by", "method", "partition_by", "budget", "note", "errors", "fresh")
+THRESHOLD_KEYWORDS = ("order_by", "budget", "note", "fresh")
 
 
 @namespace_method
-def range_sum(value: pl.Expr, *, order_by, method: str = "tops", partition_by=None, budget=None,
+def range_sum(value: pl.Expr, *, order_by=None, method: str = RANGE_SUM_METHOD, partition_by=None, budget=None,
               note: str | None = None, errors: bool = False, fresh: bool = False, **params) -> pl.Expr:
     """Release the column ``value`` as a private stream, one value per row.
 
@@ -48,21 +52,27 @@ def range_sum(value: pl.Expr, *, order_by, method: str = "tops", partition_by=No
     Values outside the public ``[lower, upper]`` are clipped; that is part of the
     mechanism, not an error.
 
+    Errors. Parameter names are checked when the expression is built: an unknown one is an
+    :class:`dpsql.InvalidParameter` naming it, with the valid names. What only the data can
+    tell (NaN or null values, duplicate time keys, an exhausted budget, a parameter the
+    method refuses for this many rows) is raised when the query runs, as the same typed
+    dpsql error in eager and lazy mode, naming the column (never Polars' internal
+    expression); nothing is charged then.
+
     Parameters
     ----------
     value : polars.Expr
         The private numeric column. Nulls, NaN, infinities and non-numeric types are
         refused (:class:`dpsql.InvalidData`, naming the column).
-    method : str
-        A registered stream method (``dpsql.methods.METHODS``): ``"laplace"``, ``"tops"``,
+    method : str, default "tops"
+        A registered stream method (``dpsql.methods.METHODS``): ``"tops"``, ``"laplace"``,
         ``"pak"``, ``"binary_tree"``, ...
     order_by : str or polars.Expr
-        The public time key. Nulls or duplicates within a partition are refused
+        The public time key (required). Nulls or duplicates within a partition are refused
         (:class:`dpsql.InvalidTimeKey`).
     partition_by : str, polars.Expr or list of them, optional
-        Public keys of disjoint streams (e.g. one per meter); null keys form one
-        partition. Use this, not ``.over()``: a dpsql expression evaluated group by
-        group is refused.
+        Public keys of disjoint streams (e.g. one per meter); null keys are refused. Use
+        this, not ``.over()``: a dpsql expression evaluated group by group is refused.
     budget : dpsql.Budget, optional
         Charged once per evaluation; default: the budget set by :func:`dpsql.use_budget`.
     note : str, optional
@@ -93,10 +103,11 @@ def range_sum(value: pl.Expr, *, order_by, method: str = "tops", partition_by=No
     >>> out.columns, out["kwh_dp"].dtype, budget.spent
     (['ts', 'kwh', 'kwh_dp'], Float64, (0.5, 0.0))
     """
-    check_method(method, per_row=True)
+    check_range_sum_method(method)
+    check_parameters(".dpsql.range_sum()", params, own=RANGE_SUM_KEYWORDS, method=method)
     check_budget(budget)
     if order_by is None:
-        raise InvalidParameter("order_by is required: a stream release needs its public time key")
+        raise InvalidParameter(".dpsql.range_sum() needs order_by: a stream release needs its public time key")
 
     def release(values: np.ndarray, rows: RowsInTimeOrder, column: str):
         return publish(method, values, budget=budget, column=column, note=note,
@@ -118,11 +129,12 @@ def range_sum(value: pl.Expr, *, order_by, method: str = "tops", partition_by=No
 
     dtype = pl.Struct(ERROR_FIELDS) if errors else pl.Float64
     return private_expression(value, release, order_by=order_by, partition_by=partition_by, output=output,
-                              return_dtype=dtype)
+                              return_dtype=dtype, function=".dpsql.range_sum()")
 
 
 @namespace_method
-def threshold(value: pl.Expr, *, order_by=None, budget=None, note: str | None = None, **params) -> pl.Expr:
+def threshold(value: pl.Expr, *, order_by=None, budget=None, note: str | None = None, fresh: bool = False,
+              **params) -> pl.Expr:
     """Release one private clipping threshold of the column ``value`` (a Float64 scalar).
 
     Runs the registered ``"threshold"`` method through :func:`dpsql.publishing.publish`, in
@@ -132,8 +144,9 @@ def threshold(value: pl.Expr, *, order_by=None, budget=None, note: str | None = 
     neighbours, charged once per evaluation. Values outside ``[lower, upper]`` are clipped.
 
     Parameters are the threshold method's (``epsilon``, ``upper``, ``lower``,
-    ``estimator="nm"|"pak"``, ``delta``, ...), passed through unchanged. Partitions are
-    not offered: a scalar expression has one value per frame.
+    ``estimator="nm"|"pak"``, ``delta``, ...), passed through unchanged; unknown names are
+    refused when the expression is built, as for :func:`range_sum`. Partitions are not
+    offered: a scalar expression has one value per frame.
 
     Examples
     --------
@@ -146,16 +159,17 @@ def threshold(value: pl.Expr, *, order_by=None, budget=None, note: str | None = 
     (True, (1.0, 0.0))
     """
     check_method("threshold")
+    check_parameters(".dpsql.threshold()", params, own=THRESHOLD_KEYWORDS, method="threshold")
     check_budget(budget)
 
     def release(values: np.ndarray, rows: RowsInTimeOrder, column: str):
-        return publish("threshold", values, budget=budget, column=column, note=note, **params)
+        return publish("threshold", values, budget=budget, column=column, note=note, fresh=fresh, **params)
 
     def output(result, rows: RowsInTimeOrder) -> pl.Series:
         return pl.Series([float(result.values[0])], dtype=pl.Float64)
 
     return private_expression(value, release, order_by=order_by, partition_by=None, output=output,
-                              return_dtype=pl.Float64, returns_scalar=True)
+                              return_dtype=pl.Float64, returns_scalar=True, function=".dpsql.threshold()")
 
 
 def range_variance(result: Release | PartitionedRelease, starts, stops) -> np.ndarray:

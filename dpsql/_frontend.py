@@ -1,0 +1,122 @@
+"""What every front end checks the same way, in the same words: the budget, the parameter
+names, the keys.
+
+The DuckDB macros (:mod:`dpsql.duckdb`) and the Polars namespace (:mod:`dpsql.polars`) read
+their input differently, but refuse the same things with the same messages, through the
+functions here: a budget that is not a :class:`~dpsql.Budget`, a parameter name that neither
+the front end nor the method knows (named, with the closest valid name and the whole list),
+a NULL or NaN order or partition key. Stream order itself is :mod:`dpsql.ordering`; the
+charge is :func:`dpsql.publishing.publish`.
+
+The defaults of the choices every front end offers live here too, so that SQL, Polars and
+Python agree (docs/vocabulary.md lists the words):
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+
+from dpsql.budget import Budget
+from dpsql.errors import InvalidParameter, InvalidTimeKey
+from dpsql.methods import METHODS, check_method, parameter_names
+from dpsql.ordering import duplicate_time_message, where_in_partition
+
+#: The method of a one-shot range-sum release when none is named (``dp_range_sum``, ``.dpsql.range_sum``).
+RANGE_SUM_METHOD = "tops"
+#: The local-DP user-stream method when none is named (``dp_ldp``, ``.dpsql.ldp``).
+LDP_METHOD = "capp"
+#: The count-stream method when none is named (``dp_count_stream``, ``dpsql.count_stream``).
+COUNT_METHOD = "pegasus"
+#: The threshold's estimator when none is named (``dp_threshold``, ``dpsql.threshold``, ``.dpsql.threshold``).
+THRESHOLD_ESTIMATOR = "nm"
+
+
+def check_budget(budget, *, required: bool = False) -> None:
+    """Refuse a ``budget`` that is not a :class:`dpsql.Budget` (None passes unless ``required``)."""
+    if budget is None and not required:
+        return
+    if not isinstance(budget, Budget):
+        raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
+
+
+def suggestion(name: str, valid: Iterable[str], renamed: Mapping[str, str] | None = None) -> str:
+    """`` (did you mean 'x'?)`` for the valid name closest to ``name``, or ``""``. ``renamed``
+    maps old names to new ones: a name close to an old one suggests the new one."""
+    renamed = dict(renamed or {})
+    if name in renamed:
+        return f" ({name!r} is now called {renamed[name]!r})"
+    close = difflib.get_close_matches(name, [*valid, *renamed], n=1, cutoff=0.6)
+    return f" (did you mean {renamed.get(close[0], close[0])!r}?)" if close else ""
+
+
+def unknown_parameters_message(where: str, unknown: Sequence[str], valid: Sequence[str]) -> str:
+    """The one message for parameter names nobody knows: each named with a suggestion, then the valid names."""
+    named = "; ".join(f"{name!r}{suggestion(name, valid)}" for name in unknown)
+    noun = "parameter" if len(unknown) == 1 else "parameters"
+    return f"{where} has no {noun} {named}. Valid parameters: {', '.join(valid)}"
+
+
+def method_parameters(method: str) -> list[str]:
+    """What ``method`` accepts by name (``delta`` too: pure methods accept ``delta=0``)."""
+    return sorted({*parameter_names(method), "delta"})
+
+
+def check_parameters(where: str, given: Iterable[str], *, own: Sequence[str] = (), method: str | None = None) -> None:
+    """Refuse names in ``given`` that are neither the front end's ``own`` keywords nor
+    parameters of ``method`` (:class:`InvalidParameter` naming each, with the valid ones).
+    Checked when an expression or call is built, before anything is read or charged."""
+    valid = [*own, *(method_parameters(method) if method is not None and method in METHODS else [])]
+    unknown = [name for name in given if name not in valid]
+    if unknown:
+        label = where if method is None else f"{where} with method {method!r}"
+        raise InvalidParameter(unknown_parameters_message(label, unknown, valid))
+
+
+def renamed(options: dict, old: str, new: str, where: str) -> None:
+    """Move ``options[old]`` (a deprecated name) to ``options[new]``, with a DeprecationWarning;
+    both given is an :class:`InvalidParameter`."""
+    if old not in options:
+        return
+    if options.get(new) is not None:
+        raise InvalidParameter(f"{where}: {old!r} is the old name of {new!r}; pass only {new}=")
+    warnings.warn(f"{where}: {old}= is now called {new}=", DeprecationWarning, stacklevel=3)
+    options[new] = options.pop(old)
+
+
+def check_range_sum_method(method: str) -> None:
+    """A method that releases one value per row (what a range-sum front end returns)."""
+    check_method(method, per_row=True)
+
+
+# -- keys -------------------------------------------------------------------------------------
+
+def refuse_null_keys(nulls: Mapping[str, int], *, order_label: str | None,
+                     partition_labels: Sequence[str] = ()) -> None:
+    """Refuse NULL keys: ``nulls`` maps each key column's label (the user's name) to its
+    number of NULL values. Every row needs its partition key and its time key."""
+    for label in partition_labels:
+        if nulls.get(label):
+            raise InvalidTimeKey(f"partition column {label!r} contains {nulls[label]} NULL value(s); every row needs "
+                                 "a partition key")
+    if order_label is not None and nulls.get(order_label):
+        raise InvalidTimeKey(f"order column {order_label!r} contains {nulls[order_label]} NULL value(s)"
+                             f"{where_in_partition(partition_labels)}; every row needs a time key")
+
+
+def refuse_null_event_times(label: str, nulls: int) -> None:
+    """Refuse events without a time (count streams: every event falls in one bucket)."""
+    if nulls:
+        raise InvalidTimeKey(f"time column {label!r} contains {nulls} null value(s); every event needs a time")
+
+
+def refuse_nan_key(label: str, *, partition: bool = False) -> None:
+    """NaN neither orders nor equals itself, so it cannot be a key."""
+    kind = "partition column" if partition else "order column"
+    raise InvalidTimeKey(f"{kind} {label!r} contains NaN; keys must be comparable values")
+
+
+def refuse_duplicate_time(order_label: str, shown_value: str, partition_labels: Sequence[str] = ()) -> None:
+    """A time key repeated within a partition (``shown_value`` as the front end prints it)."""
+    raise InvalidTimeKey(duplicate_time_message(order_label, shown_value, partition_labels))
