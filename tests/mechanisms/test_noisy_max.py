@@ -1,58 +1,129 @@
-"""The fast paths of ToPS release exactly what the direct computations release: Report-Noisy-Max
-pruned to its contenders, the hold-out counts by placing values among the candidates, the
-forest's noise drawn in one call, and error models built on first use."""
+"""Report-Noisy-Max and the ToPS threshold optimizer (§4.2, 4.5, 4.6 oracles), and the fast
+paths that must release exactly what the direct computations release: Noisy Max pruned to its
+contenders (noise drawn for the contenders only, at their own addresses), and the hold-out
+counts by placing values among the candidates."""
 
 import math
 
 import numpy as np
 import pytest
-from scipy import stats
 
 import dpsql
-from dpsql import streams
 from dpsql.mechanisms import LaplaceLattice, report_noisy_max
-from dpsql.mechanisms.hierarchy import BlockStreamNoise, Forest, leaf_interval_variance
-from dpsql.mechanisms.noisy_max import _is_power_of_two_grid, _places, candidate_grid, contenders, nm_scores
-from dpsql.noise import MAX_NEG_LOG_UNIFORM, NoiseSource, SeededNoise
+from dpsql.mechanisms.laplace import draw_bound
+from dpsql.mechanisms.noisy_max import (
+    _is_power_of_two_grid,
+    _places,
+    candidate_grid,
+    contenders,
+    default_step,
+    nm_scores,
+    nm_slope,
+    nm_threshold,
+    nm_thresholds,
+    noisy_max_lattice,
+    report_noisy_max_rows,
+)
+from dpsql.noise import MAX_NEG_LOG_UNIFORM, BatchLaneDraws, Lane, _fill_discrete_laplace
+from dpsql.testing import draws, keys
+
+TOY = np.array([1.0, 1, 2, 2, 3, 3, 4, 5, 9, 20])
 
 
-class ScriptedDraws(NoiseSource):
-    """Hands out the given discrete Laplace draws in order and records every request's size."""
+class ScriptedLane:
+    """A lane whose draw at index ``i`` is ``values[i]``; records the indices asked for."""
 
-    def __init__(self, draws):
-        self._draws = np.asarray(draws, dtype=np.int64)
-        self._used = 0
-        self.requests = []
+    def __init__(self, values):
+        self.values = np.asarray(values, dtype=np.int64)
+        self.asked = []
 
-    def discrete_laplace(self, scale, size):
-        self.requests.append(size)
-        out = self._draws[self._used:self._used + size]
-        self._used += size
-        assert len(out) == size, "the test scripted too few draws"
-        return out
+    def discrete_laplace_at(self, scale, indices):
+        self.asked.append(np.asarray(indices).tolist())
+        return self.values[np.asarray(indices, dtype=np.int64)]
 
 
-def largest_draw(scale_units: float) -> int:
-    """The largest |Z| the sampler can return: every word zero gives the smallest uniform."""
-
-    class ZeroWords(NoiseSource):
-        def words(self, n):
-            return np.zeros(n, dtype=np.uint64)
-
-    return int(ZeroWords().discrete_laplace(scale_units, 1)[0])
+def zero_lane(size=100_000):
+    return ScriptedLane(np.zeros(size, dtype=np.int64))
 
 
-# --- Report-Noisy-Max on the contenders only ------------------------------------------------------
+def partitions_lane(count, seed=0):
+    """The Noisy-Max lanes of ``count`` partitions of one release (independent draws)."""
+    return keys(seed).partitions([str(k).encode() for k in range(count)]).lane(Lane.NOISY_MAX)
+
+
+# --- Eq. 6 -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("epsilon, paper", [(0.05, 3.8273), (0.1, 1.9137), (0.01, 19.137)])
+def test_nm_slope_paper_values(epsilon, paper):
+    assert nm_slope(65536, epsilon_perturber=epsilon, r=2**20) == pytest.approx(paper, abs=1e-3)
+
+
+def test_nm_slope_code_levels():
+    assert nm_slope(65536, epsilon_perturber=0.05, r=2**20, levels_for_nm="code") == pytest.approx(5.0312, abs=1e-4)
+    # code levels: int(log16 r) + 1, so a range just below 16^5 has 5 levels where the paper has ~5
+    assert nm_slope(1, epsilon_perturber=1.0, r=16**5 - 1, c=3.0, levels_for_nm="code") == pytest.approx(
+        1 / (16**5 - 1) * math.sqrt(30 * 125))
+
+
+def test_toy_noisy_max_oracle():
+    candidates = np.arange(1.0, 21.0)
+    scores = nm_scores(TOY, candidates, 0.5)
+    assert scores[[2, 3, 4, 5, 8]].tolist() == [-5.5, -5.0, -4.5, -5.0, -5.5]
+    assert candidates[np.argmax(scores)] == 5.0
+    assert candidates[report_noisy_max(scores, epsilon=1e6, noise=draws(0).lane(Lane.NOISY_MAX))] == 5.0
+
+
+def test_nm_threshold_end_to_end_on_the_toy_oracle():
+    # the perturber budget that makes Eq. 6's slope exactly 0.5 for m=10, r=256, fanout 16
+    epsilon_perturber = 3 * 10 * math.sqrt(2 * 15 * 2**3) / (60 * 256 * 0.5)
+    assert nm_slope(10, epsilon_perturber=epsilon_perturber, r=256) == pytest.approx(0.5)
+    theta = nm_threshold(TOY, epsilon=1.0, upper=20.0, epsilon_perturber=epsilon_perturber, r=256, step=1.0,
+                         noise=zero_lane())
+    assert theta == 5.0
+
+
+def test_m_theta_counts_strictly_greater_values():
+    # at theta = 9 only the 20 is above: q(9) = -0 - 1
+    assert nm_scores(TOY, np.array([9.0, 8.999]), 0.0).tolist() == [-1.0, -2.0]
+
+
+def test_candidate_grid_and_default_step():
+    assert default_step(2000.0) == 1.0 and default_step(65536.0) == 1.0 and default_step(64.0) == 1.0
+    assert default_step(63.0) == 63.0 / 1024 and default_step(100.5) == 100.5 / 1024
+    assert default_step(1e6) == 1e6 / 1024
+    # the last candidate is capped at upper: values at 10.4 with step 1 choose 10.5, not 10
+    theta = nm_threshold(np.full(50, 10.4), epsilon=1.0, upper=10.5, epsilon_perturber=1e9, r=2**20, step=1.0,
+                         noise=zero_lane())
+    assert theta == 10.5
+
+
+def test_noisy_max_noise_scale_is_one_over_epsilon():
+    """Monotone scores: Laplace scale 1/eps (no factor 2). Two candidates 1 apart at eps = 1:
+    P(wrong) = 1/2 e^{-1} (1 + 1/2) = 0.276 for continuous Laplace; 4000 independent partitions."""
+    picks = report_noisy_max_rows(np.tile([0.0, -1.0], (4000, 1)), epsilon=1.0, noise=partitions_lane(4000, 1))
+    assert picks.mean() == pytest.approx(0.5 * math.exp(-1) * 1.5, abs=0.03)
+    assert noisy_max_lattice(1.0).scale == pytest.approx(1.0, rel=1e-3)
+    assert noisy_max_lattice(1.0, monotonic=False).scale == pytest.approx(2.0, rel=1e-3)
+
+
+# --- Report-Noisy-Max on the contenders only --------------------------------------------------------
+
+def test_draw_bound_bounds_the_largest_draw_the_sampler_can_return():
+    """Every word zero gives the smallest uniform (2**-106): the largest |Z| of all."""
+    for scale in (1.0, 7.3, 4096.0 / 0.85, 2.0**20):
+        out = np.empty(1, dtype=np.int64)
+        _fill_discrete_laplace(np.zeros((1, 2), dtype=np.uint64), scale, out)
+        assert int(out[0]) == math.floor(scale * MAX_NEG_LOG_UNIFORM)
+        assert int(out[0]) <= draw_bound(scale) <= int(out[0]) + 1
+
 
 def test_contenders_keep_every_score_that_an_extreme_draw_can_lift_to_a_tie():
     lap = LaplaceLattice(sensitivity=1.0, epsilon=0.85)
-    b = largest_draw(lap.scale_units)
-    assert b == math.floor(lap.scale_units * MAX_NEG_LOG_UNIFORM)
+    b = draw_bound(lap.scale_units)
     # candidate 0 with +b and candidate 1 with -b tie at -b, and the tie goes to index 0: it can win
     assert contenders(np.array([-2.0 * b, 0.0]), lap.scale_units).tolist() == [0, 1]
     # far below 2 b under the leader, no draw can lift a candidate to the leader's lowest value
-    far = contenders(np.array([-3.0 * b, 0.0, -b - 5.0, -5.0 * b]), lap.scale_units)
-    assert far.tolist() == [1, 2]
+    assert contenders(np.array([-3.0 * b, 0.0, -b - 5.0, -5.0 * b]), lap.scale_units).tolist() == [1, 2]
 
 
 def test_contenders_prune_int64_units_exactly_at_any_magnitude():
@@ -63,56 +134,92 @@ def test_contenders_prune_int64_units_exactly_at_any_magnitude():
 
 @pytest.mark.parametrize("seed", range(40))
 def test_pruned_noisy_max_equals_the_full_argmax_for_the_same_draws(seed):
-    """Any draws the sampler can return (extremes included): noise for the contenders only,
-    handed out in their order, gives the index the full procedure gives when every candidate
-    gets a draw and the others' draws are anything within the bound."""
+    """Any draws the sampler can return (extremes included): noise for the contenders only, at
+    their own indices, gives the index the full procedure gives when every candidate gets a
+    draw and the others' draws are anything within the bound."""
     rng = np.random.default_rng(seed)
     epsilon = [0.85, 0.05, 3.0][seed % 3]
-    lap = LaplaceLattice(sensitivity=1.0, epsilon=epsilon)
-    b = largest_draw(lap.scale_units)
+    lap = noisy_max_lattice(epsilon)
+    b = draw_bound(lap.scale_units)
     spread = float(rng.choice([0.5, 3.0, 10.0])) * 2 * b * lap.granularity
     scores = np.round(rng.uniform(-spread, 0, 300) / lap.granularity) * lap.granularity
     scores[rng.integers(0, 300, 5)] = scores.max()  # ties at the top
     units = np.rint(scores / lap.granularity)
     alive = contenders(units, lap.scale_units)
-    draws = rng.integers(-b, b + 1, len(scores))
-    draws[rng.random(len(scores)) < 0.3] = b  # losers pushed up as far as they go
-    draws[alive[rng.random(len(alive)) < 0.3]] = -b  # contenders pushed down
+    values = rng.integers(-b, b + 1, len(scores))
+    values[rng.random(len(scores)) < 0.3] = b  # losers pushed up as far as they go
+    values[alive[rng.random(len(alive)) < 0.3]] = -b  # contenders pushed down
     if seed % 4 == 0:  # the worst case: every contender as low, every other candidate as high as it goes
-        draws[:] = b
-        draws[alive] = -b
-    expected = int(np.argmax(units + draws))
-    source = ScriptedDraws(draws[alive])
-    assert report_noisy_max(scores, epsilon=epsilon, noise=source) == expected
-    assert source.requests == [len(alive)]
+        values[:] = b
+        values[alive] = -b
+    lane = ScriptedLane(values)
+    assert report_noisy_max(scores, epsilon=epsilon, noise=lane) == int(np.argmax(units + values))
+    assert lane.asked == [alive.tolist()]
 
 
-def test_pruned_noisy_max_has_the_distribution_of_the_full_procedure():
+def test_pruned_noisy_max_is_the_full_procedure_with_the_same_addressed_draws():
+    """Real draws: candidate i's noise is the draw at index i of the lane, whether or not the
+    others get one; so pruning changes no outcome, partition by partition."""
     scores = np.array([0.0, -1.0, -2.5, 0.5, -80.0, -150.0, -400.0, -1.5])
-    epsilon = 1.0
-    lap = LaplaceLattice(sensitivity=1.0, epsilon=epsilon)
+    lap = noisy_max_lattice(1.0)
     assert len(contenders(np.rint(scores / lap.granularity), lap.scale_units)) < len(scores)
-    trials = 20_000
-    pruned_source, full_source = SeededNoise(11), SeededNoise(12)
-    pruned = [report_noisy_max(scores, epsilon=epsilon, noise=pruned_source) for _ in range(trials)]
-    full = [int(np.argmax(lap.release(scores, full_source))) for _ in range(trials)]
-    counts = np.array([np.bincount(pruned, minlength=len(scores)), np.bincount(full, minlength=len(scores))])
-    assert counts[:, [4, 5, 6]].sum() == 0
-    seen = counts.sum(axis=0) > 0
-    assert stats.chi2_contingency(counts[:, seen]).pvalue > 1e-3
+    lanes = partitions_lane(5000, 11)
+    pruned = report_noisy_max_rows(np.tile(scores, (5000, 1)), epsilon=1.0, noise=lanes)
+    full = np.argmax(np.rint(scores / lap.granularity) + lanes.discrete_laplace(lap.scale_units, 0, len(scores)),
+                     axis=1)
+    np.testing.assert_array_equal(pruned, full)
+    counts = np.bincount(pruned, minlength=len(scores))
+    assert counts[[4, 5, 6]].sum() == 0 and counts[[0, 1, 2, 3, 7]].min() > 0
 
 
 def test_a_far_away_candidate_gets_no_draw_and_never_wins():
     scores = np.r_[np.zeros(10), -1000.0, np.zeros(10)]
-    source = ScriptedDraws(np.full(20, 0))
-    assert report_noisy_max(scores, epsilon=1.0, noise=source) == 0
-    assert source.requests == [20]
-    with dpsql.testing.seeded(3) as seeded:
-        picks = {report_noisy_max(scores, epsilon=0.5, noise=seeded) for _ in range(500)}
+    lane = zero_lane(21)
+    assert report_noisy_max(scores, epsilon=1.0, noise=lane) == 0
+    assert lane.asked == [[*range(10), *range(11, 21)]]
+    picks = set(report_noisy_max_rows(np.tile(scores, (500, 1)), epsilon=0.5, noise=partitions_lane(500, 3)))
     assert 10 not in picks and len(picks) > 10
 
 
-# --- Hold-out counts ------------------------------------------------------------------------------
+def test_noisy_max_rows_are_independent_report_noisy_max():
+    scores = np.random.default_rng(2).normal(0.0, 3.0, (50, 200))
+    partitions = keys(4).partitions([str(k).encode() for k in range(50)])
+    together = report_noisy_max_rows(scores, epsilon=0.5, noise=partitions.lane(Lane.NOISY_MAX))
+    alone = [report_noisy_max(row, epsilon=0.5, noise=partitions[k].lane(Lane.NOISY_MAX))
+             for k, row in enumerate(scores)]
+    np.testing.assert_array_equal(together, alone)
+
+
+def test_scores_too_large_for_exact_noisy_max_are_refused():
+    with pytest.raises(dpsql.InvalidParameter, match="2\\*\\*53"):
+        report_noisy_max(np.array([0.0, 2.0**45]), epsilon=1.0, noise=zero_lane())
+
+
+def test_nm_thresholds_unsorted_rows_equal_nm_threshold_on_sorted():
+    rng = np.random.default_rng(4)
+    holdouts = rng.gamma(2.0, 1.0, (30, 700)) * rng.uniform(50.0, 1500.0, (30, 1))
+    partitions = keys(5).partitions([str(k).encode() for k in range(30)])
+    for upper in (6000.0, 100.5):  # the grid placement (m < candidates) and the search (m >= candidates)
+        clipped = np.clip(holdouts, 0.0, upper)
+        got = nm_thresholds(clipped, epsilon=0.5, upper=upper, epsilon_perturber=1.0, r=2000, is_sorted=False,
+                            noise=partitions.lane(Lane.NOISY_MAX))
+        want = [nm_threshold(np.sort(row), epsilon=0.5, upper=upper, epsilon_perturber=1.0, r=2000,
+                             noise=partitions[k].lane(Lane.NOISY_MAX)) for k, row in enumerate(clipped)]
+        np.testing.assert_array_equal(got, want)
+
+
+def test_nm_threshold_is_noisy_max_over_the_eq6_scores():
+    """The optimizer is exactly Report-Noisy-Max over Eq. 6 on the candidate grid (same draws)."""
+    holdout = np.sort(np.random.default_rng(6).exponential(20.0, 3000).clip(0, 500))
+    lane = draws(7).lane(Lane.NOISY_MAX)
+    candidates = candidate_grid(500.0, 1.0)
+    slope = nm_slope(3000, epsilon_perturber=0.3, r=2**20)
+    scores = nm_scores(holdout, candidates, slope)
+    expected = candidates[report_noisy_max(scores + slope * candidates[0], epsilon=0.2, noise=lane)]
+    assert nm_threshold(holdout, epsilon=0.2, upper=500.0, epsilon_perturber=0.3, r=2**20, noise=lane) == expected
+
+
+# --- Hold-out counts --------------------------------------------------------------------------------
 
 def assert_counts_exact(holdout_sorted, candidates):
     """Eq. 6 counts (the scores at slope 0) equal one binary search per candidate."""
@@ -133,8 +240,7 @@ def test_counts_by_placing_values_on_the_grid_equal_the_binary_search(upper, ste
         holdout[: m // 2] = on_grid[: m // 2]
         holdout[m // 2: 3 * m // 4] = np.nextafter(on_grid[m // 2: 3 * m // 4], rng.choice([-np.inf, np.inf]))
         holdout[:2] = [0.0, upper][: len(holdout[:2])]
-        holdout = np.sort(np.clip(holdout, 0.0, upper))
-        assert_counts_exact(holdout, candidates)
+        assert_counts_exact(np.sort(np.clip(holdout, 0.0, upper)), candidates)
 
 
 def test_placing_values_is_exact_for_any_increasing_candidates():
@@ -143,8 +249,7 @@ def test_placing_values_is_exact_for_any_increasing_candidates():
                        np.r_[1.0, 1.0, 2.0, 2.0, 7.0], np.array([3.0])):
         values = np.sort(np.r_[rng.uniform(-1, 1200, 300), candidates[::3]])
         np.testing.assert_array_equal(_places(candidates, values), np.searchsorted(candidates, values, side="left"))
-        holdout = np.sort(rng.uniform(0, 100, max(1, len(candidates) // 2)))
-        assert_counts_exact(holdout, candidates)
+        assert_counts_exact(np.sort(rng.uniform(0, 100, max(1, len(candidates) // 2))), candidates)
 
 
 @pytest.mark.parametrize("step", [1.0, 0.25, 2.0**-20, 64.0])
@@ -171,9 +276,7 @@ def test_only_exact_power_of_two_grids_skip_the_check():
 def test_counts_for_unsorted_candidates_and_long_holdouts():
     # fewer values than candidates, but the candidates are not increasing: searched one by one
     assert nm_scores(np.array([3.0, 9.0]), np.array([9.0, 8.999, 3.0, 1.0]), 0.0).tolist() == [0.0, -1.0, -1.0, -2.0]
-    long_holdout = np.sort(np.random.default_rng(1).uniform(0, 50, 2000))
-    candidates = candidate_grid(50.0, 1.0)
-    assert_counts_exact(long_holdout, candidates)
+    assert_counts_exact(np.sort(np.random.default_rng(1).uniform(0, 50, 2000)), candidate_grid(50.0, 1.0))
 
 
 def test_candidate_grid_is_shared_and_read_only():
@@ -183,35 +286,20 @@ def test_candidate_grid_is_shared_and_read_only():
         grid[0] = 0.0
 
 
-# --- Hierarchy: one draw call per forest, error models on first use ------------------------------
-
-def test_forest_noise_is_drawn_in_one_call_and_made_consistent():
-    forest = Forest(fanout=4, levels=3, roots=2)
-    sizes = forest.level_sizes()
-    draws = np.random.default_rng(0).integers(-50, 51, sum(sizes))
-    source = ScriptedDraws(draws)
-    lap = LaplaceLattice(sensitivity=1.0, epsilon=1.0)
-    leaves = forest.consistent_leaf_noise(lap, source, 29)
-    assert source.requests == [sum(sizes)]
-    levels = np.split(draws.astype(np.float64), np.cumsum(sizes[:-1]))
-    np.testing.assert_array_equal(leaves, np.rint(forest.consistent(levels)[0][:29]).astype(np.int64))
-
-
-def test_block_stream_error_model_is_built_on_first_query():
-    params = dict(n_rows=1000, block=4, chunk_blocks=16, fanout=4, levels=2, node_variance=1.5, consistent=True,
-                  prefix_terms=None)
-    model = BlockStreamNoise(**params)
-    assert "_chunks_before" not in vars(model)
-    # whole chunks: a range of 100 blocks starting at a chunk boundary covers chunks 0..5 and 4 blocks of the 7th
-    expected = 6 * leaf_interval_variance(0, 16, fanout=4, levels=2, node_variance=1.5) + leaf_interval_variance(
-        0, 4, fanout=4, levels=2, node_variance=1.5)
-    assert model._block_interval_variance(np.array([0]), np.array([100]))[0] == pytest.approx(expected, rel=1e-12)
-    assert "_chunks_before" in vars(model)
-
-
-def test_tops_release_builds_its_error_model_only_when_asked():
-    with dpsql.testing.seeded(0) as source:
-        rel = streams.run("tops", np.arange(20_000) % 50.0, noise=source, epsilon=1.0, upper=100.0)
-    stream_model = rel.error._models[1]
-    assert isinstance(stream_model, BlockStreamNoise) and "_chunks_before" not in vars(stream_model)
-    assert rel.range_variance(5000, 15000) > 0 and "_chunks_before" in vars(stream_model)
+def test_batch_lane_draws_are_each_partitions_draws():
+    """What the batched Noisy Max and forests draw: partition j's row is its own lane's draws."""
+    partitions = keys(9).partitions([b"x", b"y", b"z"])
+    scales = np.array([0.5, 0.0, 40.0])
+    batch = partitions.lane(Lane.FOREST, 2)
+    assert isinstance(batch, BatchLaneDraws)
+    for count in (5, 20_000):  # the vectorised path and the per-partition one
+        got = batch.discrete_laplace(scales, 3, count)
+        for j in range(3):
+            np.testing.assert_array_equal(got[j], partitions[j].lane(Lane.FOREST, 2).discrete_laplace(scales[j], 3,
+                                                                                                      count))
+        assert not got[1].any()
+    indices = np.array([0, 5, 5, 2])
+    rows = np.array([2, 0, 2, 1])
+    np.testing.assert_array_equal(
+        batch.discrete_laplace_at(7.0, rows, indices),
+        [partitions[r].lane(Lane.FOREST, 2).discrete_laplace_at(7.0, np.array([i]))[0] for r, i in zip(rows, indices)])
