@@ -46,7 +46,7 @@ def hybrid_nodes(i):
     """The nodes of the hybrid counter's prefix ``P(i)``: the totals of the epochs before ``i``'s
     (epoch e holds rows 2**e - 1 .. 2**(e+1) - 2) and the dyadic prefix inside its own epoch's tree
     of e levels."""
-    epoch = (i + 1).bit_length() - 1
+    epoch = (int(i) + 1).bit_length() - 1
     nodes = {("total", e) for e in range(epoch)}
     if epoch:
         nodes |= {("tree", epoch, *node) for node in prefix_nodes(i - (2**epoch - 1), epoch)}
