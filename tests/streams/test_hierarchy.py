@@ -351,8 +351,9 @@ def test_a_private_release_needs_a_budget():
 def test_bad_parameters_are_refused_before_charging(params, word):
     budget = dpsql.Budget.in_memory(epsilon=10.0)
     kwargs = {"epsilon": 1.0, "upper": 1.0, **params}
-    with pytest.raises(dpsql.InvalidParameter, match=word):
+    with pytest.raises(dpsql.InvalidParameter, match=word) as refused:
         dpsql.publish("hierarchy", np.ones(1000), budget=budget, **kwargs)
+    assert isinstance(refused.value, dpsql.DPError) and type(refused.value) is not RuntimeError
     assert budget.spent == (0.0, 0.0) and budget.history().height == 0
 
 

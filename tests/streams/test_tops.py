@@ -212,6 +212,28 @@ def test_holdout_total_is_unbiased():
     assert (errors**2).mean() / variances.mean() == pytest.approx(1.0, abs=4 * np.sqrt(5 / k))
 
 
+def test_range_variance_across_the_holdout_matches_monte_carlo():
+    """3000 releases (partitions of one release) of a stream without within-block shape: each
+    range's squared error over its modelled variance (which depends on the partition's own
+    threshold) averages 1, for ranges inside the hold-out, across its end and after it."""
+    k, n = 3000, 6000
+    with seeded(12):
+        release = dpsql.publish("tops", np.full(k * n, 3.0), partition_offsets=np.arange(0, k * n + 1, n),
+                                epsilon=1.0, upper=100.0)
+    starts, stops = np.array([0, 100, 4000, 4090, 10, 4096, 0, 5000]), np.array([n, 5000, 4200, 4100, 20, n, 4096,
+                                                                                  5100])
+    outs = np.concatenate([np.zeros((k, 1)), np.cumsum(release.values.reshape(k, n), axis=1)], axis=1)
+    thresholds = np.array([part.threshold for part in release.parts])
+    truth = np.minimum(3.0, thresholds)[:, None] * (stops - starts)
+    variances = np.empty((k, len(starts)))
+    for theta in np.unique(thresholds):
+        rows = thresholds == theta
+        variances[rows] = release.parts[int(np.argmax(rows))].range_variance(starts, stops)
+    assert not release.parts[0].error.range_bias_bound(starts[[0, 5, 6]], stops[[0, 5, 6]]).any()
+    ratios = (outs[:, stops] - outs[:, starts] - truth) ** 2 / variances
+    np.testing.assert_allclose(ratios.mean(axis=0), 1.0, atol=4 * np.sqrt(5 / k))
+
+
 # --- online -------------------------------------------------------------------------------------------
 
 def test_tops_is_online():
@@ -313,8 +335,9 @@ def test_accounting_and_ledger():
 def test_bad_parameters_are_refused_before_charging(params, word):
     budget = dpsql.Budget.in_memory(epsilon=10.0)
     kwargs = {"epsilon": 1.0, "upper": 100.0, **params}
-    with pytest.raises(dpsql.InvalidParameter, match=rf"\b{word}\b"):
+    with pytest.raises(dpsql.InvalidParameter, match=rf"\b{word}\b") as refused:
         dpsql.publish("tops", np.ones(5000), budget=budget, **kwargs)
+    assert isinstance(refused.value, dpsql.DPError) and type(refused.value) is not RuntimeError
     assert budget.spent == (0.0, 0.0) and budget.history().height == 0
 
 
