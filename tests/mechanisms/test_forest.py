@@ -113,6 +113,21 @@ def test_leaf_noise_is_the_consistent_forest_of_the_addressed_draws():
         np.testing.assert_array_equal(leaves, np.rint(forest.consistent(levels)[0]))
 
 
+def test_a_forests_noise_is_drawn_in_one_call():
+    class Recording:
+        def __init__(self, lane):
+            self.lane, self.calls = lane, []
+
+        def discrete_laplace(self, scale, start, count):
+            self.calls.append((start, count))
+            return self.lane.discrete_laplace(scale, start, count)
+
+    forest = Forest(fanout=4, levels=3, roots=2)
+    lane = Recording(keys(1).partition().lane(Lane.FOREST))
+    forest.consistent_leaf_noise(LaplaceLattice(1.0, 1.0), lane, 5)
+    assert lane.calls == [(5, forest.n_nodes)]
+
+
 def test_forests_of_a_batch_are_each_partitions_forest():
     forest = Forest(fanout=4, levels=3, roots=2)
     batch = LatticeBatch(np.array([10.0, 300.0]), epsilon=1.0)

@@ -298,6 +298,13 @@ def test_batch_lane_draws_are_each_partitions_draws():
             np.testing.assert_array_equal(got[j], partitions[j].lane(Lane.FOREST, 2).discrete_laplace(scales[j], 3,
                                                                                                       count))
         assert not got[1].any()
+    for scale in (0.5, 40.0):  # the discrete Laplace variance 2a / (1 - a)^2, a = exp(-1 / scale)
+        piece = batch.discrete_laplace(np.full(3, scale), 0, 100_000).ravel()
+        a = np.exp(-1.0 / scale)
+        assert piece.var() == pytest.approx(2 * a / (1 - a) ** 2, rel=0.03)
+        assert abs(piece.mean()) < 4 * np.sqrt(2 * a / (1 - a) ** 2 / len(piece))
+    with pytest.raises(dpsql.InvalidParameter, match="scale"):
+        batch.discrete_laplace(np.array([1.0, -1.0, 1.0]), 0, 4)
     indices = np.array([0, 5, 5, 2])
     rows = np.array([2, 0, 2, 1])
     np.testing.assert_array_equal(

@@ -14,6 +14,7 @@ import dpsql
 from dpsql.accounting import largest_share
 from dpsql.error_models import SegmentedNoise
 from dpsql.mechanisms import LaplaceLattice
+from dpsql.mechanisms.block_error import BlockStreamNoise
 from dpsql.mechanisms.hierarchy import Layout, flat_block, leaf_interval_variance
 from dpsql.mechanisms.noisy_max import default_step, nm_slope, nm_thresholds
 from dpsql.methods import run
@@ -196,6 +197,16 @@ def test_holdout_error_model():
         a * (g - a) / g * theta + b * (stream_g - b) / stream_g * theta)
     clipped = np.minimum(values[:4096], theta).sum()
     assert abs(rel.range_sum(0, 4096) - clipped) < 8 * whole**0.5
+
+
+def test_error_models_are_built_only_when_asked():
+    rel = run("tops", np.arange(20_000) % 50.0, noise=keys(0), epsilon=1.0, upper=100.0)
+    holdout, stream = rel.error._models
+    chunks = [model for model in stream._models]
+    assert all(isinstance(model, BlockStreamNoise) for model in [holdout, *chunks])
+    assert all("_chunks_before" not in vars(model) for model in [holdout, *chunks])
+    assert rel.range_variance(5000, 15000) > 0
+    assert "_chunks_before" in vars(chunks[1]) and "_chunks_before" not in vars(holdout)
 
 
 def test_holdout_total_is_unbiased():
