@@ -4,7 +4,9 @@ stream phase through the flat hierarchy clipped at the threshold), the budget sp
 threshold, the paper's Noisy-Max constants, online behaviour, the ledger and bad input."""
 
 import json
+import math
 import re
+import signal
 from fractions import Fraction
 
 import numpy as np
@@ -116,6 +118,26 @@ def test_the_budget_split_adds_up_exactly_to_epsilon(epsilon):
     assert components["threshold"][0] + components["holdout"][0] == epsilon
     assert Fraction(components["threshold"][0]) + Fraction(components["holdout"][0]) <= Fraction(epsilon)
     assert (rel.epsilon, rel.delta) == (epsilon, 0.0) and budget.spent == (epsilon, 0.0)
+
+
+@pytest.mark.parametrize("holdout_share", [1e-12, 1 - 1e-12])
+def test_an_extreme_holdout_share_is_split_at_once_and_refused_before_charging(holdout_share):
+    """The split never adds up to more than epsilon, found at once (it used to walk down one ulp at a
+    time: ~10**11 steps for a share of 1e-12); a part too small for any lattice is refused unpaid."""
+    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the budget split did not finish"))
+    signal.alarm(20)
+    try:
+        rest = (1 - holdout_share) * 1.0
+        share = largest_share(1.0, holdout_share * 1.0, rest=rest)
+        assert Fraction(share) + Fraction(rest) <= 1 < Fraction(math.nextafter(share, 1.0)) + Fraction(rest)
+        budget = dpsql.Budget.in_memory(epsilon=2.0)
+        with pytest.raises(dpsql.InvalidParameter, match="epsilon"):
+            dpsql.publish("tops", spiky(5000, 1), epsilon=1.0, upper=1000.0, holdout_share=holdout_share,
+                          budget=budget)
+        assert budget.spent == (0.0, 0.0) and budget.history().height == 0
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_a_given_threshold_skips_the_holdout_and_gives_the_stream_the_whole_epsilon():
