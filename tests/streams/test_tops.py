@@ -130,10 +130,19 @@ def test_an_extreme_holdout_share_is_split_at_once_and_refused_before_charging(h
         rest = (1 - holdout_share) * 1.0
         share = largest_share(1.0, holdout_share * 1.0, rest=rest)
         assert Fraction(share) + Fraction(rest) <= 1 < Fraction(math.nextafter(share, 1.0)) + Fraction(rest)
-        budget = dpsql.Budget.in_memory(epsilon=2.0)
-        with pytest.raises(dpsql.InvalidParameter, match="epsilon"):
+        budget = dpsql.Budget.in_memory(epsilon=2.0, delta=1e-3)
+        with pytest.raises(dpsql.InvalidParameter, match="holdout_share"):
             dpsql.publish("tops", spiky(5000, 1), epsilon=1.0, upper=1000.0, holdout_share=holdout_share,
                           budget=budget)
+        # a continual stream is charged when it is registered: it must be refused then, not when its
+        # hold-out completes
+        with pytest.raises(dpsql.InvalidParameter, match="holdout_share"):
+            budget.stream("s", method="tops", epsilon=1.0, order_by="t", value="v", upper=1000.0,
+                          holdout_share=holdout_share)
+        # PAK's hold-out is released the same way (its threshold part has checks of its own)
+        with pytest.raises(dpsql.InvalidParameter, match="holdout_share" if holdout_share < 0.5 else "epsilon"):
+            budget.stream("p", method="pak", epsilon=1.0, order_by="t", value="v", upper=1000.0, delta=1e-6,
+                          holdout_share=holdout_share)
         assert budget.spent == (0.0, 0.0) and budget.history().height == 0
     finally:
         signal.alarm(0)
