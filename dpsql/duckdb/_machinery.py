@@ -155,7 +155,12 @@ class Context:
         self.slots = [ResultSlot(f"dp__result_{i}") for i in range(RESULT_SLOTS)]
         self._next_slot = itertools.cycle(self.slots)
         self.recent_errors: _Bounded = _Bounded(32)
+        self._source_ids = itertools.count(1)
         self.bind(budget)
+
+    def next_id(self) -> int:
+        """A number used once on this connection (the name a data-frame source is registered under)."""
+        return next(self._source_ids)  # atomic: itertools.count holds the GIL while it counts
 
     def bind(self, budget: Budget) -> None:
         """Charge ``budget`` from now on, and resolve row handles through its ledger."""
