@@ -177,8 +177,17 @@ class Draws:
         """A keyed 64-bit tag of each float64 value (AES of its bits under the ``VALUE_TAG``
         lane): equal values get equal tags, and without the key a tag says nothing about its
         value. A continual stream keeps tags, not values, to recognise a row appended twice."""
-        bits = np.ascontiguousarray(values, dtype=np.float64).view(np.uint64)
-        return self._blocks_at(int(Lane.VALUE_TAG) << 48, bits)[:, 0].copy()
+        bits = np.ascontiguousarray(values, dtype=np.float64).reshape(-1).view(np.uint64)
+        n = len(bits)
+        # the counter blocks (header, bits) big-endian, encrypted in place of _blocks_at's copies
+        counters = np.empty((n, 2), dtype=">u8")
+        counters[:, 0] = int(Lane.VALUE_TAG) << 48
+        counters[:, 1] = bits
+        out = np.empty(2 * n + 2, dtype="<u8")  # update_into wants a block to spare
+        if n:
+            Cipher(self._aes, modes.ECB()).encryptor().update_into(counters.view(np.uint8).reshape(-1),
+                                                                    out.view(np.uint8))
+        return out[0:2 * n:2].astype(np.uint64)
 
     def _blocks_at(self, header: int, indices: np.ndarray) -> np.ndarray:
         """The keystream blocks at scattered ``indices`` (equal to :meth:`_blocks` there):
