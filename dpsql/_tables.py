@@ -87,7 +87,9 @@ def table_bytes(table: pa.Table) -> bytes:
     if "key" in table.column_names and table.num_rows > 1:
         table = _delta_keys(table)
     sink = pa.BufferOutputStream()
-    options = pa.ipc.IpcWriteOptions(compression="lz4")
+    # one thread: handing a table's few buffers to Arrow's pool costs more than it saves, and
+    # far more on a busy machine (each task waits for a core)
+    options = pa.ipc.IpcWriteOptions(compression="lz4", use_threads=False)
     with pa.ipc.new_stream(sink, table.schema, options=options) as writer:
         writer.write_table(table)
     return sink.getvalue().to_pybytes()
@@ -95,7 +97,7 @@ def table_bytes(table: pa.Table) -> bytes:
 
 def table_of(data: bytes) -> pa.Table:
     """The table :func:`table_bytes` stored."""
-    table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+    table = pa.ipc.open_stream(pa.py_buffer(data), options=pa.ipc.IpcReadOptions(use_threads=False)).read_all()
     if "key" in table.column_names:
         field = table.schema.field("key")
         if field.metadata and field.metadata.get(b"dpsql.encoding") == b"delta":
