@@ -113,8 +113,8 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
     Returns the order and ``values`` (one per row of ``frame``) in that order.
 
     ``labels`` are the user's names of the order column then the partition columns,
-    used in messages. Null keys are refused, as in every front end; partitions come in
-    ascending key order. Integer and temporal time keys are ordered by
+    used in messages. Null time keys are refused, as in every front end; null partition
+    keys form one partition; partitions come in ascending key order. Integer and temporal time keys are ordered by
     :func:`dpsql.ordering.order_integer_keys` (one int64 key per row; a regular time grid
     is placed by counting, with no comparison sort). Other keys, and keys spanning about
     2**62 (beyond one int64 key), take Polars' multi-column sort.
@@ -141,19 +141,20 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
 
 def _refuse_unusable_keys(frame: pl.DataFrame, order_name: str, partition_names: Sequence[str],
                           labels: Sequence[str]) -> None:
-    """NULL keys, then NaN keys, refused with every front end's messages."""
-    names = [order_name, *partition_names]
-    refuse_null_keys({label: frame.get_column(name).null_count() for name, label in zip(names, labels)},
-                     order_label=labels[0], partition_labels=labels[1:])
-    for k, (name, label) in enumerate(zip(names, labels)):
-        column = frame.get_column(name)
-        if column.dtype.is_float() and column.is_nan().any():
-            refuse_nan_key(label, partition=k > 0)
+    """NULL and NaN time keys, refused with every front end's messages. (NULL partition keys
+    form one partition of their own: a Polars group has a NULL key like any other.)"""
+    order = frame.get_column(order_name)
+    refuse_null_keys({labels[0]: order.null_count()}, order_label=labels[0], partition_labels=labels[1:])
+    if order.dtype.is_float() and order.is_nan().any():
+        refuse_nan_key(labels[0])
 
 
 def _set_partition_keys(rows: RowsInTimeOrder, frame: pl.DataFrame, partition_names: Sequence[str],
                         order_name: str) -> None:
-    rows.order_keys = [frame.get_column(order_name).to_physical().to_numpy()[rows.permutation]]
+    order = frame.get_column(order_name).to_physical()
+    if order.dtype in (pl.Int128, pl.UInt128):  # numpy has no 128-bit integers: their exact decimal text
+        order = order.cast(pl.String)
+    rows.order_keys = [order.to_numpy()[rows.permutation]]
     if not partition_names:
         return
     first_rows = frame.select(partition_names)[rows.permutation[rows.offsets[:-1]]]

@@ -104,19 +104,11 @@ def test_both_front_ends_use_the_shared_checks():
     assert {"ordered.py", "macros.py", "range_sum.py", "_machinery.py", "ldp.py", "counts.py"} <= uses
 
 
-def test_old_imports_from_the_duckdb_machinery_still_resolve():
-    from dpsql.duckdb import _machinery, context, ordered, sources
-    assert _machinery.resolve_source is sources.resolve_source
-    assert _machinery.Context is context.Context and _machinery.release_ordered is ordered.release_ordered
-    with pytest.raises(AttributeError):
-        _machinery.no_such_name  # noqa: B018
-
-
 def test_null_and_nan_keys_are_refused_in_the_same_words_by_both_front_ends():
     budget = dpsql.Budget.in_memory(epsilon=1.0)
     con = duckdb.connect()
     dpsql.duckdb.register(con, budget=budget)
-    cases = {"order NULL": ([1, None, 3], ["a", "a", "a"]), "partition NULL": ([1, 2, 3], ["a", None, "a"]),
+    cases = {"order NULL": ([1, None, 3], ["a", "a", "a"]),
              "order NaN": ([1.0, float("nan"), 3.0], ["a", "a", "a"])}
     for ts, meter in cases.values():
         frame = pl.DataFrame({"ts": ts, "meter": meter, "v": [1.0, 2.0, 3.0]})

@@ -141,17 +141,6 @@ def test_order_by_is_required(budget):
         pl.col("kwh").dpsql.range_sum(budget=budget, **PARAMS)
 
 
-def test_null_partition_keys_are_refused_as_in_sql(budget):
-    data = frame(meter=["a", None, "b", "b"])
-    for mode in MODES:
-        with pytest.raises(InvalidTimeKey) as caught:
-            run(mode, data, pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", budget=budget,
-                                                          **PARAMS))
-        assert_clean(caught.value, "meter", "partition column 'meter' contains 1 NULL value(s); every row needs a "
-                                            "partition key")
-    assert budget.spent == (0.0, 0.0)
-
-
 def test_group_wise_evaluation_is_refused_cleanly(budget):
     with pytest.raises(InvalidParameter) as caught:
         frame().select(pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, **PARAMS).over("meter"))
