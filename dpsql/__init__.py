@@ -24,6 +24,7 @@ from dpsql.errors import (
     LedgerError,
     NonPrivateRelease,
     NotionMismatch,
+    RenamedParameter,
     UnknownRelease,
     UnknownStream,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "PartitionedRelease",
     "Preview",
     "Release",
+    "RenamedParameter",
     "UnknownRelease",
     "UnknownStream",
     "binary_tree",

@@ -5,21 +5,20 @@ The DuckDB macros (:mod:`dpsql.duckdb`) and the Polars namespace (:mod:`dpsql.po
 their input differently, but refuse the same things with the same messages, through the
 functions here: a budget that is not a :class:`~dpsql.Budget`, a parameter name that neither
 the front end nor the method knows (named, with the closest valid name and the whole list),
-a NULL or NaN order or partition key. Stream order itself is :mod:`dpsql.ordering`; the
+a NULL or NaN time key, an old parameter name. Stream order itself is :mod:`dpsql.ordering`; the
 charge is :func:`dpsql.publishing.publish`.
 
 The defaults of the choices every front end offers live here too, so that SQL, Polars and
-Python agree (docs/vocabulary.md lists the words):
+Python agree (docs/vocabulary.md lists the words).
 """
 
 from __future__ import annotations
 
 import difflib
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 
 from dpsql.budget import Budget
-from dpsql.errors import InvalidParameter, InvalidTimeKey
+from dpsql.errors import InvalidParameter, InvalidTimeKey, RenamedParameter
 from dpsql.methods import METHODS, check_method, parameter_names
 from dpsql.ordering import duplicate_time_message, where_in_partition
 
@@ -29,8 +28,12 @@ RANGE_SUM_METHOD = "tops"
 LDP_METHOD = "capp"
 #: The count-stream method when none is named (``dp_count_stream``, ``dpsql.count_stream``).
 COUNT_METHOD = "pegasus"
-#: The threshold's estimator when none is named (``dp_threshold``, ``dpsql.threshold``, ``.dpsql.threshold``).
+#: The threshold's estimator when none is named (``method`` of ``dp_threshold``, ``dpsql.threshold`` and
+#: ``.dpsql.threshold``; the registered ``threshold`` method calls it ``estimator``).
 THRESHOLD_ESTIMATOR = "nm"
+#: Old parameter names, refused in every front end with the name to use (:func:`refuse_renamed`).
+RENAMED = {"time_column": "order_by", "time_col": "order_by", "order_col": "order_by", "window_size": "window",
+           "estimator": "method"}
 
 
 def check_budget(budget, *, required: bool = False) -> None:
@@ -41,14 +44,17 @@ def check_budget(budget, *, required: bool = False) -> None:
         raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
 
 
-def suggestion(name: str, valid: Iterable[str], renamed: Mapping[str, str] | None = None) -> str:
-    """`` (did you mean 'x'?)`` for the valid name closest to ``name``, or ``""``. ``renamed``
-    maps old names to new ones: a name close to an old one suggests the new one."""
-    renamed = dict(renamed or {})
-    if name in renamed:
-        return f" ({name!r} is now called {renamed[name]!r})"
-    close = difflib.get_close_matches(name, [*valid, *renamed], n=1, cutoff=0.6)
-    return f" (did you mean {renamed.get(close[0], close[0])!r}?)" if close else ""
+def suggestion(name: str, valid: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the valid name closest to ``name``, or ``""``; for an old
+    name (:data:`RENAMED`), the name to use.
+
+    >>> suggestion("epsilonn", ["epsilon", "upper"]), suggestion("window_size", ["window"])
+    (" (did you mean 'epsilon'?)", " ('window_size' is now called 'window')")
+    """
+    if name in RENAMED:
+        return f" ({name!r} is now called {RENAMED[name]!r})"
+    close = difflib.get_close_matches(name, [*valid, *RENAMED], n=1, cutoff=0.6)
+    return f" (did you mean {RENAMED.get(close[0], close[0])!r}?)" if close else ""
 
 
 def unknown_parameters_message(where: str, unknown: Sequence[str], valid: Sequence[str]) -> str:
@@ -59,14 +65,18 @@ def unknown_parameters_message(where: str, unknown: Sequence[str], valid: Sequen
 
 
 def method_parameters(method: str) -> list[str]:
-    """What ``method`` accepts by name (``delta`` too: pure methods accept ``delta=0``)."""
-    return sorted({*parameter_names(method), "delta"})
+    """What ``method`` accepts by name in a front end (``delta`` too: pure methods accept
+    ``delta=0``; not the registry's ``estimator``, which front ends call ``method``)."""
+    return sorted({*parameter_names(method), "delta"} - set(RENAMED))
 
 
 def check_parameters(where: str, given: Iterable[str], *, own: Sequence[str] = (), method: str | None = None) -> None:
     """Refuse names in ``given`` that are neither the front end's ``own`` keywords nor
     parameters of ``method`` (:class:`InvalidParameter` naming each, with the valid ones).
-    Checked when an expression or call is built, before anything is read or charged."""
+    Checked when an expression or call is built, before anything is read or charged. An old
+    name is a :class:`RenamedParameter` (:func:`refuse_renamed`)."""
+    given = list(given)
+    refuse_renamed(where, given)
     valid = [*own, *(method_parameters(method) if method is not None and method in METHODS else [])]
     unknown = [name for name in given if name not in valid]
     if unknown:
@@ -74,15 +84,18 @@ def check_parameters(where: str, given: Iterable[str], *, own: Sequence[str] = (
         raise InvalidParameter(unknown_parameters_message(label, unknown, valid))
 
 
-def renamed(options: dict, old: str, new: str, where: str) -> None:
-    """Move ``options[old]`` (a deprecated name) to ``options[new]``, with a DeprecationWarning;
-    both given is an :class:`InvalidParameter`."""
-    if old not in options:
-        return
-    if options.get(new) is not None:
-        raise InvalidParameter(f"{where}: {old!r} is the old name of {new!r}; pass only {new}=")
-    warnings.warn(f"{where}: {old}= is now called {new}=", DeprecationWarning, stacklevel=3)
-    options[new] = options.pop(old)
+def refuse_renamed(where: str, given: Iterable[str]) -> None:
+    """Refuse the old names (:data:`RENAMED`) in ``given`` with a :class:`RenamedParameter`
+    naming the one to use, before anything is read or charged.
+
+    >>> refuse_renamed("dpsql.count_stream()", ["every", "time_column"])
+    Traceback (most recent call last):
+    ...
+    dpsql.errors.RenamedParameter: dpsql.count_stream(): time_column= is now called order_by=
+    """
+    old = [name for name in given if name in RENAMED]
+    if old:
+        raise RenamedParameter(f"{where}: " + "; ".join(f"{name}= is now called {RENAMED[name]}=" for name in old))
 
 
 def check_range_sum_method(method: str) -> None:

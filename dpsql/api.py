@@ -6,7 +6,7 @@ charging path; see :mod:`dpsql.methods` for the algorithms behind the names.
 
 from __future__ import annotations
 
-from dpsql._frontend import THRESHOLD_ESTIMATOR, renamed
+from dpsql._frontend import THRESHOLD_ESTIMATOR, refuse_renamed
 from dpsql.budget import Budget
 from dpsql.publishing import publish
 from dpsql.release import Release
@@ -179,17 +179,17 @@ def hierarchy(values, *, epsilon: float, upper: float, lower: float = 0.0, smoot
                    consistency=consistency, depth=depth, block=block, initial=initial)
 
 
-def threshold(values, *, epsilon: float, upper: float, lower: float = 0.0, estimator: str = THRESHOLD_ESTIMATOR,
+def threshold(values, *, epsilon: float, upper: float, lower: float = 0.0, method: str = THRESHOLD_ESTIMATOR,
               budget: Budget | None = None, note: str | None = None, fresh: bool = False, **params) -> Release:
     """A private clipping threshold for ``values`` in ``[lower, upper]``, released on its own.
 
-    ``estimator="nm"``: the ToPS Noisy-Max optimizer, ``epsilon``-DP; options ``r`` (the query
+    ``method="nm"``: the ToPS Noisy-Max optimizer, ``epsilon``-DP; options ``r`` (the query
     range the threshold is for, default 2**20), ``fanout`` (16), ``c`` (60), ``step``,
     ``levels_for_nm`` (``"paper"``/``"code"``), ``epsilon_perturber`` (the budget of the stream
-    release it is for; default ``epsilon``). ``estimator="pak"``: PAK's smooth-sensitivity
+    release it is for; default ``epsilon``). ``method="pak"``: PAK's smooth-sensitivity
     quantile, ``(epsilon, delta)``-DP; options ``delta`` (default ``1 / n**2``), ``tail_p``,
-    ``lam``, ``beta_lt``, ``rho``. (``estimator`` is the same word in SQL, ``dp_threshold``, and
-    Polars, ``.dpsql.threshold``; ``method=`` is its old name here, still accepted with a warning.)
+    ``lam``, ``beta_lt``, ``rho``. (``method`` is the same word in SQL, ``dp_threshold``, and
+    Polars, ``.dpsql.threshold``; ``estimator=``, its old name, is a :class:`dpsql.RenamedParameter`.)
 
     Replace-one-value neighbours. Values outside ``[lower, upper]`` are clipped to it (part of
     the mechanism). The release has one value, also in ``Release.threshold``; it has no range
@@ -205,12 +205,6 @@ def threshold(values, *, epsilon: float, upper: float, lower: float = 0.0, estim
     >>> rel.threshold, len(rel), budget.spent
     (20.0, 1, (0.5, 0.0))
     """
-    options = dict(params)
-    if "method" in options:  # the old name
-        if estimator != THRESHOLD_ESTIMATOR:
-            options["estimator"] = estimator
-        renamed(options, "method", "estimator", "dpsql.threshold()")
-    else:
-        options["estimator"] = estimator
+    refuse_renamed("dpsql.threshold()", params)
     return publish("threshold", values, budget=budget, note=note, fresh=fresh, epsilon=epsilon, upper=upper,
-                   lower=lower, **options)
+                   lower=lower, estimator=method, **params)

@@ -30,7 +30,6 @@ public: the set of keys released is the set present in the events.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -38,16 +37,15 @@ import numpy as np
 
 from dpsql import _validate, methods
 from dpsql.budget import Budget
-from dpsql.errors import InvalidData, InvalidParameter
+from dpsql.errors import InvalidData, InvalidParameter, RenamedParameter
 from dpsql.publishing import publish
 from dpsql.release import PartitionedRelease, Release
 from dpsql.streams.pegasus import DEFAULT_GROUPER_SHARE, largest_share, window_sums
 from dpsql.timegrid import TimeDomain, ticks, time_domain
 
-#: Count methods by their registered names (:data:`dpsql.methods.COUNT_METHODS`, the one name
-#: every front end uses) -> the registered machine; ``"laplace"`` is the old name of ``"count_laplace"``.
-COUNT_METHODS = {name: name for name in methods.COUNT_METHODS}
-_OLD_NAMES = {"laplace": "count_laplace"}
+#: Old names of count methods -> their registered names (:data:`dpsql.methods.COUNT_METHODS`, the
+#: one name every front end uses); refused with a :class:`~dpsql.RenamedParameter` naming the new one.
+RENAMED_METHODS = {"laplace": "count_laplace"}
 
 
 
@@ -248,6 +246,20 @@ class CountRelease:
         return out
 
 
+def check_count_method(method) -> str:
+    """``method``, a registered count method; an old name is a :class:`~dpsql.RenamedParameter`
+    naming the new one.
+
+    >>> check_count_method("laplace")
+    Traceback (most recent call last):
+    ...
+    dpsql.errors.RenamedParameter: count method 'laplace' is now called 'count_laplace'
+    """
+    if method in RENAMED_METHODS:
+        raise RenamedParameter(f"count method {method!r} is now called {RENAMED_METHODS[method]!r}")
+    return _validate.choice(method, "method", methods.COUNT_METHODS)
+
+
 def release_event_counts(times, *, start, stop, every, epsilon: float, method: str = "pegasus",
                          keys: Mapping[str, object] | None = None, hierarchy: bool = False, units=None,
                          cap: int | None = None, window: int | None = None, alarm_threshold: float | None = None,
@@ -270,7 +282,7 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
     start, stop, every :
         The public time domain ``[start, stop)`` and bucket width (:func:`time_domain`).
     method : {"pegasus", "count_laplace"}
-        PeGaSus, or per-bucket Laplace (the baseline; ``"laplace"`` is its old name).
+        PeGaSus, or per-bucket Laplace (the baseline; ``"laplace"``, its old name, is refused).
     keys : mapping of column name to array, optional
         Partition columns (one value per event).
     units, cap : optional
@@ -296,11 +308,7 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
     >>> len(cols["dp_count"]), cols["dp_level"][::6].tolist(), cols["room"][::6].tolist(), budget.spent
     (18, [1, 2, 2], [None, 'a', 'b'], (1.0, 0.0))
     """
-    if method in _OLD_NAMES:
-        warnings.warn(f"count method {method!r} is now called {_OLD_NAMES[method]!r}", DeprecationWarning,
-                      stacklevel=2)
-        method = _OLD_NAMES[method]
-    method_name = _validate.choice(method, "method", COUNT_METHODS)
+    method = check_count_method(method)
     epsilon = _validate.epsilon(epsilon)
     window = None if window is None else _validate.integer(window, "window", minimum=1)
     if alarm_threshold is not None:
@@ -340,7 +348,7 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
                           for k, level in enumerate(levels)]
         if not hierarchy and len(columns) == 1:  # one key column: the key itself, as every front end gives it
             partition_keys = [key for (key,) in partition_keys]
-    release = publish(COUNT_METHODS[method_name], counts.ravel(), budget=budget, column="counts",
+    release = publish(method, counts.ravel(), budget=budget, column="counts",
                       partition_offsets=offsets, partition_keys=partition_keys,
                       partition_levels=levels if partitioned else None, note=note,
                       epsilon=level_epsilon, sensitivity=sensitivity, **params)

@@ -15,6 +15,11 @@ class InvalidParameter(DPError, ValueError):
     """A mechanism parameter (epsilon, delta, bounds, method, ...) is unusable."""
 
 
+class RenamedParameter(InvalidParameter):
+    """An old name of a parameter, method or choice, no longer accepted; the message names the
+    one to use instead (docs/vocabulary.md lists the renamings)."""
+
+
 class InvalidData(DPError, ValueError):
     """The data column is unusable: NaN, null, infinite, empty, wrong shape or type."""
 

@@ -29,8 +29,10 @@ import numpy as np
 import pyarrow as pa
 
 from dpsql import _validate
+from dpsql._frontend import COUNT_METHOD, RANGE_SUM_METHOD, check_budget, refuse_renamed
 from dpsql.accounting import Charge, Kind, Neighbour, Notion
 from dpsql.budget import Budget, default_budget
+from dpsql.counts import check_count_method
 from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
 from dpsql.methods import COUNT_METHODS, check_method, machine_for
 from dpsql.noise import Keystream, partition_address
@@ -40,7 +42,7 @@ from dpsql.timegrid import time_domain
 COUNT = "dp_count"
 
 
-def range_sum(df, *, order_by: str, value: str, partition_by, method: str = "tops", epsilon: float,
+def range_sum(df, *, order_by: str, value: str, partition_by, method: str = RANGE_SUM_METHOD, epsilon: float,
               budget: Budget | None = None, note: str | None = None, **params):
     """Release ``value`` as one private stream per ``partition_by`` group, in ``order_by`` order.
 
@@ -57,6 +59,7 @@ def range_sum(df, *, order_by: str, value: str, partition_by, method: str = "top
     >>> out = dpsql.spark.range_sum(readings, order_by="ts", value="kwh", partition_by="meter",
     ...                             epsilon=1.0, upper=50.0, budget=budget)  # doctest: +SKIP
     """
+    refuse_renamed("dpsql.spark.range_sum()", params)
     partition_by = _columns(partition_by)
     check_method(method, per_row=True)
     if method in COUNT_METHODS:
@@ -75,40 +78,41 @@ def range_sum(df, *, order_by: str, value: str, partition_by, method: str = "top
     return df.select(*partition_by, order_by, value).groupBy(*partition_by).applyInArrow(task, schema)
 
 
-def count_stream(df, *, time_column: str, every, start, stop, partition_by, method: str = "pegasus",
+def count_stream(df, *, order_by: str | None = None, every, start, stop, partition_by, method: str = COUNT_METHOD,
                  epsilon: float, budget: Budget | None = None, note: str | None = None, **params):
     """Private counts of the events of ``df`` per bucket of the public time domain ``[start,
     stop)`` cut every ``every`` (never read from the data), one stream per ``partition_by``
     group: PeGaSus (``method="pegasus"``) or per-bucket Laplace (``"count_laplace"``).
 
-    Returns a lazy Spark DataFrame: the partition columns, the bucket start (``time_column``)
+    Returns a lazy Spark DataFrame: the partition columns, the bucket start (named like ``order_by``)
     and ``dp_count``, every bucket of the domain (empty ones too). Events outside the domain
     are counted nowhere. Privacy cost: ``epsilon`` for add/remove-one-event neighbours,
     partitions in parallel, charged once on the driver.
     """
+    refuse_renamed("dpsql.spark.count_stream()", params)
+    if order_by is None:
+        raise InvalidParameter("dpsql.spark.count_stream() needs order_by, the event time column")
+    check_count_method(method)
     partition_by = _columns(partition_by)
-    if method not in COUNT_METHODS:
-        raise InvalidParameter(f"method must be one of {', '.join(map(repr, COUNT_METHODS))} for a count stream, "
-                               f"got {method!r}")
-    fields = _fields(df, [*partition_by, time_column])
+    fields = _fields(df, [*partition_by, order_by])
     for column in partition_by:
         _require_key_type(fields[column], column)
     domain = time_domain(start=start, stop=stop, every=every)
     release = _Release(method, {"epsilon": epsilon, **params}, budget, note)
-    _refuse_null_keys(df, [*partition_by, time_column])
+    _refuse_null_keys(df, [*partition_by, order_by])
     release.charge(rows=0)
     from pyspark.sql import functions as F
 
-    ticks = _spark_ticks(F.col(time_column), fields[time_column], domain.datetime)
+    ticks = _spark_ticks(F.col(order_by), fields[order_by], domain.datetime)
     bucket = F.floor((ticks - F.lit(domain.start)) / F.lit(domain.every)).cast("long")
     counted = (df.select(*partition_by, bucket.alias("__bucket"))
                .where((F.col("__bucket") >= 0) & (F.col("__bucket") < domain.n_buckets))
                .groupBy(*partition_by, "__bucket").count())
     time_type = "timestamp_ntz" if domain.datetime else "double"
     schema = ", ".join(f"`{c}` {fields[c].dataType.simpleString()}" for c in partition_by) \
-        + f", `{time_column}` {time_type}, `{COUNT}` double"
+        + f", `{order_by}` {time_type}, `{COUNT}` double"
     task = _task(_release_counts, key=release.key, private=release.private, method=method, params=release.params,
-                 partition_by=partition_by, time_column=time_column, domain=domain)
+                 partition_by=partition_by, time_column=order_by, domain=domain)
     return counted.groupBy(*partition_by).applyInArrow(task, schema)
 
 
@@ -124,9 +128,8 @@ class _Release:
     """The driver's side: the method's parameters validated, the cost, the key, the charge."""
 
     def __init__(self, method: str, params: dict, budget: Budget | None, note: str | None):
+        check_budget(budget)
         budget = default_budget() if budget is None else budget
-        if not isinstance(budget, Budget) and budget is not None:
-            raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
         keystream = Keystream.fresh()
         if budget is None and keystream.private:
             raise InvalidParameter("a private release needs a budget to be charged to: pass budget=dpsql.Budget."

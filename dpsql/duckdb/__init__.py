@@ -26,7 +26,7 @@ The reusable pieces, by concern (docs/vocabulary.md, "Where the front ends live"
 
 * :mod:`dpsql.duckdb.macros`: ``install_stream_release(context, "dp_pegasus",
   default_method="pegasus")`` is a complete one-value-per-row table macro ``dp_pegasus(tbl,
-  order_col, value_col, method := 'pegasus', partition_by := NULL, <every registered method
+  order_by, value_col, method := 'pegasus', partition_by := NULL, <every registered method
   parameter>)``, with the same validation, charging, outputs and error bars as
   ``dp_range_sum``; ``method_parameters()`` and ``params_struct()`` pass named parameters
   through to publish generically; ``row_handles`` makes the ``dp_row`` column.

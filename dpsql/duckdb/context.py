@@ -115,12 +115,11 @@ class Context:
                                  type="arrow" if arrow else "native", null_handling="special",
                                  side_effects=True)
 
-    def macro(self, sql: str, *, renamed: dict[str, str] | None = None) -> None:
+    def macro(self, sql: str) -> None:
         """``CREATE OR REPLACE`` a (table) macro; ``sql`` starts after ``MACRO``. Its signature
-        is kept for the error messages of calls that do not match it; ``renamed`` maps old
-        parameter names it still accepts (deprecated, not listed) to their new names."""
+        is kept for the error messages of calls that do not match it."""
         self.con.execute("CREATE OR REPLACE MACRO " + sql)
-        found = signature(sql, renamed)
+        found = signature(sql)
         self.signatures[found.name] = found
 
     def _remembering(self, function: Callable) -> Callable:

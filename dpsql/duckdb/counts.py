@@ -2,7 +2,7 @@
 
 SQL surface (installed by :func:`dpsql.duckdb.register`)::
 
-    dp_count_stream(tbl, time_col, every := INTERVAL '5 minutes', start := ..., stop := ...,
+    dp_count_stream(tbl, order_by, every := INTERVAL '5 minutes', start := ..., stop := ...,
                     epsilon := ..., method := 'pegasus', partition_by := NULL, hierarchy := false,
                     privacy_unit := NULL, contribution_cap := NULL, "window" := NULL,
                     alarm_threshold := NULL, grouper_share := NULL, theta := NULL, smoother := NULL)
@@ -15,7 +15,7 @@ per-bucket Laplace (``'count_laplace'``) through :func:`dpsql.counts.release_eve
 one call of :func:`dpsql.publishing.publish`, one charge. Empty buckets are released; events
 outside the domain are dropped and counted nowhere. ``every`` must have a fixed length
 (an INTERVAL without months or years, or text such as ``'5m'``, ``'1h30m'``);
-``time_col`` may be TIMESTAMP (any precision, with or without time zone: buckets are
+``order_by`` may be TIMESTAMP (any precision, with or without time zone: buckets are
 computed in UTC), DATE, or a number (then ``start``, ``stop`` and ``every`` are
 numbers).
 
@@ -29,12 +29,11 @@ scaled to ``k``: neighbours add/remove one unit's events in one bucket.
 are released at ``epsilon / L`` each, one charge of ``epsilon``.
 
 Returns one row per (level, partition, bucket), sorted so: the bucket start (named
-like ``time_col``), the partition columns (NULL above a row's level), ``dp_level``
+like ``order_by``), the partition columns (NULL above a row's level), ``dp_level``
 (hierarchies only), ``dp_count`` (the estimate), ``dp_std_error`` (noise only) and
 ``dp_row``, the connection-wide row handle of :mod:`dpsql.duckdb.range_sum`
 (consecutive buckets of a stream have consecutive handles; ``dp_release_id(dp_row)``
-gives the ledger's ``release_id``); with ``"window" := w`` (quoted: an SQL keyword;
-``window_size`` is its old name), ``dp_window_sum`` (sum of
+gives the ledger's ``release_id``); with ``"window" := w`` (quoted: an SQL keyword), ``dp_window_sum`` (sum of
 the last ``w`` estimates, fewer at the start) and ``dp_window_std_error``; with
 ``alarm_threshold``, ``dp_alarm`` (``dp_window_sum >= alarm_threshold``: event
 monitoring). Windows and alarms are post-processing; so are SQL window functions over
@@ -73,15 +72,13 @@ MACRO = "dp_count_stream"
 #: Named macro parameters besides ``every`` (whose default is an interval).
 PARAMETERS = ("start", "stop", "epsilon", "method", "partition_by", "hierarchy", "privacy_unit",
               "contribution_cap", "window", "alarm_threshold", "grouper_share", "theta", "smoother")
-#: Old parameter names still accepted -> their names now.
-RENAMED = {"window_size": "window"}
 _INTERVAL = re.compile(r"^(?:(?P<days>-?\d+) days?)?\s*(?:(?P<sign>-)?(?P<h>\d+):(?P<m>\d\d):(?P<s>\d\d(?:\.\d+)?))?$")
 
 
 @dataclass
 class CountPlan:
     source: Source
-    time_col: str
+    order_by: str
     time_type: pa.DataType
     keys: list[str]
     privacy_unit: str | None
@@ -90,33 +87,29 @@ class CountPlan:
 
 
 def install(con, context: Context) -> None:
-    def plan(table, time_col, params_json):
-        time_col = column_name(time_col, "time_col")
+    def plan(table, order_by, params_json):
+        order_by = column_name(order_by, "order_by")
         options = {k: v for k, v in json.loads(params_json).items() if v is not None}
-        for old, new in RENAMED.items():
-            if old in options and new in options:
-                raise InvalidParameter(f"{MACRO}(): {old!r} is the old name of {new!r}; pass only {new}")
-            options.setdefault(new, options.pop(old, None))
         partition_by = options.pop("partition_by", None)
         keys = [partition_by] if isinstance(partition_by, str) else list(partition_by or [])
         privacy_unit = options.pop("privacy_unit", None)
         source = resolve_source(context, table)
         columns = describe(context, source)
-        named = {"time_col": time_col, "privacy_unit": privacy_unit}
+        named = {"order_by": order_by, "privacy_unit": privacy_unit}
         named.update({f"partition_by[{k}]": key for k, key in enumerate(keys)})
         for parameter, name in named.items():
             if name is not None and not isinstance(name, str):
                 raise InvalidParameter(f"{parameter} must be a column name, got {name!r}")
         require_columns(columns, source, **named)
-        taken = {time_col, *keys}
+        taken = {order_by, *keys}
         if len(taken) < 1 + len(keys) or taken & {LEVEL, COUNT, STD_ERROR, ROW, WINDOW_SUM,
                                                   WINDOW_STD_ERROR, ALARM}:
-            raise InvalidParameter(f"time_col and partition_by must be distinct columns without dpsql's output "
-                                   f"names; got {[time_col, *keys]}")
-        time_type = _time_output_type(columns[time_col], time_col)
-        count_plan = CountPlan(source, time_col, time_type, keys, privacy_unit, options,
-                               f"duckdb {MACRO}({table!r}, {time_col!r})")
-        fields = [pa.field(time_col, time_type), *arrow_fields(context, source, keys)]
+            raise InvalidParameter(f"order_by and partition_by must be distinct columns without dpsql's output "
+                                   f"names; got {[order_by, *keys]}")
+        time_type = _time_output_type(columns[order_by], order_by)
+        count_plan = CountPlan(source, order_by, time_type, keys, privacy_unit, options,
+                               f"duckdb {MACRO}({table!r}, {order_by!r})")
+        fields = [pa.field(order_by, time_type), *arrow_fields(context, source, keys)]
         if options.get("hierarchy"):
             fields.append(pa.field(LEVEL, pa.int64()))
         fields += [pa.field(COUNT, pa.float64()), pa.field(STD_ERROR, pa.float64()), pa.field(ROW, pa.int64())]
@@ -137,22 +130,20 @@ def install(con, context: Context) -> None:
             keys=keys, hierarchy=bool(options.pop("hierarchy", False)), units=units,
             cap=options.pop("contribution_cap", None), window=options.pop("window", None),
             alarm_threshold=options.pop("alarm_threshold", None), budget=context.budget, note=count_plan.note,
-            time_column=count_plan.time_col, **options)
+            time_column=count_plan.order_by, **options)
         columns = result.columns()
         # The core's per-stream bucket and stream indices give way to row handles: its
         # rows are in the release's order (stream, then bucket).
         del columns[PART]
         columns[ROW] = row_handles(result.release)
-        columns[count_plan.time_col] = _bucket_times(columns[count_plan.time_col], count_plan.time_type)
+        columns[count_plan.order_by] = _bucket_times(columns[count_plan.order_by], count_plan.time_type)
         return pa.Table.from_arrays([pa.array(columns[f.name], f.type) if not isinstance(columns[f.name], pa.Array)
                                      else columns[f.name] for f in schema], schema=schema)
 
     context.udf("dp__plan_count_stream", plan, ["VARCHAR"] * 3, "VARCHAR")
-    named = (*PARAMETERS, *RENAMED)
-    defaults = ", ".join(f"{quote_ident(n)} := {'false' if n == 'hierarchy' else 'NULL'}" for n in named)
-    context.macro(f"{MACRO}(tbl, time_col, every := INTERVAL '5 minutes', {defaults}) AS TABLE "
-                  f"FROM query(dp__plan_count_stream(tbl, time_col, {params_struct(('every', *named))}))",
-                  renamed=RENAMED)
+    defaults = ", ".join(f"{quote_ident(n)} := {'false' if n == 'hierarchy' else 'NULL'}" for n in PARAMETERS)
+    context.macro(f"{MACRO}(tbl, order_by, every := INTERVAL '5 minutes', {defaults}) AS TABLE "
+                  f"FROM query(dp__plan_count_stream(tbl, order_by, {params_struct(('every', *PARAMETERS))}))")
 
 
 def _time_output_type(sql_type: str, name: str) -> pa.DataType:
@@ -164,20 +155,20 @@ def _time_output_type(sql_type: str, name: str) -> pa.DataType:
         return pa.timestamp("us")
     if sql_type.split("(")[0] in NUMERIC_TYPES:
         return pa.float64()
-    raise InvalidData(f"time_col {name!r} must be a TIMESTAMP, DATE or number, got {sql_type}")
+    raise InvalidData(f"order_by {name!r} must be a TIMESTAMP, DATE or number, got {sql_type}")
 
 
 def _read_events(context: Context, plan: CountPlan):
     """The event table's time, key and unit columns as numpy (one scan, no order needed)."""
-    wanted = list(dict.fromkeys([plan.time_col, *plan.keys, *([plan.privacy_unit] if plan.privacy_unit else [])]))
+    wanted = list(dict.fromkeys([plan.order_by, *plan.keys, *([plan.privacy_unit] if plan.privacy_unit else [])]))
     select = [quote_ident(name) for name in wanted]
     cur = plan.source.cursor(context.con)
     try:
         table = cur.sql(f"SELECT {', '.join(select)} FROM {plan.source.sql}").to_arrow_table()
     finally:
         cur.close()
-    time = table.column(plan.time_col)
-    refuse_null_event_times(plan.time_col, time.null_count)
+    time = table.column(plan.order_by)
+    refuse_null_event_times(plan.order_by, time.null_count)
     if pa.types.is_timestamp(time.type) and time.type.tz is not None:
         time = time.cast(pa.timestamp(time.type.unit))
     times = time.to_numpy()

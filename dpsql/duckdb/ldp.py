@@ -2,11 +2,11 @@
 
 SQL surface (installed by :func:`dpsql.duckdb.register`):
 
-``dp_ldp(tbl, order_col, value_col, method := 'capp', partition_by := NULL, epsilon := ..., w := ..., ...)``
+``dp_ldp(tbl, order_by, value_col, method := 'capp', partition_by := NULL, epsilon := ..., w := ..., ...)``
     Table macro over a (user, time, value) table. Runs the device encoder of a
     method of Du et al. (:mod:`dpsql.streams.du`: ``sw_direct``, ``sampling``, ``ba_sw``, ``ipp``, ``app``,
     ``capp``, ``pp_s``) on every user's stream (``partition_by`` = the user column, time
-    order ``order_col``), as a trusted ingestion gateway would or to simulate
+    order ``order_by``), as a trusted ingestion gateway would or to simulate
     collection, and publishes the collector's stream. Cost: ``epsilon`` under w-event
     LDP per user (notion ``"w-event-ldp"`` with the given ``w``; neighbours: one user's
     values in any ``w`` consecutive slots), one release charged once to the budget the

@@ -1,7 +1,7 @@
 """Building macros: the generic one-value-per-row stream macro and the pieces other macros use.
 
 ``install_stream_release(context, "dp_pegasus", default_method="pegasus")`` is a complete
-table macro ``dp_pegasus(tbl, order_col, value_col, method := 'pegasus', partition_by :=
+table macro ``dp_pegasus(tbl, order_by, value_col, method := 'pegasus', partition_by :=
 NULL, <every registered method parameter>)``, with the same validation, charging, outputs
 and error bars as ``dp_range_sum``. For other shapes, see :mod:`dpsql.duckdb` ("Plugging in
 more macros"): a plan UDF registered with :meth:`~dpsql.duckdb.context.Context.udf`, a macro
@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from dpsql import methods
-from dpsql._frontend import check_range_sum_method
+from dpsql._frontend import RENAMED, check_range_sum_method
 from dpsql._memory import count_into, pooled_array
 from dpsql.duckdb.context import Context
 from dpsql.duckdb.ordered import Plan, arrow_of, orders_in_numpy, release_ordered
@@ -48,13 +48,15 @@ RELEASE_COLUMN = "release_id"
 
 def method_parameters(exclude: Iterable[str] = ()) -> list[str]:
     """Parameter names of every registered method (plus :data:`CORE_PARAMETERS`), in a
-    stable order: the named macro parameters passed through to publish unchanged."""
+    stable order: the named macro parameters passed through to publish unchanged. Old names
+    (:data:`dpsql._frontend.RENAMED`: the registry's ``estimator``, which SQL calls ``method``)
+    are left out."""
     names = dict.fromkeys(CORE_PARAMETERS)
     for factory in methods.METHODS.values():
         for parameter in inspect.signature(factory).parameters.values():
             if parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD):
                 names[parameter.name] = None
-    skip = {"n", "noise", "self", *exclude}
+    skip = {"n", "noise", "self", *RENAMED, *exclude}
     return [name for name in names if name not in skip]
 
 
@@ -87,7 +89,7 @@ def row_handles(release) -> pa.Array:
 
 def install_stream_release(context: Context, macro: str, *, default_method: str | None,
                            extra_outputs: tuple[list[tuple[str, str]], Callable] | None = None) -> None:
-    """Install table macro ``macro(tbl, order_col, value_col, method := default_method,
+    """Install table macro ``macro(tbl, order_by, value_col, method := default_method,
     partition_by := NULL, <every method parameter> := NULL)``.
 
     It releases one private value per row with ``dpsql.publishing.publish(method, ...)``
@@ -103,28 +105,28 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
     extra_columns = extra_outputs[0] if extra_outputs else []
     extra_names = [name for name, _ in extra_columns]
 
-    def plan(table, order_col, value_col, partition_by, method, params_json):
-        order_col = column_name(order_col, "order_col")
+    def plan(table, order_by, value_col, partition_by, method, params_json):
+        order_by = column_name(order_by, "order_by")
         value_col = column_name(value_col, "value_col")
         partition_by = column_name(partition_by, "partition_by", required=False)
         if not isinstance(method, str):
             raise InvalidParameter(f"method must be a method name, got {method!r}")
         check_range_sum_method(method)
-        outputs = [c for c in (partition_by, order_col, value_col) if c is not None]
+        outputs = [c for c in (partition_by, order_by, value_col) if c is not None]
         added = [ROW_COLUMN, *extra_names]
         if len(set(outputs)) < len(outputs) or set(added).intersection(outputs):
-            raise InvalidParameter(f"order_col, value_col and partition_by must be distinct columns not named "
+            raise InvalidParameter(f"order_by, value_col and partition_by must be distinct columns not named "
                                    f"{', '.join(map(repr, added))}; got {outputs}")
         source = resolve_source(context, table)
         columns = describe(context, source)
-        require_columns(columns, source, order_col=order_col, value_col=value_col, partition_by=partition_by)
+        require_columns(columns, source, order_by=order_by, value_col=value_col, partition_by=partition_by)
         require_numeric(columns, value_col)
-        keys = [c for c in (partition_by, order_col) if c is not None]
+        keys = [c for c in (partition_by, order_by) if c is not None]
         key_fields = {field.name: field for field in arrow_fields(context, source, keys)}
-        stream = Plan(source=source, value_col=value_col, order_col=order_col, partition_by=partition_by,
+        stream = Plan(source=source, value_col=value_col, order_by=order_by, partition_by=partition_by,
                       method=method, params=parse_params(params_json),
-                      note=f"duckdb {macro}({table!r}, {order_col!r}, {value_col!r})",
-                      numpy_order=orders_in_numpy(columns[order_col],
+                      note=f"duckdb {macro}({table!r}, {order_by!r}, {value_col!r})",
+                      numpy_order=orders_in_numpy(columns[order_by],
                                                   columns[partition_by] if partition_by else None))
         schema = pa.schema([*key_fields.values(), pa.field(value_col, pa.float64()),
                             pa.field(ROW_COLUMN, pa.int64()), *(pa.field(n, t) for n, t in extra_columns)])
@@ -141,6 +143,6 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
     context.udf(plan_udf, plan, ["VARCHAR"] * 6, "VARCHAR")
     defaults = f"method := {quote_literal(default_method) if default_method else 'NULL'}, partition_by := NULL"
     context.macro(
-        f"{macro}(tbl, order_col, value_col, {defaults}, {', '.join(quote_ident(n) + ' := NULL' for n in names)}) "
+        f"{macro}(tbl, order_by, value_col, {defaults}, {', '.join(quote_ident(n) + ' := NULL' for n in names)}) "
         "AS TABLE "
-        f"FROM query({plan_udf}(tbl, order_col, value_col, partition_by, method, {params_struct(names)}))")
+        f"FROM query({plan_udf}(tbl, order_by, value_col, partition_by, method, {params_struct(names)}))")

@@ -41,7 +41,7 @@ class Plan:
 
     source: Source
     value_col: str
-    order_col: str | None
+    order_by: str | None
     partition_by: str | None
     method: str
     params: dict
@@ -68,7 +68,7 @@ def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedA
     keys (:class:`InvalidTimeKey`, naming the column); the core validates the values and
     names the column.
     """
-    key_cols = [c for c in (plan.partition_by, plan.order_col) if c is not None]
+    key_cols = [c for c in (plan.partition_by, plan.order_by) if c is not None]
     select = f"SELECT {', '.join(quote_ident(c) for c in [*key_cols, plan.value_col])} FROM "
     cur = plan.source.cursor(context.con)
     try:
@@ -77,7 +77,7 @@ def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedA
             ordered = {}, cur.sql(select + plan.source.sql).to_arrow_table().column(plan.value_col), None
         elif plan.numpy_order:
             unsorted = cur.sql(select + plan.source.sql).to_arrow_table()
-            _refuse_null_keys(unsorted, plan.order_col, plan.partition_by)
+            _refuse_null_keys(unsorted, plan.order_by, plan.partition_by)
             ordered = _ordered_in_numpy(unsorted, plan) if unsorted.num_rows else None
             del unsorted  # not kept while a fallback reads the source again
         if ordered is None:  # keys numpy does not order (or no rows): read again, sorted by DuckDB
@@ -144,9 +144,9 @@ def arrow_of(values: np.ndarray, kind: pa.DataType) -> pa.Array:
     return pa.Array.from_buffers(kind, len(values), [None, pa.py_buffer(values)])
 
 
-def _refuse_null_keys(rows: pa.Table | pa.RecordBatch, order_col: str | None, partition_by: str | None) -> None:
-    keys = [c for c in (partition_by, order_col) if c is not None]
-    refuse_null_keys({c: rows.column(c).null_count for c in keys}, order_label=order_col,
+def _refuse_null_keys(rows: pa.Table | pa.RecordBatch, order_by: str | None, partition_by: str | None) -> None:
+    keys = [c for c in (partition_by, order_by) if c is not None]
+    refuse_null_keys({c: rows.column(c).null_count for c in keys}, order_label=order_by,
                      partition_labels=_partition_labels(partition_by))
 
 
@@ -157,12 +157,12 @@ def _partition_labels(partition_by: str | None) -> list[str]:
 def _ordered_in_numpy(table: pa.Table, plan: Plan):
     """``(keys, values, offsets)`` in stream order by :func:`dpsql.ordering.order_integer_keys`,
     or None for keys spanning too much for it."""
-    time_column = table.column(plan.order_col)
+    time_column = table.column(plan.order_by)
     partition_column = None if plan.partition_by is None else table.column(plan.partition_by)
 
     def refuse(time: int, _partition: int | None):
         shown = _shown(arrow_of(np.array([time]), time_column.type), 0)
-        refuse_duplicate_time(plan.order_col, shown, _partition_labels(plan.partition_by))
+        refuse_duplicate_time(plan.order_by, shown, _partition_labels(plan.partition_by))
 
     # bad values are refused once the keys passed, as on DuckDB's path: nulls just below, NaN
     # and infinities by publish (naming their row in time order)
@@ -178,17 +178,17 @@ def _ordered_in_numpy(table: pa.Table, plan: Plan):
     keys = {}
     if partition_column is not None:
         keys[plan.partition_by] = arrow_of(order.partition_column(), partition_column.type)
-    keys[plan.order_col] = arrow_of(order.times(), time_column.type)
+    keys[plan.order_by] = arrow_of(order.times(), time_column.type)
     return keys, order.values, (None if partition_column is None else order.offsets)
 
 
 def _ordered_by_duckdb(cur: duckdb.DuckDBPyConnection, select: str, plan: Plan):
     """``(keys, values, offsets)`` of ``select`` sorted by DuckDB, validated batch by batch."""
-    key_cols = [c for c in (plan.partition_by, plan.order_col) if c is not None]
+    key_cols = [c for c in (plan.partition_by, plan.order_by) if c is not None]
     reader = cur.sql(f"{select} ORDER BY {', '.join(quote_ident(c) for c in key_cols)}").to_arrow_reader(BATCH_ROWS)
     chunks: dict[str, list] = {c: [] for c in [*key_cols, plan.value_col]}
     starts = [np.zeros(1, dtype=np.int64)]
-    checker = _KeyChecker(plan.order_col, plan.partition_by)
+    checker = _KeyChecker(plan.order_by, plan.partition_by)
     seen = 0
     for batch in reader:
         for c in chunks:
@@ -238,8 +238,8 @@ class _KeyChecker:
     """Validates sorted key batches (vectorised, no per-row Python), remembering the
     previous batch's last keys."""
 
-    def __init__(self, order_col: str | None, partition_by: str | None):
-        self.order_col = order_col
+    def __init__(self, order_by: str | None, partition_by: str | None):
+        self.order_by = order_by
         self.partition_by = partition_by
         self.last: dict[str, pa.Scalar] = {}
 
@@ -256,7 +256,7 @@ class _KeyChecker:
         starts = np.zeros(0, dtype=np.int64)
         if n == 0:
             return starts
-        _refuse_null_keys(batch, self.order_col, self.partition_by)
+        _refuse_null_keys(batch, self.order_by, self.partition_by)
         same_partition, first_in_partition = None, False
         if self.partition_by is not None:
             keys = batch.column(self.partition_by)
@@ -265,17 +265,17 @@ class _KeyChecker:
             if self._continues(self.partition_by, keys) is False:
                 starts = np.concatenate([[0], starts])
                 first_in_partition = True
-        if self.order_col is not None:
-            times = batch.column(self.order_col)
-            repeats = _repeats_previous(times, self.order_col)
+        if self.order_by is not None:
+            times = batch.column(self.order_by)
+            repeats = _repeats_previous(times, self.order_by)
             if same_partition is not None:
                 repeats &= same_partition
-            if self._continues(self.order_col, times) and not first_in_partition:
+            if self._continues(self.order_by, times) and not first_in_partition:
                 self._duplicate(times, 0)
             if repeats.any():
                 self._duplicate(times, int(np.flatnonzero(repeats)[0]) + 1)
         return starts
 
     def _duplicate(self, times: pa.Array, row: int):
-        refuse_duplicate_time(self.order_col, _shown(times, row), _partition_labels(self.partition_by))
+        refuse_duplicate_time(self.order_by, _shown(times, row), _partition_labels(self.partition_by))
 

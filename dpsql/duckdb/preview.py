@@ -40,7 +40,9 @@ COLUMNS = (("method", "VARCHAR"), ("n", "BIGINT"), ("epsilon", "DOUBLE"), ("delt
 
 
 def install(con, context: Context) -> None:
-    names = method_parameters(exclude=("method", "fresh", "lengths", "level"))
+    # ``method`` is the method previewed, so the threshold's choice keeps its registry name here,
+    # ``estimator``, as in dpsql.preview
+    names = [*method_parameters(exclude=("method", "fresh", "lengths", "level")), "estimator"]
 
     def plan(method, arguments_json):
         if not isinstance(method, str):

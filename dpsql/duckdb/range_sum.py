@@ -2,9 +2,9 @@
 
 SQL surface (installed by :func:`dpsql.duckdb.register`):
 
-``dp_range_sum(tbl, order_col, value_col, method := 'tops', partition_by := NULL, epsilon := ..., upper := ..., ...)``
+``dp_range_sum(tbl, order_by, value_col, method := 'tops', partition_by := NULL, epsilon := ..., upper := ..., ...)``
     Table macro. Releases ``value_col`` of table, view, file or data-frame variable
-    ``tbl`` as a private stream in ``order_col`` order, with any registered method
+    ``tbl`` as a private stream in ``order_by`` order, with any registered method
     (``tops``, ``pak``, ``binary_tree``, ``laplace``, ...) and every core parameter
     (``epsilon``, ``delta``, ``upper``, ``lower``, ``m``, ``r``, ``fanout``, ``smoother``,
     ``holdout_share`` and method-specific ones) as named parameters; NULL means the
@@ -39,11 +39,11 @@ SQL surface (installed by :func:`dpsql.duckdb.register`):
     window's ``sum(value) ± margin``: the noise at ``level`` plus, for a window that cuts
     a released block, the most the block's spreading can be off (clipping excluded).
 
-``dp_threshold(tbl, value_col, estimator := 'nm', epsilon := ..., upper := ..., ...)``
+``dp_threshold(tbl, value_col, method := 'nm', epsilon := ..., upper := ..., ...)``
     Table macro returning one row: the private clipping threshold of ``value_col``
-    (core method ``threshold``; ``estimator`` is ``'nm'``, Noisy Max, or ``'pak'``, the
-    smooth-sensitivity quantile, as in :func:`dpsql.threshold` and ``.dpsql.threshold``;
-    ``method`` is its old name), with its ``epsilon``, ``delta`` and ``release_id``.
+    (core method ``threshold``; ``method`` is ``'nm'``, Noisy Max, or ``'pak'``, the
+    smooth-sensitivity quantile, as in :func:`dpsql.threshold` and ``.dpsql.threshold``),
+    with its ``epsilon``, ``delta`` and ``release_id``.
 
 Error bars resolve ``dp_row`` handles through the bound budget's ledger (:mod:`dpsql.handles`):
 a table of released rows saved in a DuckDB file keeps them in a new process, once the
@@ -65,15 +65,13 @@ from dpsql.duckdb.context import Context
 from dpsql.duckdb.macros import RELEASE_COLUMN, install_stream_release, params_struct, parse_params
 from dpsql.duckdb.ordered import Plan, release_ordered
 from dpsql.duckdb.sources import column_name, describe, require_columns, require_numeric, resolve_source
-from dpsql.duckdb.sqltext import quote_ident
+from dpsql.duckdb.sqltext import quote_ident, quote_literal
 from dpsql.errors import InvalidParameter
 
 THRESHOLD_METHOD = "threshold"
-#: The old name of ``estimator`` in ``dp_threshold`` (still accepted).
-OLD_ESTIMATOR = "method"
 THRESHOLD_SCHEMA = pa.schema([("threshold", pa.float64()), ("epsilon", pa.float64()), ("delta", pa.float64()),
                               (RELEASE_COLUMN, pa.string())])
-#: The threshold's choice of estimator, the same word in every front end.
+#: The registered threshold method's name for what ``dp_threshold`` calls ``method``.
 ESTIMATOR = "estimator"
 
 
@@ -140,19 +138,15 @@ def _install_threshold(context: Context) -> None:
     names = [*(n for n in inspect.signature(methods.METHODS[THRESHOLD_METHOD]).parameters
                if n not in ("n", "noise", ESTIMATOR)), "fresh"]
 
-    def plan(table, value_col, estimator, old_name, params_json):
-        if estimator is not None and old_name is not None:
-            raise InvalidParameter(f"dp_threshold(): {OLD_ESTIMATOR!r} is the old name of {ESTIMATOR!r}; pass only "
-                                   f"{ESTIMATOR} := ...")
-        estimator = estimator if estimator is not None else old_name
+    def plan(table, value_col, method, params_json):
         value_col = column_name(value_col, "value_col")
         source = resolve_source(context, table)
         columns = describe(context, source)
         require_columns(columns, source, value_col=value_col)
         require_numeric(columns, value_col)
         params = parse_params(params_json)
-        params[ESTIMATOR] = THRESHOLD_ESTIMATOR if estimator is None else estimator
-        threshold_plan = Plan(source=source, value_col=value_col, order_col=None, partition_by=None,
+        params[ESTIMATOR] = THRESHOLD_ESTIMATOR if method is None else method
+        threshold_plan = Plan(source=source, value_col=value_col, order_by=None, partition_by=None,
                               method=THRESHOLD_METHOD, params=params,
                               note=f"duckdb dp_threshold({table!r}, {value_col!r})")
         return context.result_query(THRESHOLD_SCHEMA, functools.partial(run, threshold_plan))
@@ -163,8 +157,7 @@ def _install_threshold(context: Context) -> None:
         return pa.Table.from_pylist([{"threshold": threshold, "epsilon": release.epsilon, "delta": release.delta,
                                       RELEASE_COLUMN: release.release_id}], schema=THRESHOLD_SCHEMA)
 
-    context.udf("dp__plan_threshold", plan, ["VARCHAR"] * 5, "VARCHAR")
+    context.udf("dp__plan_threshold", plan, ["VARCHAR"] * 4, "VARCHAR")
     defaults = ", ".join(f"{quote_ident(n)} := NULL" for n in names)
-    context.macro(f"dp_threshold(tbl, value_col, {ESTIMATOR} := NULL, "
-                  f"{OLD_ESTIMATOR} := NULL, {defaults}) AS TABLE FROM query(dp__plan_threshold(tbl, value_col, "
-                  f"{ESTIMATOR}, {OLD_ESTIMATOR}, {params_struct(names)}))", renamed={OLD_ESTIMATOR: ESTIMATOR})
+    context.macro(f"dp_threshold(tbl, value_col, method := {quote_literal(THRESHOLD_ESTIMATOR)}, {defaults}) AS TABLE "
+                  f"FROM query(dp__plan_threshold(tbl, value_col, method, {params_struct(names)}))")

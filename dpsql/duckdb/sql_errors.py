@@ -141,8 +141,7 @@ def call_problem(signature: Signature, call: Call) -> str | None:
     given = [(a.name or "").lower() for a in call.named]
     unknown = [a.name or "" for a in call.named if (a.name or "").lower() not in named]
     if unknown:
-        renamed = dict(signature.renamed)
-        what = "; ".join(f"{name!r}{suggestion(name.lower(), signature.valid, renamed)}" for name in unknown)
+        what = "; ".join(f"{name!r}{suggestion(name.lower(), signature.valid)}" for name in unknown)
         noun = "parameter" if len(unknown) == 1 else "parameters"
         return f"{where} has no {noun} {what}. {_listing(signature)}"
     repeated = sorted({n for n in given if given.count(n) > 1})
@@ -159,8 +158,7 @@ def call_problem(signature: Signature, call: Call) -> str | None:
 
 
 def _listing(signature: Signature) -> str:
-    old = {o for o, _ in signature.renamed}
-    named = [quote_ident(n) if n.lower() in RESERVED else n for n in signature.named if n not in old]
+    named = [quote_ident(n) if n.lower() in RESERVED else n for n in signature.named]
     positional = ", ".join(signature.positional) or "nothing"
     return f"It takes {positional} (in this order), then by name (name := value): {', '.join(named)}"
 

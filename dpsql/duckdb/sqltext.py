@@ -135,16 +135,13 @@ class Signature:
     name: str
     positional: tuple[str, ...]
     named: tuple[str, ...]
-    #: old names still accepted (deprecated) -> the name to use; not listed as valid
-    renamed: tuple[tuple[str, str], ...] = ()
 
     @property
     def valid(self) -> list[str]:
-        old = {o for o, _ in self.renamed}
-        return [*self.positional, *(n for n in self.named if n not in old)]
+        return [*self.positional, *self.named]
 
 
-def signature(header: str, renamed: dict[str, str] | None = None) -> Signature:
+def signature(header: str) -> Signature:
     """The signature of ``CREATE MACRO`` text ``header`` (``name(a, b := 1, ...) AS ...``)."""
     toks = tokens(header)
     name = next(t.name for t in toks if t.kind == "name")
@@ -152,4 +149,4 @@ def signature(header: str, renamed: dict[str, str] | None = None) -> Signature:
     arguments = _arguments(toks, open_at + 1, header)
     positional = tuple(a.text.strip('"') for a in arguments if a.name is None)
     named = tuple(a.name for a in arguments if a.name is not None)
-    return Signature(name.lower(), positional, named, tuple((renamed or {}).items()))
+    return Signature(name.lower(), positional, named)

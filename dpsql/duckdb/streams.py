@@ -1,13 +1,13 @@
 """Continual streams in SQL: register once, append from any table, read what was released.
 
-``dp_stream_create(name, order_col, value_col, method := ..., partition_by := NULL, ...)``
+``dp_stream_create(name, order_by, value_col, method := ..., partition_by := NULL, ...)``
     Table macro returning one row describing the stream ``name`` (name, method, epsilon,
     delta, rows, partitions, watermark, created, release_id). The first execution registers
     it in the bound budget's ledger and charges its whole cost once (:meth:`dpsql.Budget.stream`):
     it needs ``method`` and ``epsilon``, as in Python. Later ones reopen it for free
     (``dp_stream_create('kwh', NULL, NULL)`` or with the same parameters), refusing other ones. Count streams
     (``method := 'pegasus'`` or ``'count_laplace'``) take the event table's time column as
-    ``order_col`` (``value_col`` NULL) and their public grid ``every := INTERVAL ...`` and
+    ``order_by`` (``value_col`` NULL) and their public grid ``every := INTERVAL ...`` and
     ``start := TIMESTAMP ...``.
 
 ``dp_stream_append(name, tbl, until := NULL)``
@@ -71,9 +71,9 @@ def install(con, context: Context) -> None:
 def _install_create(context: Context) -> None:
     names = [n for n in method_parameters(exclude=("method", "fresh")) if n not in ("every", "start")]
 
-    def plan(name, order_col, value_col, partition_by, method, every, start, params_json):
+    def plan(name, order_by, value_col, partition_by, method, every, start, params_json):
         arguments = dict(name=_stream_name(name), method=method,
-                         order_by=column_name(order_col, "order_col", required=False),
+                         order_by=column_name(order_by, "order_by", required=False),
                          value=column_name(value_col, "value_col", required=False),
                          partition_by=column_name(partition_by, "partition_by", required=False),
                          every=_duration(every) if every is not None else None,
@@ -87,8 +87,8 @@ def _install_create(context: Context) -> None:
     context.udf("dp__plan_stream_create", plan, ["VARCHAR"] * 8, "VARCHAR")
     defaults = ", ".join(f"{quote_ident(n)} := NULL" for n in names)
     context.macro(
-        f"dp_stream_create(name, order_col, value_col, method := NULL, partition_by := NULL, "
-        f"every := NULL, start := NULL, {defaults}) AS TABLE FROM query(dp__plan_stream_create(name, order_col, "
+        f"dp_stream_create(name, order_by, value_col, method := NULL, partition_by := NULL, "
+        f"every := NULL, start := NULL, {defaults}) AS TABLE FROM query(dp__plan_stream_create(name, order_by, "
         f"value_col, partition_by, method, CAST(every AS VARCHAR), CAST(start AS VARCHAR), "
         f"{params_struct(names)}))")
 
@@ -109,7 +109,7 @@ def _install_append(context: Context) -> None:
         source = resolve_source(context, table)
         columns = describe(context, source)
         spec = stream.spec
-        require_columns(columns, source, order_col=spec.order_by, value_col=spec.value,
+        require_columns(columns, source, order_by=spec.order_by, value_col=spec.value,
                         **{f"partition_by ({c})": c for c in spec.partition_by})
         keys = [*spec.partition_by, spec.order_by]
         fields = {f.name: f for f in arrow_fields(context, source, keys)}

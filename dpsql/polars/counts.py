@@ -16,7 +16,7 @@ import datetime as dt
 import numpy as np
 import polars as pl
 
-from dpsql._frontend import COUNT_METHOD, check_budget, refuse_null_event_times, renamed
+from dpsql._frontend import COUNT_METHOD, check_budget, refuse_null_event_times, refuse_renamed
 from dpsql.budget import Budget
 from dpsql.counts import release_event_counts
 from dpsql.errors import InvalidData, InvalidParameter
@@ -49,7 +49,7 @@ def count_stream(frame: pl.DataFrame | pl.LazyFrame, order_by: str | None = None
     frame : polars.DataFrame or polars.LazyFrame
         The event table.
     order_by : str
-        The event time column (``time_column=`` is its old name): Datetime (any time zone;
+        The event time column: Datetime (any time zone;
         buckets are computed in UTC), Date, or a number (with numeric ``start``/``stop``/``every``).
     every : str or datetime.timedelta
         Bucket width, e.g. ``"5m"``, ``"1h"``, ``"1h30m"``, ``"1d"`` (fixed lengths only).
@@ -85,18 +85,14 @@ def count_stream(frame: pl.DataFrame | pl.LazyFrame, order_by: str | None = None
     >>> out.shape, out.columns[:4], budget.spent
     ((12, 9), ['ts', 'room', 'dp_count', 'dp_std_error'], (1.0, 0.0))
     """
-    label = "time_column" if "time_column" in params else "order_by"
-    options = {"order_by": order_by, **params}
-    renamed(options, "time_column", "order_by", "dpsql.count_stream()")
-    time_column = options.pop("order_by")
-    params = options
-    if time_column is None:
+    refuse_renamed("dpsql.count_stream()", params)
+    if order_by is None:
         raise InvalidParameter("dpsql.count_stream() needs order_by, the event time column")
     check_budget(budget)
     if not isinstance(frame, pl.DataFrame | pl.LazyFrame):
         raise InvalidParameter(f"frame must be a polars DataFrame or LazyFrame, got {type(frame).__name__}")
     keys = [partition_by] if isinstance(partition_by, str) else list(partition_by or [])
-    names = {label: [time_column], "partition_by": keys,
+    names = {"order_by": [order_by], "partition_by": keys,
              "privacy_unit": [] if privacy_unit is None else [privacy_unit]}
     schema = frame.collect_schema()
     for parameter, columns in names.items():
@@ -104,19 +100,19 @@ def count_stream(frame: pl.DataFrame | pl.LazyFrame, order_by: str | None = None
             if not isinstance(name, str) or name not in schema:
                 raise InvalidParameter(f"{parameter} {name!r} is not a column of the frame; columns are "
                                        f"{', '.join(map(repr, schema.names()))}")
-    wanted = list(dict.fromkeys([time_column, *keys, *names["privacy_unit"]]))
+    wanted = list(dict.fromkeys([order_by, *keys, *names["privacy_unit"]]))
     events = frame.select(wanted).collect() if isinstance(frame, pl.LazyFrame) else frame.select(wanted)
-    times, time_dtype = _times(events.get_column(time_column), time_column)
+    times, time_dtype = _times(events.get_column(order_by), order_by)
     result = release_event_counts(
         times, start=start, stop=stop, every=every, epsilon=epsilon, method=method,
         keys={k: events.get_column(k).to_numpy() for k in keys}, hierarchy=hierarchy,
         units=None if privacy_unit is None else events.get_column(privacy_unit).to_numpy(),
         cap=contribution_cap, window=window, alarm_threshold=alarm_threshold, budget=budget, note=note,
-        time_column=time_column, **params)
+        time_column=order_by, **params)
     columns = result.columns()
     out = {}
     for name, values in columns.items():
-        if name == time_column:
+        if name == order_by:
             out[name] = _bucket_times(values, time_dtype)
         elif name in keys:
             out[name] = pl.Series(name, values.tolist(), dtype=schema[name])

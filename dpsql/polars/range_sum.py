@@ -14,7 +14,13 @@ import numpy as np
 import polars as pl
 
 from dpsql import handles
-from dpsql._frontend import RANGE_SUM_METHOD, check_budget, check_parameters, check_range_sum_method
+from dpsql._frontend import (
+    RANGE_SUM_METHOD,
+    THRESHOLD_ESTIMATOR,
+    check_budget,
+    check_parameters,
+    check_range_sum_method,
+)
 from dpsql.budget import default_budget
 from dpsql.error_models import check_level
 from dpsql.errors import InvalidParameter
@@ -29,7 +35,7 @@ from dpsql.release import PartitionedRelease, Release
 ERROR_FIELDS = {"value": pl.Float64, "sd": pl.Float64, "dp_row": pl.Int64}
 #: The keywords of :func:`range_sum` and :func:`threshold` besides the method's parameters.
 RANGE_SUM_KEYWORDS = ("order_by", "method", "partition_by", "budget", "note", "errors", "fresh")
-THRESHOLD_KEYWORDS = ("order_by", "budget", "note", "fresh")
+THRESHOLD_KEYWORDS = ("method", "order_by", "budget", "note", "fresh")
 
 
 @namespace_method
@@ -133,8 +139,8 @@ def range_sum(value: pl.Expr, *, order_by=None, method: str = RANGE_SUM_METHOD, 
 
 
 @namespace_method
-def threshold(value: pl.Expr, *, order_by=None, budget=None, note: str | None = None, fresh: bool = False,
-              **params) -> pl.Expr:
+def threshold(value: pl.Expr, *, method: str = THRESHOLD_ESTIMATOR, order_by=None, budget=None,
+              note: str | None = None, fresh: bool = False, **params) -> pl.Expr:
     """Release one private clipping threshold of the column ``value`` (a Float64 scalar).
 
     Runs the registered ``"threshold"`` method through :func:`dpsql.publishing.publish`, in
@@ -143,8 +149,9 @@ def threshold(value: pl.Expr, *, order_by=None, budget=None, note: str | None = 
     ``(epsilon, delta)`` for the smooth-sensitivity PAK threshold), replace-one-value
     neighbours, charged once per evaluation. Values outside ``[lower, upper]`` are clipped.
 
-    Parameters are the threshold method's (``epsilon``, ``upper``, ``lower``,
-    ``estimator="nm"|"pak"``, ``delta``, ...), passed through unchanged; unknown names are
+    ``method`` is ``"nm"`` (Noisy Max) or ``"pak"`` (the smooth-sensitivity quantile), as in
+    :func:`dpsql.threshold` and ``dp_threshold``. Other parameters are the threshold method's
+    (``epsilon``, ``upper``, ``lower``, ``delta``, ...), passed through unchanged; unknown names are
     refused when the expression is built, as for :func:`range_sum`. Partitions are not
     offered: a scalar expression has one value per frame.
 
@@ -163,7 +170,8 @@ def threshold(value: pl.Expr, *, order_by=None, budget=None, note: str | None = 
     check_budget(budget)
 
     def release(values: np.ndarray, rows: RowsInTimeOrder, column: str):
-        return publish("threshold", values, budget=budget, column=column, note=note, fresh=fresh, **params)
+        return publish("threshold", values, budget=budget, column=column, note=note, fresh=fresh, estimator=method,
+                       **params)
 
     def output(result, rows: RowsInTimeOrder) -> pl.Series:
         return pl.Series([float(result.values[0])], dtype=pl.Float64)

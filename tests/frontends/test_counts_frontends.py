@@ -99,7 +99,7 @@ def test_polars_time_zones_dates_and_numbers():
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
-    ({"time_column": "when"}, dpsql.InvalidParameter, "time_column 'when' is not a column"),
+    ({"order_by": "when"}, dpsql.InvalidParameter, "order_by 'when' is not a column"),
     ({"partition_by": ["building", "floor"]}, dpsql.InvalidParameter, "partition_by 'floor'"),
     ({"privacy_unit": "uid"}, dpsql.InvalidParameter, "cap"),
     ({"every": "1mo"}, dpsql.InvalidParameter, "every"),
@@ -108,7 +108,7 @@ def test_polars_time_zones_dates_and_numbers():
 ])
 def test_polars_refusals_charge_nothing(events, kwargs, error, match):
     budget = dpsql.Budget.in_memory(epsilon=1.0)
-    options = {"time_column": "ts", "every": "1h", "start": START, "stop": STOP, "epsilon": 1.0, **kwargs}
+    options = {"order_by": "ts", "every": "1h", "start": START, "stop": STOP, "epsilon": 1.0, **kwargs}
     with pytest.raises(error, match=match):
         dpsql.count_stream(events, budget=budget, **options)
     assert budget.spent == (0.0, 0.0)
@@ -142,7 +142,7 @@ def test_sql_equals_core_release(con, budget, events):
     with testing.seeded(5), dpsql.duckdb.typed_errors():
         out = con.sql("SELECT * FROM dp_count_stream('ev', 'ts', every := INTERVAL '15 minutes', "
                       "start := TIMESTAMP '2024-05-01', stop := '2024-05-01 04:00', epsilon := 1.0, "
-                      "partition_by := 'building', smoother := 'js', window_size := 4, alarm_threshold := 100)").pl()
+                      "partition_by := 'building', smoother := 'js', \"window\" := 4, alarm_threshold := 100)").pl()
     want = core(events, every="15m", epsilon=1.0, keys=["building"], smoother="js", window=4, alarm_threshold=100)
     assert out.columns == [c for c in want if c != "dp_part"]
     np.testing.assert_array_equal(out["dp_count"].to_numpy(), want["dp_count"])
@@ -161,7 +161,7 @@ def test_sql_equals_core_release(con, budget, events):
 def test_sql_window_functions_with_exact_error_bars(con, partition_by):
     with testing.seeded(7):
         con.execute("CREATE TABLE rel AS SELECT * FROM dp_count_stream('ev', 'ts', every := INTERVAL '10 minutes', "
-                    "start := '2024-05-01', stop := '2024-05-01 04:00', epsilon := 0.5, window_size := 6, "
+                    "start := '2024-05-01', stop := '2024-05-01 04:00', epsilon := 0.5, \"window\" := 6, "
                     f"alarm_threshold := 60, partition_by := {partition_by})")
     within = "PARTITION BY building" if partition_by != "NULL" else ""
     got = con.sql("SELECT dp_window_sum, dp_window_std_error, dp_alarm, "
@@ -208,7 +208,7 @@ def test_sql_contribution_caps(con, budget):
     ("'ev', 'ts', every := INTERVAL '1 month', start := '2024-05-01', stop := '2024-06-01', epsilon := 1",
      dpsql.InvalidParameter, "fixed length"),
     ("'ev', 'when', start := '2024-05-01', stop := '2024-05-02', epsilon := 1", dpsql.InvalidParameter,
-     "time_col 'when' is not a column"),
+     "order_by 'when' is not a column"),
     ("'ev', 'room', start := '2024-05-01', stop := '2024-05-02', epsilon := 1", dpsql.InvalidData,
      "TIMESTAMP, DATE or number"),
     ("'ev', 'ts', start := '2024-05-01', stop := '2024-05-02', epsilon := 1, method := 'tree'",

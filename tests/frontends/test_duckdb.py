@@ -491,7 +491,7 @@ def test_invisible_and_missing_sources_are_refused_clearly(con, budget):
     assert isinstance(error, InvalidParameter)
     assert str(error).startswith("tbl 'tmp' is a TEMP table of this connection")
     error = _refusal(con, RANGE_SUM.replace("'ts'", "'when'"))
-    assert str(error).startswith("order_col 'when' is not a column of 't'; columns are 'ts', 'v', 'g'")
+    assert str(error).startswith("order_by 'when' is not a column of 't'; columns are 'ts', 'v', 'g'")
     assert budget.history().height == 0
 
 

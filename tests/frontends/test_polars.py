@@ -520,14 +520,14 @@ def test_threshold_is_one_scalar_charged_once():
     frame = pl.DataFrame({"kwh": np.linspace(0.0, 9.0, 3000)})
     budget = dpsql.Budget.in_memory(epsilon=2.0)
     with dpsql.testing.seeded(2):
-        out = frame.lazy().select(pl.col("kwh").dpsql.threshold(epsilon=1.0, upper=10.0, estimator="nm",
+        out = frame.lazy().select(pl.col("kwh").dpsql.threshold(epsilon=1.0, upper=10.0, method="nm",
                                                                 budget=budget)).collect()
     with dpsql.testing.seeded(2):
         oracle = publish("threshold", frame["kwh"].to_numpy(), epsilon=1.0, upper=10.0, estimator="nm")
     assert out.shape == (1, 1) and out.item() == oracle.values[0]
     assert budget.spent == (1.0, 0.0)
     with pytest.raises(dpsql.InvalidParameter, match="'nope'"):
-        frame.select(pl.col("kwh").dpsql.threshold(epsilon=1.0, upper=10.0, estimator="nope", budget=budget))
+        frame.select(pl.col("kwh").dpsql.threshold(epsilon=1.0, upper=10.0, method="nope", budget=budget))
     assert charges(budget) == 1
 
 

@@ -116,7 +116,7 @@ def test_threshold_and_ldp_errors_are_clean_too(mode):
      "partition_by"),
     (lambda: pl.col("kwh").dpsql.range_sum(order_by="ts", method="laplace", epsilon=1.0, uper=1.0), "uper",
      "upper"),
-    (lambda: pl.col("kwh").dpsql.threshold(epsilon=1.0, upper=1.0, estimater="pak"), "estimater", "estimator"),
+    (lambda: pl.col("kwh").dpsql.threshold(epsilon=1.0, upper=1.0, estimater="pak"), "estimater", "method"),
     (lambda: pl.col("kwh").dpsql.ldp(order_by="ts", partition_by="meter", epsilon=1.0, w=2, lower=0.0, upper=1.0,
                                      progres=False), "progres", "progress"),
 ])

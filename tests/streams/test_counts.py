@@ -163,7 +163,7 @@ def test_laplace_method_without_a_cap_is_the_event_level_baseline():
     times = events(n=500)[0]
     with testing.seeded(3):
         out = release_event_counts(times, start=T0, stop="2024-03-01T06:00", every="1h", epsilon=1.0,
-                                   method="laplace")
+                                   method="count_laplace")
     part = out.parts()[0]
     assert part.method == "count_laplace" and part.params["sensitivity"] == 1.0
     assert part.range_variance(0, 1) == pytest.approx(2 * 1.0, rel=1e-3)
@@ -192,7 +192,7 @@ def test_laplace_method_and_cap_sensitivity():
     units = np.arange(500) % 50
     with testing.seeded(3):
         out = release_event_counts(times, start=T0, stop="2024-03-01T06:00", every="1h", epsilon=1.0,
-                                   method="laplace", units=units, cap=3)
+                                   method="count_laplace", units=units, cap=3)
     part = out.parts()[0]
     assert part.method == "count_laplace" and part.params["sensitivity"] == 3.0
     assert part.range_variance(0, 1) == pytest.approx(2 * 9.0, rel=1e-3)
@@ -201,7 +201,7 @@ def test_laplace_method_and_cap_sensitivity():
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
     ({"method": "tree"}, dpsql.InvalidParameter, "method"),
-    ({"method": "laplace", "smoother": "js"}, dpsql.InvalidParameter, "smoother"),
+    ({"method": "count_laplace", "smoother": "js"}, dpsql.InvalidParameter, "smoother"),
     ({"epsilon": -1.0}, dpsql.InvalidParameter, "epsilon"),
     ({"smoother": "mode"}, dpsql.InvalidParameter, "smoother"),
     ({"hierarchy": True}, dpsql.InvalidParameter, "hierarchy needs"),
