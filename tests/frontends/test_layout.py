@@ -1,4 +1,5 @@
-"""The layout: no import cycles, front-end modules of readable size, shared checks living once."""
+"""The layout: no import cycles, layers importing only downwards, modules of readable size, shared checks
+living once."""
 
 import ast
 import pathlib
@@ -53,10 +54,13 @@ def _imports(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) ->
     return {m for m in found if m in modules and m != name}
 
 
-def test_no_import_cycles():
+def _graph() -> dict[str, set[str]]:
     modules = _modules()
-    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
-    # Tarjan's strongly connected components
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
     index, low, stack, on_stack, cycles, counter = {}, {}, [], set(), [], [0]
 
     def strong(v):
@@ -84,14 +88,47 @@ def test_no_import_cycles():
     for v in graph:
         if v not in index:
             strong(v)
-    assert cycles == []
+    return cycles
 
 
-def test_front_end_modules_are_of_readable_size():
-    long = {str(p.relative_to(PACKAGE)): n for d in FRONT_ENDS for p in d.rglob("*.py")
+def test_the_cycle_check_finds_cycles_and_function_level_imports(tmp_path):
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+    module = tmp_path / "m.py"
+    module.write_text("from dpsql import budget\n\ndef f():\n    import dpsql.polars.counts\n    from . import noise\n"
+                      "\nif TYPE_CHECKING:\n    from dpsql import duckdb\n")
+    found = _imports("dpsql.m", module, {**_modules(), "dpsql.m": module})
+    assert found == {"dpsql.budget", "dpsql.polars.counts", "dpsql.noise"}
+
+
+def test_no_import_cycles():
+    assert _cycles(_graph()) == []
+
+
+#: The layers, bottom to top (README, "Layout"): a module imports from its own layer and those below.
+LAYERS = [("dpsql.noise",), ("dpsql.ledger",), ("dpsql.mechanisms",), ("dpsql.streams",),
+          ("dpsql._frontend", "dpsql.api", "dpsql.duckdb", "dpsql.polars", "dpsql.spark")]
+
+
+def _layer(module: str) -> int | None:
+    for k, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return k
+    return None
+
+
+def test_the_layers_import_only_downwards():
+    # the core between the layers (publishing, release, counts, budget, ...) counts as below the front ends
+    core = len(LAYERS) - 2
+    upward = sorted((name, other) for name, imported in _graph().items() for other in imported
+                    if name != "dpsql" and _layer(other) is not None
+                    and (core if _layer(name) is None else _layer(name)) < _layer(other))
+    assert upward == []
+
+
+def test_no_module_is_too_long():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    long.update({"_frontend.py": n} if (n := len((PACKAGE / "_frontend.py").read_text().splitlines())) > MAX_LINES
-                else {})
     assert long == {}
 
 
