@@ -29,7 +29,14 @@ import numpy as np
 import pyarrow as pa
 
 from dpsql import _validate
-from dpsql._frontend import COUNT_METHOD, RANGE_SUM_METHOD, check_budget, refuse_renamed
+from dpsql._frontend import (
+    COUNT_METHOD,
+    RANGE_SUM_METHOD,
+    check_budget,
+    refuse_null_event_times,
+    refuse_null_keys,
+    refuse_renamed,
+)
 from dpsql.accounting import Charge, Kind, Neighbour, Notion
 from dpsql.budget import Budget, default_budget
 from dpsql.counts import check_count_method
@@ -69,7 +76,7 @@ def range_sum(df, *, order_by: str, value: str, partition_by, method: str = RANG
     for column in [*partition_by, order_by]:
         _require_key_type(fields[column], column)
     release = _Release(method, {"epsilon": epsilon, **params}, budget, note)
-    _refuse_null_keys(df, [*partition_by, order_by])
+    refuse_null_keys(_null_counts(df, [*partition_by, order_by]), order_label=order_by, partition_labels=partition_by)
     release.charge(rows=0)
     schema = ", ".join(f"`{c}` {fields[c].dataType.simpleString()}" for c in [*partition_by, order_by]) \
         + f", `{value}` double"
@@ -99,7 +106,9 @@ def count_stream(df, *, order_by: str | None = None, every, start, stop, partiti
         _require_key_type(fields[column], column)
     domain = time_domain(start=start, stop=stop, every=every)
     release = _Release(method, {"epsilon": epsilon, **params}, budget, note)
-    _refuse_null_keys(df, [*partition_by, order_by])
+    nulls = _null_counts(df, [*partition_by, order_by])
+    refuse_null_keys(nulls, order_label=None, partition_labels=partition_by)
+    refuse_null_event_times(order_by, nulls[order_by])
     release.charge(rows=0)
     from pyspark.sql import functions as F
 
@@ -187,15 +196,13 @@ def _require_key_type(field, column: str) -> None:
                           "as a partition or order key (use numbers, strings, dates or timestamps)")
 
 
-def _refuse_null_keys(df, columns: list[str]) -> None:
-    """One small aggregate job: a null key is refused before anything is charged."""
+def _null_counts(df, columns: list[str]) -> dict[str, int]:
+    """The NULL values of each key column, in one small aggregate job (a NULL key is refused before
+    anything is charged, with every front end's message)."""
     from pyspark.sql import functions as F
 
     nulls = df.select([F.sum(F.col(c).isNull().cast("long")).alias(c) for c in columns]).first()
-    for column in columns:
-        if nulls[column]:
-            raise InvalidTimeKey(f"key column {column!r} contains {nulls[column]} null value(s); every row needs "
-                                 "its keys")
+    return {column: nulls[column] or 0 for column in columns}
 
 
 def _spark_ticks(column, field, datetime: bool):

@@ -73,7 +73,7 @@ def test_spark_count_streams_equal_the_local_ones(spark):
     with dpsql.testing.seeded(8):
         local = dpsql.count_stream(events, "ts", partition_by="ap", epsilon=1.0, **grid)
     with dpsql.testing.seeded(8):
-        out = spark_dp.count_stream(spark.createDataFrame(events.to_pandas()), time_column="ts", partition_by="ap",
+        out = spark_dp.count_stream(spark.createDataFrame(events.to_pandas()), order_by="ts", partition_by="ap",
                                     epsilon=1.0, **grid)
     got = pl.from_pandas(out.toPandas()).sort("ap", "ts")
     assert got.height == 3 * 24
@@ -92,7 +92,7 @@ def test_refused_calls_charge_nothing(spark):
     with pytest.raises(dpsql.InvalidData, match="must be numeric"):
         spark_dp.range_sum(df.selectExpr("meter", "ts", "cast(kwh AS string) AS kwh"), order_by="ts", value="kwh",
                            partition_by="meter", epsilon=0.5, upper=1.0, budget=budget)
-    with pytest.raises(dpsql.InvalidTimeKey, match="'meter' contains 1 null"):
+    with pytest.raises(dpsql.InvalidTimeKey, match="partition column 'meter' contains 1 NULL value"):
         spark_dp.range_sum(df.selectExpr("CASE WHEN ts = 3 THEN NULL ELSE meter END AS meter", "ts", "kwh"),
                            order_by="ts", value="kwh", partition_by="meter", epsilon=0.5, upper=1.0, budget=budget)
     with pytest.raises(dpsql.InvalidParameter, match="needs a budget"):
