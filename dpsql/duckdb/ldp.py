@@ -55,6 +55,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from dpsql._frontend import LDP_METHOD
 from dpsql.duckdb.context import Context
 from dpsql.duckdb.macros import install_stream_release, release_offsets
 from dpsql.ldp.collector import report_view
@@ -73,7 +74,7 @@ def _user_columns(release) -> dict[str, pa.Array]:
 
 
 def install(con, context: Context) -> None:
-    install_stream_release(context, "dp_ldp", default_method="capp", extra_outputs=(USER_COLUMNS, _user_columns))
+    install_stream_release(context, "dp_ldp", default_method=LDP_METHOD, extra_outputs=(USER_COLUMNS, _user_columns))
     context.macro(
         "dp_ldp_subsequence_means(reports, start_slot, stop_slot) AS TABLE "
         "SELECT dp_user, avg(report) AS mean FROM query_table(reports) "
