@@ -41,14 +41,14 @@ import numpy as np
 import polars as pl
 
 from dpsql import _validate
-from dpsql._frontend import check_budget, refuse_duplicate_time, refuse_nan_key, refuse_null_keys
+from dpsql._frontend import refuse_duplicate_time, refuse_nan_key, refuse_null_keys
 from dpsql.errors import DPError, InvalidData, InvalidParameter
 from dpsql.ordering import order_integer_keys
 
 _NAME_PREFIX = "__dpsql_release_"
 _VALUE, _ORDER = "__dpsql_value", "__dpsql_order"
 
-__all__ = ["RowsInTimeOrder", "check_budget", "column_name", "key_expressions", "numeric_values",
+__all__ = ["RowsInTimeOrder", "column_name", "key_expressions", "numeric_values",
            "private_expression", "surfaced", "time_order"]
 
 
