@@ -1,4 +1,4 @@
-"""PeGaSus: Perturb, Group, Smooth (Chen et al., CCS 2017; ALGORITHMS.md §2).
+"""PeGaSus: Perturb, Group, Smooth (Chen et al., CCS 2017).
 
 Releases a stream of counts ``c_1, c_2, ...`` online. At each time ``t``:
 
@@ -13,7 +13,10 @@ Releases a stream of counts ``c_1, c_2, ...`` online. At each time ``t``:
   time ``t``: with ``G`` the group containing ``t`` (its rows up to ``t``),
   ``average`` releases ``mean(c~[G])``, ``median`` ``median(c~[G])`` (mean of the two
   middle values for an even size) and ``js`` (James-Stein)
-  ``(c~_t - mean(c~[G])) / |G| + mean(c~[G])``.
+  ``(c~_t - mean(c~[G])) / |G| + mean(c~[G])``; ``adaptive`` (the default) releases the
+  adaptive smoother of :mod:`dpsql.streams.smoothing` restarted at every group's first row
+  (weighted means of the group so far over horizons of 2 to 4096 steps, the horizon and a
+  shrinkage toward ``c~_t`` chosen from the noisy counts already released).
 
 Privacy: ``epsilon = eps_p + eps_g``-DP for add/remove-one-event neighbours, where one
 event changes one count by at most ``s`` (``sensitivity``, 1 for event counts; ``k`` for
@@ -36,11 +39,36 @@ Privacy of the lattice SVT: the query is rounded to the query lattice before int
 noise is added, and the noisy threshold lives on its own lattice; both are calibrated by
 :class:`~dpsql.mechanisms.LaplaceLattice`, whose sensitivity units include the rounding
 step, and only the comparison is used.
+
+Defaults (the paper gives none in the text we follow; these are derived, not fitted)
+------------------------------------------------------------------------------------
+* ``grouper_share = 0.02``. On a stream whose counts change from step to step by more than
+  the noise (hourly traffic with daily cycles), no smoother can beat the released noisy
+  count, so PeGaSus's error there is at least the Perturber's, ``2 s^2 / eps_p^2 = (1 -
+  share)^-2`` times per-step Laplace at the full epsilon. Allowing at most 5 % over Laplace
+  on such streams asks for ``share <= 1 - 1.05^-1/2 = 0.024``; 0.02 (4.1 % over Laplace)
+  leaves the adaptive smoother its own ~1 % on rough streams. (The earlier [recon] default
+  0.2 costs 56 % on such streams before any grouping error.)
+* ``theta = b_q ln(3 L / 8)`` with ``b_q`` the scale of the Grouper's query noise (about
+  ``8 s / eps_g``) and ``L = 2^12 = 4096``, the adaptive smoother's longest horizon. On a
+  constant stream ``dev = 0`` and a group with noisy threshold ``theta + nu`` closes at each
+  step with probability ``p = exp(-(theta + nu) / b_q) / 2``; its length is geometric, of mean
+  ``1 / p``, and averaging over ``nu ~ Lap(b_q / 2)`` (``E exp(nu / b_q) = 4 / 3``) gives a mean
+  group length ``(8 / 3) exp(theta / b_q) = L``: false restarts then leave the longest level
+  its whole horizon on average. (The earlier ``theta = 5 s / eps_g`` is ``0.63 b_q``: mean
+  groups of about 5 steps on a constant stream, fewer on real counts.)
+* ``smoother = "adaptive"``: measured against ``median``, ``average`` and ``js`` on synthetic
+  families and shared data at epsilon 0.1, 0.5 and 1 (BENCHMARKS.md), it is never worse
+  than per-step Laplace by more than the Perturber's share and wins on every smooth stream.
+
+Streams registered before these defaults (snapshots without a ``format``) keep the old
+ones (``0.2``, ``5 s / eps_g``, ``median``) for every parameter they did not set.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from functools import cache
 
 import numpy as np
@@ -48,13 +76,17 @@ import numpy as np
 from dpsql import _validate
 from dpsql.accounting import Neighbour, largest_share
 from dpsql.error_models import ErrorModel
+from dpsql.errors import InvalidParameter
 from dpsql.mechanisms import LaplaceLattice
 from dpsql.mechanisms.svt import AboveThreshold
 from dpsql.noise import Draws, Lane
 from dpsql.release import Release, StreamMachine
 from dpsql.streams.laplace import RowNoiseStream
+from dpsql.streams.smoothing import LEVELS, AdaptiveNoise, AdaptiveSmoother, group_windows, resmoothed_windows
 
-SMOOTHERS = ("median", "average", "js")
+SMOOTHERS = ("adaptive", "median", "average", "js")
+#: Smoothers of a per-step Laplace count stream (``count_laplace``).
+COUNT_SMOOTHERS = ("none", "adaptive")
 #: Steps after a group's start for which the first "above" is searched for every possible
 #: start at once; longer groups continue in :func:`_first_above_long`.
 SHORT_GROUP = 20
@@ -63,17 +95,34 @@ MIN_RESOLVED_SHARE = 0.01
 #: Group prefixes up to this size get their medians by batched sorting; longer groups
 #: run a two-heap running median.
 SHORT_MEDIAN = 48
-DEFAULT_GROUPER_SHARE = 0.2
-#: theta = THETA_TIMES_SCALE * sensitivity / eps_g by default [recon, ALGORITHMS.md §2.1].
-THETA_TIMES_SCALE = 5.0
+DEFAULT_GROUPER_SHARE = 0.02
+DEFAULT_SMOOTHER = "adaptive"
+#: Mean length of a constant stream's groups under the default theta: the adaptive
+#: smoother's longest horizon.
+GROUP_LENGTH = 2**LEVELS
+#: The defaults before the derived ones (a third-party re-implementation's), kept for
+#: streams registered with them.
+LEGACY_DEFAULTS = {"grouper_share": 0.2, "theta_times_scale": 5.0, "smoother": "median"}
+#: Snapshot format of PegasusStream (absent: registered under the legacy defaults).
+SNAPSHOT_FORMAT = 2
+
+
+def default_theta(svt: AboveThreshold, length: float = GROUP_LENGTH) -> float:
+    """The threshold at which a constant stream's groups last ``length`` steps on average:
+    ``b_q ln(3 length / 8)`` for the Grouper's query-noise scale ``b_q`` (module docstring).
+
+    >>> svt = AboveThreshold(2.0, 0.02)
+    >>> round(default_theta(svt) / svt.query_noise.scale, 3)  # ln(3 * 4096 / 8)
+    7.337
+    """
+    return svt.query_noise.scale * math.log(3.0 * length / 8.0)
 
 
 def count_neighbour(sensitivity: float) -> str:
     """The neighbour relation of a count release in which one count moves by ``sensitivity``."""
     if sensitivity == 1.0:
         return Neighbour.ADD_REMOVE_EVENT.value
-    return (f"add/remove one privacy unit's events within one time step (at most {sensitivity:g} counted per "
-            "step; time domain and partition keys public)")
+    return Neighbour.ADD_REMOVE_UNIT.value
 
 
 def perturb_units(counts: np.ndarray, lattice: LaplaceLattice, noise: Draws, start: int) -> np.ndarray:
@@ -87,10 +136,18 @@ def perturb_units(counts: np.ndarray, lattice: LaplaceLattice, noise: Draws, sta
 
 class CountLaplaceStream(RowNoiseStream):
     """Per-step Laplace on counts (the PeGaSus Perturber alone, ``eps_p = epsilon``):
-    ``c_t + Lap(sensitivity / epsilon)``, negatives clipped to 0 first.
+    ``c_t + Lap(sensitivity / epsilon)``, negatives clipped to 0 first; with
+    ``smoother="adaptive"``, the released noisy counts are then smoothed by the adaptive
+    smoother (:mod:`dpsql.streams.smoothing`), post-processing that costs nothing.
 
     Privacy: ``epsilon``-DP for add/remove-one-event neighbours (one count moves by at
-    most ``sensitivity``). The baseline PeGaSus is compared against.
+    most ``sensitivity``). With ``smoother="none"`` (default) it is the baseline PeGaSus is
+    compared against; ``"adaptive"`` reads the noisy counts already released and nothing else.
+
+    A smoothed stream also keeps, per released row, the noisy count and the smoother's
+    choices (``public_columns``: public, functions of the noisy counts): its error model
+    (:class:`~dpsql.streams.smoothing.AdaptiveNoise`) needs the choices, and re-smoothed window
+    sums (:func:`window_sums`) the noisy counts (``Release.reports``).
 
     Examples
     --------
@@ -99,28 +156,92 @@ class CountLaplaceStream(RowNoiseStream):
     ...     rel = dpsql.methods.run("count_laplace", np.array([3.0, 0.0, 7.0]), noise=keys, epsilon=1.0)
     >>> len(rel), rel.range_variance(0, 3) > 0
     (3, True)
+    >>> with dpsql.testing.seeded(0) as keys:
+    ...     smooth = dpsql.methods.run("count_laplace", np.full(2000, 5.0), noise=keys, epsilon=0.5,
+    ...                                smoother="adaptive")
+    >>> bool(np.mean((smooth.values[500:] - 5.0) ** 2) < 1.0)  # per-step Laplace: 8
+    True
     """
 
     method = "count_laplace"
     component = "perturber"
 
-    def __init__(self, n: int | None = None, *, epsilon: float, sensitivity: float = 1.0, noise: Draws):
+    def __init__(self, n: int | None = None, *, epsilon: float, sensitivity: float = 1.0, smoother: str = "none",
+                 noise: Draws):
         self.epsilon = _validate.epsilon(epsilon)
         self.sensitivity = _validate.real(sensitivity, "sensitivity", minimum=0.0, strict=True)
+        self.smoother = _validate.choice(smoother, "smoother", COUNT_SMOOTHERS)
         self.cost = (self.epsilon, 0.0)
         self.neighbour = count_neighbour(self.sensitivity)
+        self.public_columns = SMOOTHED_COLUMNS if self.smoother == "adaptive" else ()
         self._start(self.sensitivity, self.epsilon, noise)
+
+    def _start(self, sensitivity, epsilon, noise) -> None:
+        super()._start(sensitivity, epsilon, noise)
+        self._smoother = None
+        if self.smoother == "adaptive":
+            self._smoother = AdaptiveSmoother(self._lattice.variance, partitions=len(self._draws))
+        self._rows_out: list[dict[str, np.ndarray]] = []  # per row released: noisy count and choices
+        self._untaken = 0  # of them, rows not yet given to take_public
 
     def _values_to_release(self, rows: np.ndarray) -> np.ndarray:
         return np.maximum(rows, 0.0)
 
+    def _after_release(self, released: np.ndarray) -> np.ndarray:
+        if self._smoother is None:
+            return released
+        out = self._smoother.feed(released)
+        self._rows_out.append({"noisy": released, "level": out.level, "weight": out.weight, "spread": out.spread})
+        self._untaken += released.shape[-1]
+        return out.values
+
     def params(self) -> dict:
-        return {"epsilon": self.epsilon, "sensitivity": self.sensitivity}
+        return {"epsilon": self.epsilon, "sensitivity": self.sensitivity, "smoother": self.smoother}
+
+    def _columns(self, partition: int | None) -> dict[str, np.ndarray]:
+        return {name: np.concatenate([piece[name][0 if partition is None else partition]
+                                      for piece in self._rows_out]) if self._rows_out else np.empty(0)
+                for name in SMOOTHED_COLUMNS}
+
+    def take_public(self) -> dict[str, np.ndarray]:
+        """Each row output since the last call: its noisy count and the smoother's choices."""
+        columns = {name: values[len(values) - self._untaken:] for name, values in self._columns(None).items()}
+        self._untaken = 0
+        return columns
+
+    def restore_public(self, public: dict[str, np.ndarray]) -> None:
+        """The rows output before (a restored stream's error model and window sums)."""
+        self._rows_out = [{name: np.asarray(public[name])[None] for name in SMOOTHED_COLUMNS}]
+        self._untaken = 0
+
+    def snapshot(self) -> dict:
+        state = super().snapshot()
+        if self._smoother is not None:
+            state["smoother"] = self._smoother.snapshot()
+        return state
+
+    def restore(self, state: dict) -> None:
+        super().restore(state)
+        if self._smoother is not None:
+            self._smoother.restore(state["smoother"])
+
+    def describe_partition(self, partition: int) -> dict:
+        description = super().describe_partition(partition)
+        if self._smoother is not None:
+            columns = self._columns(partition)
+            description["error"] = AdaptiveNoise(float(self._lattice.variance[partition]), columns["level"],
+                                                 columns["weight"], columns["spread"], np.zeros(1, dtype=np.int64))
+            description["reports"] = columns["noisy"]
+        return description
+
+
+#: What a smoothed count stream keeps per released row (all public).
+SMOOTHED_COLUMNS = ("noisy", "level", "weight", "spread")
 
 
 class PegasusStream(StreamMachine):
-    """PeGaSus as an online state machine (see the module docstring for the algorithm
-    and its privacy proof).
+    """PeGaSus as an online state machine (see the module docstring for the algorithm,
+    its privacy proof and the derivation of the defaults).
 
     Parameters
     ----------
@@ -129,60 +250,74 @@ class PegasusStream(StreamMachine):
     epsilon : float
         Total budget; ``eps_g = grouper_share * epsilon`` goes to the Grouper and
         ``eps_p = epsilon - eps_g`` to the Perturber.
-    grouper_share : float
-        In (0, 1). Default 0.2 ([recon]: ``eps_p = 0.8 eps``, ``eps_g = 0.2 eps`` come from a
-        third-party re-implementation, not from the paper fragments).
+    grouper_share : float, optional
+        In (0, 1). Default 0.02: at most 5 % over per-step Laplace where no smoothing helps.
     theta : float, optional
-        Grouper deviation threshold ``theta_g``. Default ``5 * sensitivity / eps_g``
-        ([recon], as above).
-    smoother : {"median", "average", "js"}
-        Default "median" (the paper's Example 3.5).
+        Grouper deviation threshold ``theta_g``. Default ``b_q ln(3 * 4096 / 8)`` (about
+        ``58.7 * sensitivity / eps_g``): a constant stream's groups last 4096 steps on average.
+    smoother : {"adaptive", "median", "average", "js"}, optional
+        Default "adaptive"; "median" is the paper's Example 3.5.
     sensitivity : float
         The most one neighbour changes one count (1 for event counts).
 
     Noise addresses: step ``t``'s perturbation is index ``t`` of the ``ROWS`` lane, the
     threshold of a group opening at ``t`` index ``t`` of ``SVT_THRESHOLD`` and the test at
     ``t`` index ``t`` of ``SVT_QUERY``. The state is the open group (its true counts are
-    secret); every released row also carries its group's first step (``public_rows``: the
-    released partition, which the error model needs).
+    secret) and the adaptive smoother's. Every released row also carries public columns:
+    its group's first step (``group``: the released partition), the Perturber's noisy count
+    (``noisy``) and, for the adaptive smoother, its choices (``level``, ``weight``,
+    ``spread``); the error model needs them, re-smoothed window sums the noisy counts
+    (``Release.reports``).
 
-    The Smoother's ``ErrorModel`` (:class:`GroupPrefixNoise`) is exact for ``average``
-    and ``js``, which are linear in the Perturber noise given the released partition;
-    for ``median`` it is a bound (see that class).
+    The ``ErrorModel`` is exact for ``average`` and ``js`` (:class:`GroupPrefixNoise`, linear in
+    the Perturber noise given the released partition), an upper bound for ``median``, and
+    exact given the smoother's choices for ``adaptive``
+    (:class:`~dpsql.streams.smoothing.AdaptiveNoise`, a plug-in).
     """
 
-    public_columns = ("group",)
-
-    def __init__(self, n: int | None = None, *, epsilon: float, grouper_share: float = DEFAULT_GROUPER_SHARE,
-                 theta: float | None = None, smoother: str = "median", sensitivity: float = 1.0,
+    def __init__(self, n: int | None = None, *, epsilon: float, grouper_share: float | None = None,
+                 theta: float | None = None, smoother: str | None = None, sensitivity: float = 1.0,
                  noise: Draws):
         self.epsilon = _validate.epsilon(epsilon)
-        self.grouper_share = _validate.probability(grouper_share, "grouper_share")
-        self.smoother = _validate.choice(smoother, "smoother", SMOOTHERS)
         self.sensitivity = _validate.real(sensitivity, "sensitivity", minimum=0.0, strict=True)
-        self.eps_g = self.grouper_share * self.epsilon
-        self.eps_p = largest_share(self.epsilon, self.epsilon - self.eps_g, rest=self.eps_g)
-        _validate.epsilon(self.eps_g, "grouper_share * epsilon")
-        _validate.epsilon(self.eps_p, "(1 - grouper_share) * epsilon")
-        default_theta = THETA_TIMES_SCALE * self.sensitivity / self.eps_g
-        self.theta = default_theta if theta is None else _validate.real(theta, "theta")
+        self._given = {"grouper_share": grouper_share, "theta": theta, "smoother": smoother}
+        self._configure(DEFAULT_GROUPER_SHARE if grouper_share is None else grouper_share, theta,
+                        DEFAULT_SMOOTHER if smoother is None else smoother, legacy=False)
         self.cost = (self.epsilon, 0.0)
         self.neighbour = count_neighbour(self.sensitivity)
-        self._perturber = LaplaceLattice(self.sensitivity, self.eps_p)
-        # dev() has sensitivity 2 s (Lemma 3.3).
-        self._svt = AboveThreshold(2.0 * self.sensitivity, self.eps_g)
         self._noise = noise
         self._rows = 0  # steps fed
         self._offset = 0  # global index of the first row of the open group
         self._open = _OpenGroup.empty()
         self._group_starts: list[np.ndarray] = []
-        self._public: list[np.ndarray] = []
+        self._public: list[dict[str, np.ndarray]] = []  # per row output: group and the smoother's columns
+        self._untaken = 0
+
+    def _configure(self, grouper_share, theta, smoother, *, legacy: bool) -> None:
+        self.grouper_share = _validate.probability(grouper_share, "grouper_share")
+        self.smoother = _validate.choice(smoother, "smoother", SMOOTHERS)
+        self.eps_g = self.grouper_share * self.epsilon
+        self.eps_p = largest_share(self.epsilon, self.epsilon - self.eps_g, rest=self.eps_g)
+        _validate.epsilon(self.eps_g, "grouper_share * epsilon")
+        _validate.epsilon(self.eps_p, "(1 - grouper_share) * epsilon")
+        self._perturber = LaplaceLattice(self.sensitivity, self.eps_p)
+        # dev() has sensitivity 2 s (Lemma 3.3).
+        self._svt = AboveThreshold(2.0 * self.sensitivity, self.eps_g)
+        if theta is not None:
+            self.theta = _validate.real(theta, "theta")
+        elif legacy:
+            self.theta = LEGACY_DEFAULTS["theta_times_scale"] * self.sensitivity / self.eps_g
+        else:
+            self.theta = default_theta(self._svt)
+        self._smoother = AdaptiveSmoother(self._perturber.variance) if self.smoother == "adaptive" else None
+        self.public_columns = ("group", *SMOOTHED_COLUMNS) if self._smoother is not None else ("group", "noisy")
 
     def feed(self, chunk: np.ndarray) -> np.ndarray:
         size = len(chunk)
         if size == 0:
             return np.empty(0)
         carried = self._open
+        old = len(carried.true)
         true = np.concatenate([carried.true, np.maximum(chunk, 0.0)])
         units = np.concatenate([carried.units, perturb_units(chunk, self._perturber, self._noise, self._rows)])
         thresholds = np.concatenate([carried.thresholds,
@@ -190,49 +325,84 @@ class PegasusStream(StreamMachine):
         query_units = np.concatenate([carried.query_units,
                                       self._svt.query_noise_units(self._noise, self._rows, size)])
         self._rows += size
-        starts, open_from = partition(true, thresholds, query_units, self._svt, tested=len(carried.true))
+        starts, open_from = partition(true, thresholds, query_units, self._svt, tested=old)
         group_start = group_start_per_row(starts, len(true))
-        estimates = smooth(units, self._perturber.granularity, group_start, self.smoother)
-        new_starts = starts[1:] if len(carried.true) else starts
+        noisy = units[old:].astype(np.float64) * self._perturber.granularity
+        public = {"group": group_start[old:] + self._offset, "noisy": noisy}
+        if self._smoother is None:
+            estimates = smooth(units, self._perturber.granularity, group_start, self.smoother)[old:]
+        else:
+            restarts = group_start[old:] == np.arange(old, len(true))
+            out = self._smoother.feed(noisy[None], restarts[None])
+            estimates = out.values[0]
+            public.update(level=out.level[0], weight=out.weight[0], spread=out.spread[0])
+        new_starts = starts[1:] if old else starts
         self._group_starts.append(new_starts + self._offset)
-        self._public.append(group_start[len(carried.true):] + self._offset)
+        self._public.append(public)
+        self._untaken += size
         self._offset += open_from
         self._open = _OpenGroup(true[open_from:], units[open_from:], thresholds[open_from:],
                                 query_units[open_from:])
-        return estimates[len(carried.true):]
+        return estimates
 
     def close(self) -> np.ndarray:
         return np.empty(0)
 
+    def _columns(self) -> dict[str, np.ndarray]:
+        if len(self._public) > 1:
+            self._public = [{name: np.concatenate([p[name] for p in self._public]) for name in self._public[0]}]
+        return self._public[0] if self._public else {name: np.empty(0) for name in self.public_columns}
+
     def take_public(self) -> dict[str, np.ndarray]:
-        """Each row output since the last call: the first step of its group (public)."""
-        groups = np.concatenate(self._public) if self._public else np.empty(0, dtype=np.int64)
-        self._public = []
-        return {"group": groups}
+        """Each row output since the last call: its group's first step (public), its noisy
+        count and the adaptive smoother's choices."""
+        columns = {name: values[len(values) - self._untaken:] for name, values in self._columns().items()}
+        self._untaken = 0
+        return columns
 
     def restore_public(self, public: dict[str, np.ndarray]) -> None:
-        """The released partition of every row output before (a restored stream's error model)."""
-        self._group_starts = [np.unique(np.asarray(public["group"], dtype=np.int64))]
+        """The public columns of every row output before (a restored stream's error model)."""
+        groups = np.asarray(public["group"], dtype=np.int64)
+        self._group_starts = [np.unique(groups)]
+        self._public = [{name: np.asarray(public[name]) for name in self.public_columns if name in public}]
+        self._untaken = 0
 
     def snapshot(self) -> dict:
         o = self._open
-        return {"rows": self._rows, "offset": self._offset, "true": o.true, "units": o.units,
-                "thresholds": o.thresholds, "query_units": o.query_units}
+        state = {"format": SNAPSHOT_FORMAT, "rows": self._rows, "offset": self._offset, "true": o.true,
+                 "units": o.units, "thresholds": o.thresholds, "query_units": o.query_units}
+        if self._smoother is not None:
+            state["smoother"] = self._smoother.snapshot()
+        return state
 
     def restore(self, state: dict) -> None:
+        if "format" not in state:  # registered under the legacy defaults: keep those it did not set
+            given = self._given
+            self._configure(LEGACY_DEFAULTS["grouper_share"] if given["grouper_share"] is None
+                            else given["grouper_share"], given["theta"],
+                            LEGACY_DEFAULTS["smoother"] if given["smoother"] is None else given["smoother"],
+                            legacy=True)
         self._rows, self._offset = int(state["rows"]), int(state["offset"])
         self._open = _OpenGroup(state["true"], state["units"], state["thresholds"], state["query_units"])
+        if self._smoother is not None:
+            self._smoother.restore(state["smoother"])
 
     def describe(self) -> dict:
         starts = np.concatenate(self._group_starts) if self._group_starts else np.zeros(1, dtype=np.int64)
         if not len(starts) or starts[0] != 0:
             starts = np.concatenate([[0], starts])
-        error = GroupPrefixNoise(starts, self._rows, self._perturber.variance, self.smoother)
+        columns = self._columns()
+        if self._smoother is None:
+            error = GroupPrefixNoise(starts, self._rows, self._perturber.variance, self.smoother)
+        else:
+            error = AdaptiveNoise(self._perturber.variance, columns["level"], columns["weight"], columns["spread"],
+                                  starts)
         params = {"epsilon": self.epsilon, "grouper_share": self.grouper_share, "eps_p": self.eps_p,
                   "eps_g": self.eps_g, "theta": self.theta, "smoother": self.smoother,
                   "sensitivity": self.sensitivity}
         components = {"perturber": (self.eps_p, 0.0), "grouper": (self.eps_g, 0.0), "smoother": (0.0, 0.0)}
-        return dict(method="pegasus", params=params, error=error, components=components)
+        return dict(method="pegasus", params=params, error=error, components=components,
+                    reports=columns.get("noisy"))
 
 
 class _OpenGroup:
@@ -488,6 +658,11 @@ class GroupPrefixNoise(ErrorModel):
         full = self._piece(np.zeros_like(self._lengths), self._lengths)
         self._full = np.concatenate([[0.0], np.cumsum(full)])
 
+    @property
+    def starts(self) -> np.ndarray:
+        """The first row of every group (the released partition)."""
+        return self._starts
+
     def _piece(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Variance of the sum of rows ``a..b-1`` of one group (group-local indices)."""
         if self._median:
@@ -544,11 +719,32 @@ def _median_variance_ratio(longest: int) -> np.ndarray:
 # -- Derived queries (post-processing of any release) ---------------------------------------------
 
 
-def window_sums(release: Release, *, window: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sliding-window sums ``sum(values[t-window+1 .. t])`` of a release and their noise
+#: How :func:`window_sums` forms a window's sum.
+WINDOW_SMOOTHERS = ("adaptive", "group", "none")
+
+
+def window_sums(release: Release, *, window: int, smoother: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Sliding-window sums ``sum(c[t-window+1 .. t])`` of a count release and their noise
     variances, for every row ``t`` (windows shrink at the start of the stream).
 
-    Post-processing of released values: free, no budget.
+    Post-processing of released values: free, no budget. ``smoother``:
+
+    * ``"none"``: the sum of the released estimates over the window, with the variance the
+      release's error model gives;
+    * ``"group"`` (PeGaSus releases): Chen et al.'s re-smoothing, every row of the window
+      replaced by the mean of its group's noisy counts as known at ``t`` (the partition at
+      ``t``: a group that has grown since the row was released gives it a longer average);
+    * ``"adaptive"`` (default where the noisy counts are known): the sum re-smoothed from the
+      noisy counts known at ``t``, choosing between the raw sum, every level of the adaptive
+      smoother known at ``t`` and, for PeGaSus, the group re-smoothing, by the C_p risk of
+      past windows (:func:`dpsql.streams.smoothing.resmoothed_windows`). The variances are
+      then a plug-in given the choices.
+
+    The noisy counts are the Perturber's output (``Release.reports`` of ``pegasus`` and of a
+    smoothed ``count_laplace``, the values of a plain one): public, part of what the release's
+    ``epsilon`` pays for. A release rebuilt from a ledger record has lost them (the record
+    keeps descriptions, not values): ``"none"`` is then the default, and asking for the others
+    raises :class:`~dpsql.InvalidParameter`.
 
     Examples
     --------
@@ -560,14 +756,53 @@ def window_sums(release: Release, *, window: int) -> tuple[np.ndarray, np.ndarra
     ((100,), True)
     """
     window = _validate.integer(window, "window", minimum=1)
-    stop = np.arange(1, len(release) + 1)
-    start = np.maximum(stop - window, 0)
-    return release.range_sum(start, stop), release.range_variance(start, stop)
+    noisy = _noisy_counts(release)
+    if smoother is None:
+        smoother = "none" if noisy is None else "adaptive"
+    smoother = _validate.choice(smoother, "smoother", WINDOW_SMOOTHERS)
+    if smoother == "none":
+        stop = np.arange(1, len(release) + 1)
+        start = np.maximum(stop - window, 0)
+        return release.range_sum(start, stop), release.range_variance(start, stop)
+    if noisy is None:
+        raise InvalidParameter(f"smoother={smoother!r} re-smooths window sums from the noisy counts, which this "
+                               f"release ({release.method}) does not carry; use smoother='none'")
+    grouped = release.method == "pegasus"
+    if smoother == "group" and not grouped:
+        raise InvalidParameter("smoother='group' re-smooths with PeGaSus's groups; this release has none "
+                               "(use 'adaptive' or 'none')")
+    variance, resets = _noise_variance(release), None
+    if grouped:
+        resets = np.zeros(len(noisy), dtype=bool)
+        resets[release.error.starts[release.error.starts < len(noisy)]] = True
+    if smoother == "group":
+        sums, units = group_windows(noisy, resets, window)
+        return sums, variance * units
+    return resmoothed_windows(noisy, variance, window, resets, groups=grouped)
 
 
-def window_alarms(release: Release, *, window: int, threshold: float) -> np.ndarray:
+def _noisy_counts(release: Release) -> np.ndarray | None:
+    """The Perturber's noisy counts of a count release (public), or None where unknown."""
+    if release.method not in ("pegasus", "count_laplace"):
+        return None
+    if release.method == "count_laplace" and release.params.get("smoother", "none") == "none":
+        return np.asarray(release.values, dtype=np.float64)
+    if release.reports is None or len(release.reports) != len(release):
+        return None
+    return np.asarray(release.reports, dtype=np.float64)
+
+
+def _noise_variance(release: Release) -> float:
+    """The variance of one noisy count, from the release's public parameters."""
+    p = release.params
+    epsilon = p["eps_p"] if release.method == "pegasus" else p["epsilon"]
+    return LaplaceLattice(float(p.get("sensitivity", 1.0)), float(epsilon)).variance
+
+
+def window_alarms(release: Release, *, window: int, threshold: float, smoother: str | None = None) -> np.ndarray:
     """Event monitoring: ``True`` at row ``t`` when the private window sum ending at ``t``
-    is at least ``threshold`` (ALGORITHMS.md §2.5, post-processing, free).
+    (:func:`window_sums`, with ``smoother``) is at least ``threshold`` (Chen et al.'s event
+    monitoring; post-processing, free).
 
     Examples
     --------
@@ -580,4 +815,4 @@ def window_alarms(release: Release, *, window: int, threshold: float) -> np.ndar
     (False, True)
     """
     threshold = _validate.real(threshold, "threshold")
-    return window_sums(release, window=window)[0] >= threshold
+    return window_sums(release, window=window, smoother=smoother)[0] >= threshold
