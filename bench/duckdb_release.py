@@ -1,16 +1,18 @@
 """End-to-end cost of ``SELECT * FROM dp_range_sum(...)`` against the sort it cannot avoid.
 
 A 10^7-row table in random physical order (the traffic volumes of
-``traffic_volume_hourly.csv`` tiled to 10^7 rows, shuffled with dpsql's seeded
-source); every query is fetched the same way (``con.sql(q).to_arrow_table()``) in
+``traffic_volume_hourly.csv`` tiled to 10^7 rows, shuffled by a seeded numpy generator,
+the benchmark's fixture); every query is fetched the same way (``con.sql(q).to_arrow_table()``) in
 this process, ``--repeat`` interleaved runs after a warm-up round, best and median:
 
 * baseline: ``SELECT ts, volume FROM t ORDER BY ts``;
 * ``dp_range_sum`` with ``laplace`` (front-end cost plus the cheapest mechanism) and
-  with ``tops`` (the default method);
-* the core ``publish`` alone on the already sorted column (mechanism cost), and the
-  OS CSPRNG alone drawing one 64-bit word per row (the part of it no code change in
-  dpsql can remove: ``os.urandom`` throughput, here on one thread);
+  with ``tops`` (the default method), each with ``fresh := true``: every timed run is a
+  real, charged release, its data fingerprinted and its answer stored in the ledger (an
+  identical repeat without it is answered free from the ledger);
+* the core ``publish`` alone on the already sorted column (mechanism cost, also fresh and
+  charged), and the keystream alone: one AES-256-CTR block per row at consecutive
+  addresses (what a Laplace release draws; here on one thread);
 * the naive pipeline ``unnest(udf(list(volume ORDER BY ts)))`` for comparison, timed last in
   rounds of its own with the baseline (it builds and frees gigabytes of lists, which would
   make every later query in a round fault fresh memory in);
@@ -43,7 +45,7 @@ from _report import interleaved, markdown_table, write_section
 
 import dpsql
 import dpsql.duckdb
-from dpsql import api, noise
+from dpsql.noise import Keystream, Lane
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "traffic_volume_hourly.csv"
 UPPER = 8000.0
@@ -54,9 +56,9 @@ def _table(rows: int, partitions: int = 0, *, irregular: bool = False, text_keys
     random gaps of 1 to 3,600), or ``partitions`` streams (``text_keys``: named 'meter0042')."""
     volume = pacsv.read_csv(DATA).column("volume").to_numpy().astype(np.float64)
     values = np.resize(volume, rows)
-    with dpsql.testing.seeded(0) as source:
-        shuffle = np.argsort(source.words(rows))
-        gaps = (1 + source.words(rows) % np.uint64(3600)).astype(np.int64) if irregular else None
+    fixture = np.random.default_rng(0)  # the benchmark's data, not a release's noise
+    shuffle = fixture.permutation(rows)
+    gaps = fixture.integers(1, 3601, rows) if irregular else None
     ts = np.cumsum(gaps) if irregular else np.arange(rows, dtype=np.int64)
     columns = {"ts": ts[shuffle], "volume": values[shuffle]}
     if partitions:
@@ -79,13 +81,15 @@ def main() -> None:
     con.from_arrow(_table(args.rows, partitions=1000)).create("tp")
     con.from_arrow(_table(args.rows, irregular=True)).create("ti")
     con.from_arrow(_table(args.rows, partitions=1000, text_keys=True)).create("tt")
-    dpsql.duckdb.register(con, budget=dpsql.Budget.in_memory(epsilon=1e9))
+    budget = dpsql.Budget.in_memory(epsilon=1e9)
+    dpsql.duckdb.register(con, budget=budget)
     sorted_volume = con.sql("SELECT volume FROM t ORDER BY ts").fetchnumpy()["volume"]
     grouped = con.sql("SELECT g, volume FROM tp ORDER BY g, ts").fetchnumpy()
     offsets = np.concatenate([[0], np.flatnonzero(np.diff(grouped["g"])) + 1, [len(grouped["g"])]])
 
     def naive(values):
-        released = api.publish("laplace", values[0].values, epsilon=1.0, upper=UPPER).values
+        released = dpsql.publish("laplace", values[0].values, budget=budget, fresh=True, epsilon=1.0,
+                                 upper=UPPER).values
         return pa.ListArray.from_arrays(pa.array([0, len(released)], pa.int32()), pa.array(released))
 
     con.create_function("naive_release", naive, ["DOUBLE[]"], "DOUBLE[]", type="arrow", side_effects=True)
@@ -93,24 +97,28 @@ def main() -> None:
     def fetch(query):
         return lambda: con.sql(query).to_arrow_table()
 
-    release = "SELECT * FROM dp_range_sum('{}', 'ts', 'volume', method := '{}', epsilon := 1, upper := {}{})"
+    release = ("SELECT * FROM dp_range_sum('{}', 'ts', 'volume', method := '{}', epsilon := 1, upper := {}, "
+               "fresh := true{})")
+    keystream = Keystream.fresh().partition(b"bench").lane(Lane.ROWS)
+
+    def core(method, values, **extra):
+        return lambda: dpsql.publish(method, values, budget=budget, fresh=True, epsilon=1.0, upper=UPPER, **extra)
+
     runs = {
         "baseline": fetch("SELECT ts, volume FROM t ORDER BY ts"),
         "laplace": fetch(release.format("t", "laplace", UPPER, "")),
         "tops": fetch(release.format("t", "tops", UPPER, "")),
         "tops_2col": fetch(release.format("t", "tops", UPPER, "").replace("*", "ts, volume", 1)),
-        "core": lambda: api.publish("laplace", sorted_volume, epsilon=1.0, upper=UPPER),
-        "core_tops": lambda: api.publish("tops", sorted_volume, epsilon=1.0, upper=UPPER),
-        "csprng": lambda: noise.current().words(args.rows),
+        "core": core("laplace", sorted_volume),
+        "core_tops": core("tops", sorted_volume),
+        "csprng": lambda: keystream.blocks(0, args.rows),
         "naive": fetch("SELECT unnest(list(ts ORDER BY ts)) AS ts, unnest(naive_release(list(volume ORDER BY ts))) "
                        "AS volume FROM t"),
         "baseline_1000": fetch("SELECT g, ts, volume FROM tp ORDER BY g, ts"),
         "laplace_1000": fetch(release.format("tp", "laplace", UPPER, ", partition_by := 'g'")),
         "tops_1000": fetch(release.format("tp", "tops", UPPER, ", partition_by := 'g'")),
-        "core_1000": lambda: api.publish("tops", grouped["volume"], partition_offsets=offsets, epsilon=1.0,
-                                         upper=UPPER),
-        "core_laplace_1000": lambda: api.publish("laplace", grouped["volume"], partition_offsets=offsets,
-                                                 epsilon=1.0, upper=UPPER),
+        "core_1000": core("tops", grouped["volume"], partition_offsets=offsets),
+        "core_laplace_1000": core("laplace", grouped["volume"], partition_offsets=offsets),
         "baseline_irregular": fetch("SELECT ts, volume FROM ti ORDER BY ts"),
         "tops_irregular": fetch(release.format("ti", "tops", UPPER, "")),
         "baseline_text": fetch("SELECT g, ts, volume FROM tt ORDER BY g, ts"),
@@ -143,7 +151,7 @@ def main() -> None:
         "tops_2col": ("`SELECT ts, volume FROM dp_range_sum(...)` (tops, without `dp_row`)", "baseline"),
         "core": ("core `publish('laplace')` on the sorted column alone", "baseline"),
         "core_tops": ("core `publish('tops')` on the sorted column alone", "baseline"),
-        "csprng": ("OS CSPRNG alone: one 64-bit word per row (`os.urandom`, one thread)", "baseline"),
+        "csprng": ("keystream alone: one AES-256-CTR block per row (`lane.blocks`, one thread)", "baseline"),
         "naive": ("naive `unnest(udf(list(... ORDER BY ts)))`, laplace (timed last, with the baseline)",
                   "baseline_naive"),
         "baseline_1000": ("1,000 partitions: `SELECT g, ts, volume FROM tp ORDER BY g, ts` (baseline)",
@@ -183,9 +191,11 @@ def main() -> None:
             "handles go back without lists or copies through UDF results. The only column added is `dp_row`, one "
             "BIGINT row handle for error bars (the row without it isolates its cost). Partitions of methods with "
             "independent rows are released in one run; ToPS partitions of equal length are released together, "
-            "vectorised over partitions. For laplace, most of the mechanism is the CSPRNG: one `os.urandom` word "
-            "per row, read by two threads. The last column is the CPU time all threads spent in the kernel "
-            "(`getrusage`): the CSPRNG's system calls and page faults on fresh memory, which on a virtual machine "
+            "vectorised over partitions. Every release here is fresh (`fresh := true`): charged, its data "
+            "fingerprinted (BLAKE2b) and its answer stored in the in-memory ledger. For laplace, the mechanism "
+            "is one AES-256-CTR keystream block per row (the `keystream alone` row) turned into a discrete "
+            "Laplace draw. The last column is the CPU time all threads spent in the kernel "
+            "(`getrusage`): mostly page faults on fresh memory, which on a virtual machine "
             "can cost far more when the host has to back the pages, and which makes most of the spread between "
             "best and median (a query that last ran seconds ago, as in these interleaved rounds, faults in more "
             "pages than one repeated at once).")

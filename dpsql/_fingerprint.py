@@ -58,7 +58,12 @@ def _contents(array) -> list[np.ndarray]:
         data = np.frombuffer(array.buffers()[2], dtype=np.uint8)[offsets[0]:offsets[-1]] if len(array) else np.empty(
             0, dtype=np.uint8)
         return [offsets - offsets[0], data]
-    return _contents(array.to_numpy(zero_copy_only=False))
+    values = array.to_numpy(zero_copy_only=False)
+    if values.dtype.kind == "O":  # decimals, times, ...: Python objects; hash their fixed-width storage instead
+        width = array.type.bit_width // 8
+        start = array.offset * width
+        return [np.frombuffer(array.buffers()[1], dtype=np.uint8)[start:start + len(array) * width]]
+    return _contents(values)
 
 
 def _leaf(piece: memoryview) -> bytes:

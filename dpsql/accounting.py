@@ -121,6 +121,11 @@ def largest_share(total: float, share: float, *, count: int = 1, rest: float = 0
     def exact_sum(x):
         return count * Fraction(x) + Fraction(rest)
 
+    if exact_sum(share) > Fraction(total):
+        # the exact bound rounded to the nearest float is at most one step above the answer:
+        # stepping down ulp by ulp from ``share`` alone could take ~10**11 steps when ``share``
+        # is far smaller than the rounding of ``rest`` (a hold-out share of 1e-12)
+        share = min(share, float((Fraction(total) - Fraction(rest)) / count))
     while exact_sum(share) > Fraction(total):
         share = math.nextafter(share, -math.inf)
     return share

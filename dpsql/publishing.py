@@ -46,8 +46,6 @@ from dpsql.release import (
     run_machine,
 )
 
-_ANSWER_CODEC = "zstd"
-
 
 @overload
 def publish(method: str, values, *, budget: Budget | None = ..., column: str = ..., partition_offsets: None = ...,
@@ -205,13 +203,15 @@ def _public(params: Mapping) -> dict:
 
 
 def _packed_values(values: np.ndarray) -> bytes:
-    codec = pa.Codec(_ANSWER_CODEC, compression_level=1)
-    return _state.pack({"codec": _ANSWER_CODEC, "size": int(values.nbytes),
-                        "values": codec.compress(np.ascontiguousarray(values, dtype=np.float64)).to_pybytes()})
+    """A release's values as the ledger stores its answer (compressed by :func:`dpsql._state.pack`)."""
+    return _state.pack({"values": np.ascontiguousarray(values, dtype=np.float64)})
 
 
 def _unpacked_values(answer: bytes) -> np.ndarray:
     stored = _state.unpack(answer)
+    if "codec" not in stored:
+        return stored["values"]
+    # answers stored by earlier versions: the values compressed on their own
     raw = pa.Codec(stored["codec"]).decompress(stored["values"], decompressed_size=stored["size"])
     return np.frombuffer(raw, dtype=np.float64).copy()
 

@@ -19,7 +19,8 @@ Writing ``lo = P+t-k-1`` and ``hi = P+t`` this is the maximum over ``lo <= P <= 
 (``t`` up to ``k + 1``): the reference code stops at ``t = k``, which misses the gap
 above the quantile and under-states the sensitivity (a privacy bug). ``log(x_hi - x_lo)``
 is supermodular in ``(lo, hi)`` on sorted data, so the largest optimal ``hi`` is
-non-decreasing in ``lo`` and a divide and conquer over ``lo`` finds every row's optimum in ``O(m log m)``, one vectorised pass per level.
+non-decreasing in ``lo`` and a divide and conquer over ``lo`` finds every row's optimum
+in ``O(m log m)``, one vectorised pass per level.
 """
 
 from __future__ import annotations

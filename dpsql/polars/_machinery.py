@@ -153,7 +153,10 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
 
 def _set_partition_keys(rows: RowsInTimeOrder, frame: pl.DataFrame, partition_names: Sequence[str],
                         order_name: str) -> None:
-    rows.order_keys = [frame.get_column(order_name).to_physical().to_numpy()[rows.permutation]]
+    order = frame.get_column(order_name).to_physical()
+    if order.dtype in (pl.Int128, pl.UInt128):  # numpy has no 128-bit integers: their exact decimal text
+        order = order.cast(pl.String)
+    rows.order_keys = [order.to_numpy()[rows.permutation]]
     if not partition_names:
         return
     first_rows = frame.select(partition_names)[rows.permutation[rows.offsets[:-1]]]

@@ -27,6 +27,7 @@ is raised to it (post-processing), so the stream phase always has a positive bou
 from __future__ import annotations
 
 import copy
+import math
 from abc import abstractmethod
 
 import numpy as np
@@ -35,6 +36,8 @@ from dpsql import _validate
 from dpsql.accounting import largest_share
 from dpsql.error_models import IndependentNoise, SegmentedNoise
 from dpsql.errors import InvalidParameter
+from dpsql.mechanisms.hierarchy import Layout
+from dpsql.mechanisms.laplace import LaplaceLattice
 from dpsql.noise import Draws, DrawsBatch, Lane
 from dpsql.release import StreamMachine, written_in_place
 from dpsql.streams.hierarchy import HierarchyStream
@@ -92,7 +95,26 @@ class ThresholdedStream(StreamMachine):
         # rounded so that the two hold-out charges never add up to more than epsilon
         self.epsilon_holdout = largest_share(self.epsilon, self.holdout_share * self.epsilon,
                                            rest=self.epsilon_threshold)
+        if self.given_threshold is None:
+            self._check_holdout_epsilon()
         self._start(DrawsBatch([noise]))
+
+    def _check_holdout_epsilon(self) -> None:
+        """Refuse now, before anything is charged, a split that leaves the hold-out's release too
+        little epsilon for any lattice (a continual stream would be charged at registration and
+        fail when its hold-out completes)."""
+        layout = Layout(epsilon=self.epsilon_holdout, fanout=16, r=self.m) if self.epsilon_holdout > 0 else None
+        try:
+            _validate.epsilon(self.epsilon_holdout)
+            levels = layout.chunk(0).forest.levels
+            # whatever the threshold, its lattice's scale in units is at most that of a bound just
+            # below a power of two
+            LaplaceLattice(math.nextafter(2.0, 0.0), largest_share(self.epsilon_holdout, self.epsilon_holdout / levels,
+                                                                   count=levels))
+        except InvalidParameter:
+            raise InvalidParameter(f"holdout_share={self.holdout_share!r} leaves the hold-out's release "
+                                   f"epsilon={self.epsilon_holdout!r} (holdout_share * epsilon), too little for its "
+                                   f"noise: raise holdout_share or epsilon") from None
 
     def batched(self, draws: DrawsBatch) -> ThresholdedStream:
         machine = copy.copy(self)

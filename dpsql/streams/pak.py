@@ -50,6 +50,8 @@ class PakStream(ThresholdedStream):
                  lower: float = 0.0, m: int | None = None, holdout_share: float = 0.15, tail_p: float = 0.005,
                  lam: float = 0.85, beta_lt: float = 0.006, rho: float = 1.0, horizon: int | None = None,
                  threshold: float | None = None, noise: Draws):
+        # before the base class starts the stream phase, which a given threshold does at once
+        self.horizon = None if horizon is None else _validate.integer(horizon, "horizon", minimum=1)
         super().__init__(n, epsilon=epsilon, upper=upper, lower=lower, m=m, holdout_share=holdout_share,
                          threshold=threshold, noise=noise)
         if threshold is not None:  # chosen (and paid for) before: no hold-out, no delta
@@ -67,7 +69,6 @@ class PakStream(ThresholdedStream):
                                                          upper=self.bound, tail_p=tail_p, lam=lam, beta_lt=beta_lt,
                                                          rho=rho)
             self.threshold_delta = self._threshold_params.delta
-        self.horizon = None if horizon is None else _validate.integer(horizon, "horizon", minimum=1)
 
     def _choose_thresholds(self, holdout):
         p = self._threshold_params

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from dpsql import _validate
-from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_thresholds
+from dpsql.errors import InvalidParameter
+from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_thresholds, noisy_max_lattice
 from dpsql.noise import Draws, Lane
 from dpsql.release import StreamMachine
 from dpsql.streams.hierarchy import PAPER_RANGE, HierarchyStream, check_hierarchy_options
@@ -57,6 +58,13 @@ class ToPS(ThresholdedStream):
         self.levels_for_nm = _validate.choice(levels_for_nm, "levels_for_nm", NM_LEVELS)
         super().__init__(n, epsilon=epsilon, upper=upper, lower=lower, m=m, holdout_share=holdout_share,
                          threshold=threshold, noise=noise)
+        if threshold is None:  # refused now, not when the hold-out completes (a stream is charged before)
+            try:
+                noisy_max_lattice(_validate.epsilon(self.epsilon_threshold))
+            except InvalidParameter:
+                raise InvalidParameter(f"holdout_share={self.holdout_share!r} leaves the threshold "
+                                       f"epsilon={self.epsilon_threshold!r} ((1 - holdout_share) * epsilon), too "
+                                       f"little for Noisy Max: lower holdout_share or raise epsilon") from None
 
     def _choose_thresholds(self, holdout: np.ndarray) -> np.ndarray:
         return nm_thresholds(holdout, epsilon=self.epsilon_threshold, upper=self.bound,

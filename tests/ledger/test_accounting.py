@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import decimal
+import multiprocessing
+import os
+import signal
 import sqlite3
 from fractions import Fraction
 
 import numpy as np
+import polars as pl
 import pytest
 
 import dpsql
-from dpsql.accounting import Charge, Neighbour, exact
+from dpsql.accounting import Charge, Neighbour, Notion, exact
 
 
-def _charge(budget, epsilon, delta=0.0):
-    budget.charge(Charge(method="laplace", epsilon=epsilon, delta=delta, neighbour=Neighbour.REPLACE_ONE, rows=1))
+def _charge(budget, epsilon, delta=0.0, **kw):
+    budget.charge(Charge(method="laplace", epsilon=epsilon, delta=delta, neighbour=Neighbour.REPLACE_ONE, rows=1,
+                         **kw))
 
 
 def _recorded_totals(path, scope="default"):
@@ -52,6 +57,18 @@ def test_ten_tenths_fill_a_budget_of_one_exactly():
     assert refused.value.remaining == (0.0, 0.0) and refused.value.requested == (1e-300, 0.0)
 
 
+def test_overspend_is_refused_with_remaining_and_requested_and_charges_nothing():
+    budget = dpsql.Budget.in_memory(epsilon=1.0, delta=1e-6)
+    _charge(budget, 0.75, 5e-7)
+    with pytest.raises(dpsql.BudgetExhausted, match=r"remaining epsilon=0.25.*requested epsilon=0.3") as info:
+        _charge(budget, 0.3)
+    assert info.value.remaining == (0.25, 5e-7) and info.value.requested == (0.3, 0.0)
+    with pytest.raises(dpsql.BudgetExhausted, match="delta"):
+        _charge(budget, 0.1, 6e-7)
+    assert budget.spent == (0.75, 5e-7)
+    assert budget.history().height == 1
+
+
 def test_running_totals_equal_the_sum_of_recorded_charges(tmp_path):
     path = tmp_path / "l.sqlite"
     budget = dpsql.Budget.open(path, epsilon=3.0, delta=1e-3)
@@ -71,6 +88,19 @@ def test_a_delta_charge_on_a_pure_scope_says_that_the_scope_needs_delta():
     assert budget.spent == (0.0, 0.0)
 
 
+def test_a_persistent_ledger_survives_reopening_with_its_totals_and_history(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    budget = dpsql.Budget.open(path, scope="meters", epsilon=2.0, delta=1e-5)
+    _charge(budget, 0.5, 1e-6, note="first")
+    again = dpsql.Budget.open(path, scope="meters")
+    assert again.total == (2.0, 1e-5) and again.spent == (0.5, 1e-6) and again.remaining == (1.5, 9e-6)
+    history = again.history()
+    assert history["note"].to_list() == ["first"] and history["kind"].to_list() == ["release"]
+    assert history.schema["time"] == pl.Datetime("us", "UTC")
+    other = dpsql.Budget.open(path, scope="traffic", epsilon=1.0)  # scopes of one file are independent
+    assert other.spent == (0.0, 0.0) and other.history().height == 0
+
+
 def test_reopening_never_raises_a_budget(tmp_path):
     path = tmp_path / "l.sqlite"
     dpsql.Budget.open(path, scope="meters", epsilon=1.0)
@@ -81,6 +111,94 @@ def test_reopening_never_raises_a_budget(tmp_path):
     with pytest.raises(dpsql.InvalidParameter, match="does not exist yet"):
         dpsql.Budget.open(path, scope="new")
     assert dpsql.Budget.open(path, scope="meters").total == (1.0, 0.0)
+
+
+def test_persistent_ledgers_refuse_seeded_releases_and_in_memory_ones_record_them(tmp_path):
+    persistent = dpsql.Budget.open(tmp_path / "l.sqlite", epsilon=1.0)
+    with dpsql.testing.seeded(0), pytest.raises(dpsql.NonPrivateRelease):
+        dpsql.laplace(np.ones(5), epsilon=0.1, upper=1.0, budget=persistent)
+    assert persistent.spent == (0.0, 0.0) and persistent.history().height == 0
+    notebook = dpsql.Budget.in_memory(epsilon=1.0)
+    with dpsql.testing.seeded(0):
+        dpsql.laplace(np.ones(5), epsilon=0.1, upper=1.0, budget=notebook)
+    assert notebook.spent == (0.1, 0.0)
+    assert notebook.history(full=True)["private"].to_list() == [False]
+
+
+def test_a_scopes_notion_and_window_are_fixed(tmp_path):
+    ldp = dpsql.Budget.open(tmp_path / "l.sqlite", scope="devices", epsilon=4.0, notion="w-event-ldp", w=10)
+    with pytest.raises(dpsql.NotionMismatch, match="w-event-ldp"):
+        dpsql.laplace(np.ones(5), epsilon=0.1, upper=1.0, budget=ldp)
+    with pytest.raises(dpsql.NotionMismatch, match="w=20"):
+        _charge(ldp, 0.1, notion=Notion.W_EVENT_LDP, w=20)
+    _charge(ldp, 0.1, notion=Notion.W_EVENT_LDP, w=10)
+    assert ldp.spent == (0.1, 0.0)
+    with pytest.raises(dpsql.NotionMismatch):
+        dpsql.Budget.open(tmp_path / "l.sqlite", scope="devices", notion="central")
+    with pytest.raises(dpsql.InvalidParameter, match="notion"):
+        dpsql.Budget.in_memory(epsilon=1.0, notion="renyi")
+    with pytest.raises(dpsql.InvalidParameter, match="w is only meaningful"):
+        dpsql.Budget.in_memory(epsilon=1.0, w=3)
+    with pytest.raises(dpsql.InvalidParameter, match="w"):
+        dpsql.Budget.in_memory(epsilon=1.0, notion="w-event-ldp")
+
+
+@pytest.mark.parametrize("epsilon", [0, -1.0, float("nan"), float("inf"), True, "1"])
+def test_a_budgets_epsilon_is_validated(epsilon):
+    with pytest.raises(dpsql.InvalidParameter, match="epsilon"):
+        dpsql.Budget.in_memory(epsilon=epsilon)
+
+
+def test_the_budget_constructor_is_not_public():
+    with pytest.raises(TypeError, match=r"Budget\.open"):
+        dpsql.Budget()
+
+
+def _race(path, scope, attempts, results):
+    budget = dpsql.Budget.open(path, scope=scope)
+    granted = 0
+    for _ in range(attempts):
+        try:
+            _charge(budget, 0.01)
+            granted += 1
+        except dpsql.BudgetExhausted:
+            pass
+    results.put(granted)
+
+
+def test_processes_racing_one_sqlite_scope_never_exceed_the_cap(tmp_path):
+    path = str(tmp_path / "race.sqlite")
+    dpsql.Budget.open(path, scope="race", epsilon=1.0)
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(path, "race", 60, results)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    granted = sum(results.get(timeout=10) for _ in procs)
+    budget = dpsql.Budget.open(path, scope="race")
+    assert granted == 100  # 240 attempts of 0.01 against 1.0
+    assert budget.spent == (1.0, 0.0)
+    assert budget.history().height == 100
+
+
+def _charge_then_die(path):
+    budget = dpsql.Budget.open(path, scope="crash")
+    _charge(budget, 0.25)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_charge_survives_the_process_being_killed_right_after_it(tmp_path):
+    path = str(tmp_path / "crash.sqlite")
+    dpsql.Budget.open(path, scope="crash", epsilon=1.0)
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=_charge_then_die, args=(path,))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == -signal.SIGKILL
+    assert dpsql.Budget.open(path, scope="crash").spent == (0.25, 0.0)
 
 
 def test_a_private_release_without_a_budget_is_refused_and_use_budget_sets_one():

@@ -8,7 +8,12 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
+import dpsql
+from dpsql import testing
+from dpsql.errors import NonPrivateRelease
 from dpsql.mechanisms.svt import AboveThreshold
+from dpsql.methods import METHODS, machine_for
+from dpsql.noise import Lane
 
 # 0.599853515625 / 2**-11 = 1228.5: a sensitivity that is not a whole number of query units.
 SENSITIVITIES = [2.0, 4.0, 0.599853515625, 0.3, 1.5, 7.0]
@@ -57,7 +62,6 @@ def test_report_noisy_max_scale_covers_rounded_score_change(monotonic, sensitivi
     up to ``u = ceil(s / gamma) + 1`` units; the noise scale must be ``u / epsilon``
     (monotone) or ``2 u / epsilon`` (not monotone, Dwork & Roth Claim 3.9)."""
     import dpsql.mechanisms.noisy_max as noisy_max
-    from dpsql import testing
 
     built = []
     real = noisy_max.LaplaceLattice
@@ -68,9 +72,8 @@ def test_report_noisy_max_scale_covers_rounded_score_change(monotonic, sensitivi
 
     monkeypatch.setattr(noisy_max, "LaplaceLattice", spy)
     epsilon = 0.7
-    with testing.seeded(0) as source:
-        noisy_max.report_noisy_max(np.array([0.0, 1.0]), epsilon=epsilon, noise=source, sensitivity=sensitivity,
-                                   monotonic=monotonic)
+    noisy_max.report_noisy_max(np.array([0.0, 1.0]), epsilon=epsilon, noise=testing.draws(0).lane(Lane.NOISY_MAX),
+                               sensitivity=sensitivity, monotonic=monotonic)
     (lap,) = built
     u = math.ceil(sensitivity / lap.granularity) + 1
     factor = 1 if monotonic else 2
@@ -81,15 +84,15 @@ def test_report_noisy_max_scale_covers_rounded_score_change(monotonic, sensitivi
 @pytest.mark.parametrize("method", ["tops", "pak"])
 @pytest.mark.parametrize(("epsilon", "share"), [(0.3, 0.15), (0.7, 0.1), (1.1, 0.2), (1.0, 0.15)])
 def test_holdout_budget_pieces_never_exceed_epsilon_exactly(method, epsilon, share):
-    """The hold-out spends ``epsilon_threshold`` then ``epsilon_total`` on the same rows;
-    charged ``epsilon``, their exact sum must not exceed it (``(1 - s) e + s e`` in floats
-    can exceed ``e`` by one ulp)."""
-    from dpsql import testing
-    from dpsql.api import machine_for
-
-    with testing.seeded(0) as source:
-        machine = machine_for(method, 10_000, source, {"epsilon": epsilon, "upper": 10.0, "holdout_share": share})
-    assert Fraction(machine.epsilon_threshold) + Fraction(machine.epsilon_total) <= Fraction(epsilon)
+    """The hold-out spends ``epsilon_threshold`` (its threshold) then ``epsilon_holdout`` (its own
+    release) on the same rows; charged ``epsilon``, their exact sum must not exceed it
+    (``(1 - s) e + s e`` in floats can exceed ``e`` by one ulp)."""
+    params = {"epsilon": epsilon, "upper": 10.0, "holdout_share": share}
+    if method == "pak":
+        params["delta"] = 1e-8
+    machine = machine_for(method, 10_000, testing.draws(0), params)
+    assert Fraction(machine.epsilon_threshold) + Fraction(machine.epsilon_holdout) <= Fraction(epsilon)
+    assert machine.epsilon_threshold + machine.epsilon_holdout == pytest.approx(epsilon, rel=1e-15)
     assert machine.cost[0] == epsilon
 
 
@@ -100,19 +103,18 @@ def test_pak_threshold_noise_scale_within_the_samplers_resolution(holdout, monke
     threshold's integer noise scale must stay far below 2**53 (it was ~2**47 with a 54-bit
     lattice: integers beyond ~4 scales, 2 % of the mass, were unreachable, which ones
     depending on the private centre), and the lattice must stay fine against the noise."""
-    from dpsql import testing
     from dpsql.mechanisms.smooth_sensitivity import pak_threshold
 
     scales = []
-    with testing.seeded(0) as source:
-        real = source.discrete_laplace
+    lane = testing.draws(0).lane(Lane.SMOOTH_SENSITIVITY)
+    real = lane.discrete_laplace
 
-        def spy(scale, size):
-            scales.append(scale)
-            return real(scale, size)
+    def spy(scale, start, count):
+        scales.append(scale)
+        return real(scale, start, count)
 
-        monkeypatch.setattr(source, "discrete_laplace", spy)
-        pak_threshold(holdout, epsilon=0.85, delta=1e-10, upper=100.0, noise=source)
+    monkeypatch.setattr(lane, "discrete_laplace", spy)
+    pak_threshold(holdout, epsilon=0.85, delta=1e-10, upper=100.0, noise=lane)
     (scale,) = scales
     assert scale <= 2**29
     assert scale >= 2**8  # a unit is at most 2**-8 of the noise scale
@@ -123,21 +125,30 @@ def test_pak_threshold_noise_scale_within_the_samplers_resolution(holdout, monke
 def test_per_level_budgets_compose_to_at_most_epsilon_exactly(method, epsilon):
     """Every value lies in one node per level: ``levels`` draws at the per-level epsilon must
     not add up to more than the charged epsilon (``L * (e / L)`` can exceed ``e`` by an ulp)."""
-    from dpsql import testing
-    from dpsql.api import machine_for
-
     for n in (7, 100, 1000, 5000):
-        params = {"epsilon": epsilon, "upper": 3.0}
-        if method == "hierarchy":
-            params.update(fanout=2, depth=0)
-        with testing.seeded(0) as source:
-            machine = machine_for(method, n, source, params)
-        assert Fraction(machine._lap.epsilon) * machine.levels <= Fraction(epsilon)
+        if method == "binary_tree":  # a declared horizon: one tree of ceil(log2 n) levels
+            machine = machine_for(method, n, testing.draws(0), {"epsilon": epsilon, "upper": 3.0, "horizon": n})
+            assert Fraction(machine._lattice.epsilon) * machine.levels <= Fraction(epsilon)
+        else:  # a chunk whose forest has L levels gives each epsilon / L
+            machine = machine_for(method, n, testing.draws(0), {"epsilon": epsilon, "upper": 3.0, "fanout": 2,
+                                                                  "depth": 0})
+            for levels in range(1, 40):
+                assert Fraction(machine._lattice(levels).epsilon) * levels <= Fraction(epsilon)
+        assert machine.cost == (epsilon, 0.0)
+
+
+@pytest.mark.parametrize("epsilon", [0.3, 0.7, 1.1, 0.05])
+def test_the_unbounded_binary_tree_splits_epsilon_exactly(epsilon):
+    """Without a horizon: every epoch's total at epsilon / 2, and a tree inside each epoch whose
+    levels share the other half; a value lies in one epoch total and one node per level."""
+    machine = machine_for("binary_tree", None, testing.draws(0), {"epsilon": epsilon, "upper": 3.0})
+    assert Fraction(machine._total_epsilon) + Fraction(machine._tree_epsilon) <= Fraction(epsilon)
+    for epoch in range(0, 60):
+        levels = max(epoch, 1)
+        assert Fraction(machine._epoch_lattice(epoch).epsilon) * levels <= Fraction(machine._tree_epsilon)
 
 
 def _minimal_params(method):
-    from dpsql.api import METHODS
-
     notion = getattr(METHODS[method], "notion", "central")
     if notion == "w-event-ldp":
         params = {"epsilon": 1.0, "w": 4}
@@ -149,41 +160,28 @@ def _minimal_params(method):
     return {"epsilon": 1.0, "upper": 10.0}, notion, None
 
 
-def _registered_methods():
-    import dpsql.streams  # noqa: F401  (registers the methods)
-    from dpsql.api import METHODS
-
-    return sorted(METHODS)
-
-
-@pytest.mark.parametrize("method", _registered_methods())
+@pytest.mark.parametrize("method", sorted(METHODS))
 def test_every_method_under_seeded_noise_is_non_private_and_refused_by_a_persistent_ledger(method, tmp_path):
-    import dpsql
-    from dpsql import testing
-    from dpsql.api import publish
-    from dpsql.errors import NonPrivateRelease
-
     params, notion, w = _minimal_params(method)
-    values = np.linspace(0.0, 10.0, 400)
+    values = np.linspace(0.0, 10.0, 5000)  # longer than the default hold-out (4096 rows)
     with testing.seeded(3):
-        release = publish(method, values, **params)
+        release = dpsql.publish(method, values, **params)
     assert release.private is False
+    with pytest.raises(dpsql.InvalidParameter, match="needs a budget"):  # private noise, no budget: refused
+        dpsql.publish(method, values, **params)
     budget = dpsql.Budget.open(tmp_path / "ledger.sqlite", epsilon=5.0, delta=1e-3 if notion == "central" else 0.0,
                                notion=notion, w=w)
     with testing.seeded(3), pytest.raises(NonPrivateRelease):
-        publish(method, values, budget=budget, **params)
-    assert budget.spent == (0.0, 0.0)
+        dpsql.publish(method, values, budget=budget, **params)
+    assert budget.spent == (0.0, 0.0) and budget.history().height == 0
     # the same call with the OS source is private and charged exactly its cost
-    private = publish(method, values, budget=budget, **params)
+    private = dpsql.publish(method, values, budget=budget, **params)
     assert private.private is True
     assert budget.spent == (private.epsilon, private.delta)
+    assert budget.history(full=True)["private"].to_list() == [True]
 
 
 @pytest.mark.parametrize(("epsilon", "w"), [(0.3, 7), (1.1, 10), (0.9, 3)])
 def test_pm_direct_reports_in_a_window_never_exceed_epsilon_exactly(epsilon, w):
-    from dpsql import testing
-    from dpsql.api import machine_for
-
-    with testing.seeded(0) as source:
-        machine = machine_for("pm_direct", 50, source, {"epsilon": epsilon, "w": w})
-    assert Fraction(machine.report_epsilon) * w <= Fraction(epsilon)
+    machine = machine_for("pm_direct", 50, testing.draws(0), {"epsilon": epsilon, "w": w})
+    assert Fraction(machine.epsilon_report) * w <= Fraction(epsilon)

@@ -8,9 +8,12 @@ import pytest
 
 import dpsql
 import dpsql.polars
-from dpsql.api import METHODS, publish, register_method
+from dpsql import publish
+from dpsql.error_models import ErrorModel
 from dpsql.mechanisms import LaplaceLattice
-from dpsql.release import ErrorModel, StreamMachine
+from dpsql.methods import METHODS
+from dpsql.noise import Lane
+from dpsql.release import StreamMachine
 
 LAPLACE = dict(method="laplace", epsilon=0.5, upper=10.0)
 
@@ -25,7 +28,26 @@ def shuffled_frame(n=500, partitions=None, seed=3):
 
 
 def charges(budget):
+    """Rows of the budget's history: charged releases and free answers from the ledger."""
     return budget.history().height
+
+
+def kinds(budget):
+    return budget.history()["kind"].to_list()
+
+
+def first_keys(ordered: pl.DataFrame, names: list[str], offsets) -> list:
+    """Each partition's key as the front end passes it (a value, or a tuple for several columns):
+    the partition's noise is addressed by it."""
+    rows = ordered.select(names)[np.asarray(offsets[:-1], dtype=np.int64)].rows()
+    return [row[0] for row in rows] if len(names) == 1 else rows
+
+
+def release_of(out: pl.DataFrame, column: str, budget, order: list[str]):
+    """The release behind an ``errors=True`` column, rebuilt from its ledger record with the
+    released values in release order (partition, then time)."""
+    record = budget.release(dp_row=out[column].struct.field("dp_row")[0])
+    return record.with_values(out.sort(order)[column].struct.field("value").to_numpy())
 
 
 # -- alignment and exact oracles ---------------------------------------------------------
@@ -48,21 +70,28 @@ def test_partitioned_values_equal_publish_with_partition_offsets():
     grouped = out.sort("meter", "ts")
     offsets = np.concatenate([[0], np.cumsum(grouped.group_by("meter", maintain_order=True).len()["len"])])
     with dpsql.testing.seeded(5):
-        oracle = publish("laplace", grouped["kwh"].to_numpy(), partition_offsets=offsets, epsilon=0.5, upper=10.0)
+        oracle = publish("laplace", grouped["kwh"].to_numpy(), partition_offsets=offsets,
+                         partition_keys=first_keys(grouped, ["meter"], offsets), epsilon=0.5, upper=10.0)
     np.testing.assert_array_equal(grouped["dp"].to_numpy(), oracle.values)
 
 
-def test_rows_keep_their_own_values_when_noise_is_tiny():
+def test_rows_keep_their_own_values_when_noise_is_small():
     frame = shuffled_frame()
-    out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(order_by="ts", method="laplace", epsilon=1e6,
-                                                               upper=12.0))
-    assert np.max(np.abs(out["dp"] - out["kwh"]).to_numpy()) < 1e-3
+    with dpsql.testing.seeded(0):  # epsilon 100: Laplace scale 0.12, far below the values' spread
+        out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(order_by="ts", method="laplace", epsilon=100.0,
+                                                                   upper=12.0))
+    scale = LaplaceLattice(sensitivity=12.0, epsilon=100.0).scale
+    assert np.max(np.abs(out["dp"] - out["kwh"]).to_numpy()) < 12 * scale  # misaligned rows would be off by ~4
 
 
 def test_values_outside_bounds_are_clipped_not_refused():
     frame = pl.DataFrame({"ts": [1, 2, 3], "kwh": [-5.0, 50.0, 3.0]})
-    out = frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", method="laplace", epsilon=1e6, upper=10.0))
-    np.testing.assert_allclose(out["kwh"].to_numpy(), [0.0, 10.0, 3.0], atol=1e-3)
+    with dpsql.testing.seeded(0):
+        out = frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", method="laplace", epsilon=100.0, upper=10.0))
+    with dpsql.testing.seeded(0):
+        clipped = publish("laplace", np.array([0.0, 10.0, 3.0]), epsilon=100.0, upper=10.0)
+    np.testing.assert_array_equal(out["kwh"].to_numpy(), clipped.values)
+    np.testing.assert_allclose(out["kwh"].to_numpy(), [0.0, 10.0, 3.0], atol=1.0)
 
 
 def test_module_function_equals_namespace_method():
@@ -88,19 +117,27 @@ def test_one_charge_per_evaluation_on_every_engine(engine):
             out = frame.lazy().with_columns(dp=expr).filter(pl.col("ts") > 0).collect(engine=engine)
         head = frame.lazy().with_columns(dp=expr).head(5).collect(engine="auto" if engine == "eager" else engine)
     assert out.height == 300_000 and out["dp"].null_count() == 0 and head.height == 5
-    assert budget.spent == (1.0, 0.0)
-    history = budget.history()  # the head() query released every row too: no slice reaches the release
+    # the head() query released every row too (no slice reaches the release): the same release,
+    # answered from the ledger
+    history = budget.history(full=True)
     assert history["partitions"].to_list() == [3, 3] and history["rows"].to_list() == [300_000, 300_000]
+    assert history["kind"].to_list() == ["release", "cache hit"] and budget.spent == (0.5, 0.0)
+    np.testing.assert_array_equal(head["dp"].to_numpy(), frame.lazy().with_columns(dp=expr).head(5).collect()["dp"])
 
 
-def test_collecting_a_lazy_query_twice_draws_fresh_noise_and_charges_twice():
+def test_collecting_a_lazy_query_twice_answers_from_the_ledger_unless_fresh():
     frame = shuffled_frame(n=200)
     budget = dpsql.Budget.in_memory(epsilon=10.0)
     query = frame.lazy().select(pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, **LAPLACE))
+    fresh = frame.lazy().select(pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, fresh=True, **LAPLACE))
     with dpsql.testing.seeded(4):
         first, second = query.collect(), query.collect()
-    assert not np.array_equal(first["kwh"].to_numpy(), second["kwh"].to_numpy())
-    assert budget.spent == (1.0, 0.0) and charges(budget) == 2
+        third, fourth = fresh.collect(), fresh.collect()
+    assert first.equals(second)
+    for other in (third, fourth):
+        assert not np.array_equal(first["kwh"].to_numpy(), other["kwh"].to_numpy())
+    assert not np.array_equal(third["kwh"].to_numpy(), fourth["kwh"].to_numpy())
+    assert kinds(budget) == ["release", "cache hit", "release", "release"] and budget.spent == (1.5, 0.0)
 
 
 def test_partitioned_release_is_charged_once_at_the_max():
@@ -113,12 +150,15 @@ def test_partitioned_release_is_charged_once_at_the_max():
 @pytest.mark.parametrize("engine", ["in-memory", "streaming", "auto"])
 @pytest.mark.parametrize("reuse", [False, True])
 def test_cse_never_shares_a_draw_between_two_expressions(engine, reuse):
+    """Polars never merges two dpsql expressions (common subexpression elimination): each is
+    evaluated, so each fresh release draws its own noise and is charged."""
     frame = shuffled_frame(n=300)
     budget = dpsql.Budget.in_memory(epsilon=10.0)
-    shared = pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, **LAPLACE)
+    shared = pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, fresh=True, **LAPLACE)
 
     def release():
-        return shared if reuse else pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, **LAPLACE)
+        return shared if reuse else pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, fresh=True,
+                                                                   **LAPLACE)
 
     for query in (frame.lazy().select(a=release(), b=release(), c=release() * 2),
                   frame.lazy().with_columns(a=release(), b=release() + 0.0, c=release() * 2)):
@@ -126,7 +166,7 @@ def test_cse_never_shares_a_draw_between_two_expressions(engine, reuse):
         out = query.collect(engine=engine, optimizations=pl.QueryOptFlags(comm_subexpr_elim=True))
         assert not np.array_equal(out["a"].to_numpy(), out["b"].to_numpy())
         assert not np.array_equal(2 * out["a"].to_numpy(), out["c"].to_numpy())
-    assert charges(budget) == 6
+    assert kinds(budget) == ["release"] * 6 and budget.spent == (3.0, 0.0)
 
 
 # -- group-wise evaluation is refused before any charge ------------------------------------
@@ -156,7 +196,7 @@ def test_coexists_with_opendp_dp_namespace():
     assert type(expr.dp).__module__.startswith("opendp")
     assert isinstance(expr.dpsql, dpsql.polars.DpsqlExpr)
     frame = shuffled_frame(n=100)
-    with dpsql.testing.seeded(0):
+    with dpsql.testing.seeded(0):  # seeded: no budget needed
         out = frame.with_columns(dp=expr.dpsql.range_sum(order_by="ts", **LAPLACE), clipped=expr.clip(0, 10))
     assert out["dp"].dtype == pl.Float64 and out.height == 100
 
@@ -184,7 +224,8 @@ def test_bad_data_is_refused_with_typed_errors(kwh, ts, error, text):
 
 def test_duplicate_times_are_allowed_across_partitions_but_not_within_one():
     frame = pl.DataFrame({"meter": ["a", "b", "a", "b"], "ts": [1, 1, 2, 2], "kwh": [1.0, 2.0, 3.0, 4.0]})
-    out = frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", **LAPLACE))
+    with dpsql.testing.seeded(0):
+        out = frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", **LAPLACE))
     assert out.height == 4
     with pytest.raises(dpsql.InvalidTimeKey, match="'ts' has duplicate value 1 within a partition of 'meter'; "):
         frame.with_columns(meter=pl.lit("a")).select(
@@ -226,9 +267,12 @@ def test_budget_exhaustion_refuses_the_whole_query():
     budget = dpsql.Budget.in_memory(epsilon=0.7)
     frame = shuffled_frame(n=50)
     frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, **LAPLACE))
+    frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, **LAPLACE))  # the same: free
     with pytest.raises(dpsql.BudgetExhausted):
-        frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, **LAPLACE))
-    assert budget.spent == (0.5, 0.0)
+        frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, fresh=True, **LAPLACE))
+    with pytest.raises(dpsql.BudgetExhausted):
+        frame.head(49).select(pl.col("kwh").dpsql.range_sum(order_by="ts", budget=budget, **LAPLACE))
+    assert budget.spent == (0.5, 0.0) and kinds(budget) == ["release", "cache hit"]
 
 
 # -- error bars -------------------------------------------------------------------------------
@@ -244,18 +288,19 @@ class TelescopingNoise(ErrorModel):
 
 
 class TelescopingStream(StreamMachine):
-    """Test-only machine with strongly correlated noise (per-row variances do not add)."""
+    """Test-only machine with strongly correlated noise (per-row variances do not add); row
+    ``i``'s draw is index ``i`` of the ROWS lane."""
 
-    cost = (1.0, 0.0)
-
-    def __init__(self, n, *, noise, epsilon=1.0, upper=1.0):
+    def __init__(self, n=None, *, noise, epsilon=1.0, upper=1.0):
+        self.cost = (epsilon, 0.0)
         self._lap = LaplaceLattice(sensitivity=upper, epsilon=epsilon)
-        self._noise, self._previous = noise, 0
+        self._lane, self._rows, self._previous = noise.lane(Lane.ROWS), 0, 0
 
     def feed(self, chunk):
-        z = self._lap.noise_units(self._noise, len(chunk))
+        z = self._lap.noise_units(self._lane, self._rows, len(chunk))
+        self._rows += len(chunk)
         steps = np.diff(z, prepend=self._previous)
-        self._previous = z[-1]
+        self._previous = z[-1] if len(z) else self._previous
         return self._lap.from_units(self._lap.to_units(chunk) + steps)
 
     def close(self):
@@ -267,19 +312,20 @@ class TelescopingStream(StreamMachine):
 
 @pytest.fixture
 def telescoping():
-    register_method("telescoping", TelescopingStream)
+    METHODS["telescoping"] = TelescopingStream  # the registry is a dict of machine factories
     yield "telescoping"
     del METHODS["telescoping"]
 
 
 def test_window_intervals_use_range_variances_not_summed_row_variances(telescoping):
     frame = shuffled_frame(n=400, partitions=2)
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
     with dpsql.testing.seeded(8):
         out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(method=telescoping, order_by="ts",
-                                                                  partition_by="meter", errors=True))
+                                                                  partition_by="meter", errors=True, budget=budget))
         bands = dpsql.polars.window_ci(out, "dp", order_by="ts", period=70, partition_by="meter")
     variance = LaplaceLattice(sensitivity=1.0, epsilon=1.0).variance
-    rel = dpsql.polars._machinery.release_for_key(out["dp"].struct.field("release")[0])
+    rel = release_of(out, "dp", budget, ["meter", "ts"])
     ordered = bands.sort("meter", "ts")
     k = (ordered["dp_high"] - ordered["dp_sum"]).to_numpy() / np.sqrt(2 * variance)
     first_of_partition = ordered["ts"].to_numpy() < 1070  # these windows start at the partition's first row
@@ -289,7 +335,8 @@ def test_window_intervals_use_range_variances_not_summed_row_variances(telescopi
     rolling = ordered.select(pl.col("dp").struct.field("value").rolling_sum_by("ts", window_size="70i")
                              .over("meter"))
     np.testing.assert_allclose(ordered["dp_sum"].to_numpy(), rolling.to_series().to_numpy(), atol=1e-9)
-    assert isinstance(rel, dpsql.PartitionedRelease)
+    assert isinstance(rel, dpsql.PartitionedRelease) and rel.method == "telescoping"
+    assert rel.part(1).range_variance(5, 15) == pytest.approx(2 * variance)  # the error model, from the ledger
     np.testing.assert_allclose(ordered["dp"].struct.field("sd").to_numpy()[~first_of_partition],
                                np.sqrt(2 * variance))
 
@@ -297,11 +344,13 @@ def test_window_intervals_use_range_variances_not_summed_row_variances(telescopi
 def test_window_intervals_cover_the_true_window_sums(telescoping):
     frame = shuffled_frame(n=300, seed=9)
     truth = frame.sort("ts").with_columns(true=pl.col("kwh").clip(0, 12).rolling_sum_by("ts", window_size="35i"))
+    budget = dpsql.Budget.in_memory(epsilon=100.0)
     hits = []
     for seed in range(40):
-        with dpsql.testing.seeded(seed):
+        with dpsql.testing.seeded(seed):  # fresh: each seed's own draws, not the first release's answer
             out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(method=telescoping, order_by="ts",
-                                                                      epsilon=1.0, upper=12.0, errors=True))
+                                                                      epsilon=1.0, upper=12.0, errors=True,
+                                                                      budget=budget, fresh=True))
         bands = dpsql.polars.window_ci(out, "dp", order_by="ts", period=35).sort("ts")
         hits.append(((bands["dp_low"] <= truth["true"]) & (truth["true"] <= bands["dp_high"])).to_numpy())
     coverage = np.mean(hits)
@@ -310,10 +359,12 @@ def test_window_intervals_cover_the_true_window_sums(telescoping):
 
 def test_window_interval_variance_matches_empirical_variance_of_window_sums():
     frame = shuffled_frame(n=100, seed=2)
+    budget = dpsql.Budget.in_memory(epsilon=1000.0)
     sums, sd = [], None
     for seed in range(300):
         with dpsql.testing.seeded(seed):
-            out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(order_by="ts", errors=True, **LAPLACE))
+            out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(order_by="ts", errors=True, budget=budget,
+                                                                      fresh=True, **LAPLACE))
         bands = dpsql.polars.window_ci(out, "dp", order_by="ts", period=70).sort("ts")
         sums.append(bands["dp_sum"][-1])
         sd = (bands["dp_high"][-1] - bands["dp_low"][-1]) / 2
@@ -326,11 +377,12 @@ def test_window_interval_variance_matches_empirical_variance_of_window_sums():
 
 def test_bucket_intervals_match_release_range_ci():
     frame = shuffled_frame(n=240, partitions=2, seed=4)
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
     with dpsql.testing.seeded(6):
         out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", errors=True,
-                                                                  **LAPLACE))
+                                                                  budget=budget, **LAPLACE))
     daily = dpsql.polars.bucket_ci(out, "dp", order_by="ts", every="168i", partition_by="meter", level=0.9)
-    rel = dpsql.polars._machinery.release_for_key(out["dp"].struct.field("release")[0])
+    rel = release_of(out, "dp", budget, ["meter", "ts"])
     part0 = daily.filter(pl.col("meter") == 0)
     sizes = out.filter(pl.col("meter") == 0).group_by_dynamic(pl.col("ts").sort(), every="168i").agg(pl.len())
     stops = np.cumsum(sizes["len"].to_numpy())
@@ -350,17 +402,24 @@ def test_interval_functions_work_on_lazy_frames_with_one_release():
     with dpsql.testing.seeded(1):
         eager = dpsql.polars.window_ci(lazy.collect(), "dp", order_by="ts", period=70)
     assert windows.drop("dp").equals(eager.drop("dp"))
-    assert charges(budget) == 2
+    assert kinds(budget) == ["release", "cache hit"]  # two evaluations of one release
 
 
 def test_interval_functions_refuse_bad_levels_and_forgotten_releases():
     frame = shuffled_frame(n=30)
-    out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(order_by="ts", errors=True, **LAPLACE))
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
+    out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(order_by="ts", errors=True, budget=budget, **LAPLACE))
     with pytest.raises(dpsql.InvalidParameter, match="level"):
         dpsql.polars.window_ci(out, "dp", order_by="ts", period=14, level=1.5)
-    forged = out.with_columns(pl.col("dp").struct.with_fields(pl.lit(-1, dtype=pl.Int64).alias("release")))
-    with pytest.raises(dpsql.InvalidParameter, match="no longer held"):
+    forged = out.with_columns(pl.col("dp").struct.with_fields(pl.lit(-1, dtype=pl.Int64).alias("dp_row")))
+    with pytest.raises(dpsql.InvalidParameter, match="pass budget="):  # no release of this process has it
         dpsql.polars.window_ci(forged, "dp", order_by="ts", period=14)
+    with pytest.raises(dpsql.UnknownRelease, match="not a row handle"):
+        dpsql.polars.window_ci(forged, "dp", order_by="ts", period=14, budget=budget)
+    with pytest.raises(dpsql.UnknownRelease, match="not a row handle"):  # another ledger does not know them
+        dpsql.polars.window_ci(out, "dp", order_by="ts", period=14, budget=dpsql.Budget.in_memory(epsilon=1.0))
+    with dpsql.testing.seeded(0), pytest.raises(dpsql.InvalidParameter, match="errors=True needs a release recorded"):
+        frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(order_by="ts", errors=True, **LAPLACE))
 
 
 # -- time keys of every kind sort the same way --------------------------------------------
@@ -381,31 +440,34 @@ def test_every_key_kind_releases_partitions_in_key_order_and_time_order(meter, t
     ordered = out.with_columns(*(k.alias(f"key{i}") for i, k in enumerate(keys)), ts.alias("time")).sort(
         [f"key{i}" for i in range(len(keys))] + ["time"])
     sizes = ordered.group_by([f"key{i}" for i in range(len(keys))], maintain_order=True).len()["len"]
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
     with dpsql.testing.seeded(3):
-        oracle = publish("laplace", ordered["kwh"].to_numpy(), epsilon=0.5, upper=10.0,
-                         partition_offsets=np.concatenate([[0], np.cumsum(sizes)]))
+        oracle = publish("laplace", ordered["kwh"].to_numpy(), epsilon=0.5, upper=10.0, partition_offsets=offsets,
+                         partition_keys=first_keys(ordered, [f"key{i}" for i in range(len(keys))], offsets))
     np.testing.assert_array_equal(ordered["dp"].to_numpy(), oracle.values)
 
 
 def test_partition_order_does_not_change_values_in_time_order():
     frame = shuffled_frame(n=240, partitions=4, seed=7)
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
     with dpsql.testing.seeded(3):
-        ints = frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", errors=True, **LAPLACE),
-                            "meter", "ts")
+        ints = frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", errors=True,
+                                                          budget=budget, **LAPLACE), "meter", "ts")
     with dpsql.testing.seeded(3):
         floats = frame.select(pl.col("kwh").dpsql.range_sum(order_by=pl.col("ts") / 3, partition_by="meter",
-                                                            errors=True, **LAPLACE), "meter", "ts")
-    for out in (ints, floats):
-        by_position = out.sort(pl.col("kwh").struct.field("position"))
-        assert by_position.select(["meter", "ts"]).equals(out.sort("meter", "ts").select(["meter", "ts"]))
+                                                            errors=True, budget=budget, **LAPLACE), "meter", "ts")
+    for out in (ints, floats):  # row handles are numbered in release order: partition, then time
+        by_handle = out.sort(pl.col("kwh").struct.field("dp_row"))
+        assert by_handle.select(["meter", "ts"]).equals(out.sort("meter", "ts").select(["meter", "ts"]))
     assert ints["kwh"].struct.field("value").equals(floats["kwh"].struct.field("value"))
+    assert kinds(budget) == ["release", "release"]  # other order keys: another release (of the same draws)
 
 
 def test_null_partition_keys_form_one_partition():
     frame = pl.DataFrame({"meter": [None, "a", None, "a"], "ts": [1, 1, 2, 2], "kwh": [1.0, 2.0, 3.0, 4.0]})
     budget = dpsql.Budget.in_memory(epsilon=1.0)
     frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", budget=budget, **LAPLACE))
-    assert budget.history()["partitions"].to_list() == [2]
+    assert budget.history(full=True)["partitions"].to_list() == [2]
 
 
 def test_partition_by_without_order_by_is_refused():
@@ -429,19 +491,22 @@ def test_paper_methods_pass_parameters_through_and_match_publish(method, params)
                                                                   budget=budget, **params))
     ordered = out.sort("meter", "ts")
     with dpsql.testing.seeded(21):
-        oracle = publish(method, ordered["kwh"].to_numpy(), partition_offsets=[0, 600, 1200], **params)
+        oracle = publish(method, ordered["kwh"].to_numpy(), partition_offsets=[0, 600, 1200], partition_keys=[0, 1],
+                         **params)
     np.testing.assert_array_equal(ordered["dp"].to_numpy(), oracle.values)
     assert budget.spent == (oracle.epsilon, oracle.delta) and charges(budget) == 1
 
 
 def test_tree_method_window_variance_matches_empirical_variance():
     frame = shuffled_frame(n=256, seed=13)
+    budget = dpsql.Budget.in_memory(epsilon=1000.0)
     sums, variances = [], None
     for seed in range(300):
         with dpsql.testing.seeded(seed):
             out = frame.with_columns(dp=pl.col("kwh").dpsql.range_sum(method="binary_tree", epsilon=1.0, upper=12.0,
-                                                                      order_by="ts", errors=True))
-        rel = dpsql.polars._machinery.release_for_key(out["dp"].struct.field("release")[0])
+                                                                      order_by="ts", errors=True, budget=budget,
+                                                                      fresh=True))
+        rel = release_of(out, "dp", budget, ["ts"])
         windows = np.array([[0, 256], [3, 200], [100, 101], [17, 90]])
         sums.append(rel.range_sum(windows[:, 0], windows[:, 1]))
         variances = dpsql.polars.range_variance(rel, windows[:, 0], windows[:, 1])

@@ -10,9 +10,10 @@ import pytest
 import dpsql
 import dpsql.duckdb
 import dpsql.polars
-from dpsql.noise import SeededNoise
+from dpsql.methods import run
+from dpsql.testing import keys, seeded
 
-DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
+DATA = Path(__file__).resolve().parents[2] / "examples" / "data"
 
 
 def load(name: str) -> pl.DataFrame:
@@ -35,8 +36,7 @@ def test_range_query_error_ordering_on_retail_matches_the_papers():
     stops = starts + positions.integers(1, len(values) // 2, 200)
     mse = {}
     for method, extra in [("tops", {}), ("binary_tree", {}), ("laplace", {}), ("pak", {"delta": 1e-9})]:
-        runs = [dpsql.streams.run(method, values, noise=SeededNoise(seed), epsilon=0.1, upper=76.0, **extra)
-                for seed in range(3)]
+        runs = [run(method, values, noise=keys(seed), epsilon=0.1, upper=76.0, **extra) for seed in range(3)]
         mse[method] = np.mean([range_mse(r.values, values, starts, stops) for r in runs])
     assert 10 * mse["tops"] < mse["binary_tree"] < mse["laplace"]
     assert 10 * mse["tops"] < mse["pak"]
@@ -44,7 +44,7 @@ def test_range_query_error_ordering_on_retail_matches_the_papers():
 
 def test_threshold_on_web1_sits_in_the_upper_part_of_the_distribution():
     values = load("web1_session_lengths")["pages"].to_numpy().astype(float)
-    with dpsql.testing.seeded(4):
+    with seeded(4):
         nm = dpsql.threshold(values, epsilon=1.0, upper=267.0)
     threshold = nm.values[0]
     assert np.quantile(values, 0.5) <= threshold <= 267.0
@@ -58,17 +58,17 @@ def traffic() -> pl.DataFrame:
 
 def test_sql_polars_and_core_release_the_same_stream_on_traffic(traffic):
     params = dict(epsilon=1.0, upper=8000.0, m=2000)
-    with dpsql.testing.seeded(11):
+    with seeded(11):
         core = dpsql.tops(traffic["volume"].to_numpy(), **params)
     budget = dpsql.Budget.in_memory(epsilon=3.0)
     shuffled = traffic.sample(fraction=1.0, shuffle=True, seed=3)
-    with dpsql.testing.seeded(11):
+    with seeded(11):
         polars_out = shuffled.with_columns(pl.col("volume").dpsql.range_sum(
             method="tops", order_by="ts", budget=budget, **params).alias("private")).sort("ts")
     con = duckdb.connect()
     dpsql.duckdb.register(con, budget=budget)
     con.execute("CREATE TABLE traffic AS SELECT * FROM shuffled")
-    with dpsql.testing.seeded(11):
+    with seeded(11):
         sql_out = con.sql("SELECT volume FROM dp_range_sum('traffic', 'ts', 'volume', method := 'tops', "
                           "epsilon := 1, upper := 8000, m := 2000) ORDER BY ts").fetchnumpy()["volume"]
     con.close()

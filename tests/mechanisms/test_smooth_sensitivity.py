@@ -1,4 +1,4 @@
-"""Smooth sensitivity of the quantile (ALGORITHMS.md P4), PAK's kappa and threshold (§3.2, §3.6)."""
+"""Smooth sensitivity of the quantile (NRS07, two-sided window), PAK's kappa and threshold (see docs/algorithms.md)."""
 
 import math
 
@@ -17,7 +17,12 @@ from dpsql.mechanisms.smooth_sensitivity import (
     smooth_sensitivity_quantile,
     smoothing_parameter,
 )
-from dpsql.noise import SeededNoise
+from dpsql.noise import Lane, partition_address
+
+
+def threshold_draws(seed: int, partition=0):
+    """The lane the PAK threshold draws its one value from (index 0), for one partition of a seeded key."""
+    return dpsql.testing.draws(seed, partition_address(partition)).lane(Lane.SMOOTH_SENSITIVITY)
 
 
 def literal_smooth_sensitivity(sorted_values, rank, b, upper, lower=0.0, reach=None):
@@ -49,13 +54,13 @@ def test_p4_oracle_two_sided_window(b, correct, code_variant):
 
 
 def test_matches_the_literal_formula_on_random_small_inputs():
-    source = SeededNoise(0)
+    rng = np.random.default_rng(0)
     for _ in range(300):
-        pick_m, pick_upper, kind, pick_rank, pick_b = source.uniform(5)
+        pick_m, pick_upper, kind, pick_rank, pick_b = rng.uniform(size=5)
         m = 1 + int(pick_m * 24)
         upper = [1.0, 10.0, 100.0][int(pick_upper * 3)]
         # Half the cases are integers: ties and values at the bounds.
-        scaled = source.uniform(m) * (upper + 1 if kind < 0.5 else upper)
+        scaled = rng.uniform(size=m) * (upper + 1 if kind < 0.5 else upper)
         data = np.sort(np.floor(scaled) if kind < 0.5 else scaled)
         rank = int(pick_rank * m)
         b = [0.01, 0.1, 0.7, 3.0][int(pick_b * 4)]
@@ -64,7 +69,7 @@ def test_matches_the_literal_formula_on_random_small_inputs():
 
 
 def test_matches_brute_force_on_a_larger_input():
-    data = np.sort(np.round(np.exp(2.0 - np.log(SeededNoise(1).uniform(1500))), 1).clip(0, 200))
+    data = np.sort(np.round(np.exp(2.0 - np.log(np.random.default_rng(1).uniform(size=1500))), 1).clip(0, 200))
     lo = np.arange(0, 1502)[:, None]
     hi = np.arange(0, 1502)[None, :]
     x = np.concatenate([[0.0], data, [200.0]])
@@ -82,7 +87,7 @@ def test_lower_padding_is_used():
 
 
 def test_non_increasing_in_b():
-    data = np.sort((-3.0 * np.log(SeededNoise(2).uniform(400))).clip(0, 50))
+    data = np.sort((-3.0 * np.log(np.random.default_rng(2).uniform(size=400))).clip(0, 50))
     values = [smooth_sensitivity_quantile(data, 390, b=b, upper=50.0) for b in np.geomspace(1e-3, 5.0, 30)]
     assert np.all(np.diff(values) <= 1e-12)
     assert values[0] > values[-1]
@@ -146,8 +151,8 @@ def test_threshold_is_centred_with_the_laplace_spread_of_eq_12():
     smooth = smooth_sensitivity_quantile(GRID, rank, b=b, upper=100.0)
     centre = GRID[rank] + p.kappa * smooth * OFFSET / a
     scale = p.kappa * smooth / a
-    with dpsql.testing.seeded(11) as source:
-        taus = np.array([pak_threshold(GRID, noise=source, **SETTING) for _ in range(3000)])
+    # one threshold per partition of one key: 3000 independent draws
+    taus = np.array([pak_threshold(GRID, noise=threshold_draws(11, k), **SETTING) for k in range(3000)])
     assert abs(taus.mean() - centre) < 4 * math.sqrt(2 * scale**2 / 3000)
     # Laplace: the sample variance has relative standard error sqrt(5 / N).
     assert taus.var() / (2 * scale**2) == pytest.approx(1.0, abs=4 * math.sqrt(5 / 3000))
@@ -159,17 +164,14 @@ def test_threshold_is_on_a_public_lattice_and_rho_is_post_processing():
     p = check_pak_threshold(beta_lt=0.006, rho=1.0, **SETTING)
     gamma = 2.0 ** (math.ceil(math.log2(max(p.kappa / 2.0, 1.0) * 100.0)) - _THRESHOLD_LATTICE_BITS)
     for seed in range(20):
-        with dpsql.testing.seeded(seed) as source:
-            tau = pak_threshold(GRID, noise=source, **SETTING)
-        with dpsql.testing.seeded(seed) as source:
-            scaled = pak_threshold(GRID, noise=source, rho=1.5, **SETTING)
+        tau = pak_threshold(GRID, noise=threshold_draws(seed), **SETTING)
+        scaled = pak_threshold(GRID, noise=threshold_draws(seed), rho=1.5, **SETTING)  # the same draw
         assert (tau / gamma).is_integer()
         assert scaled == min(100.0, 1.5 * tau)
 
 
 def test_threshold_clips_to_upper_when_the_holdout_is_short():
-    with dpsql.testing.seeded(0) as source:
-        assert pak_threshold(np.arange(20.0), epsilon=1.0, delta=1e-6, upper=50.0, noise=source) == 50.0
+    assert pak_threshold(np.arange(20.0), epsilon=1.0, delta=1e-6, upper=50.0, noise=threshold_draws(0)) == 50.0
 
 
 @pytest.mark.parametrize(("kwargs", "error", "name"), [
@@ -190,5 +192,5 @@ def test_threshold_clips_to_upper_when_the_holdout_is_short():
 ])
 def test_pak_threshold_bad_input(kwargs, error, name):
     args = {"holdout_sorted": np.arange(10.0), "epsilon": 1.0, "delta": 1e-6, "upper": 20.0, **kwargs}
-    with dpsql.testing.seeded(0) as source, pytest.raises(error, match=name):
-        pak_threshold(noise=source, **args)
+    with pytest.raises(error, match=name):
+        pak_threshold(noise=threshold_draws(0), **args)

@@ -4,17 +4,18 @@ import numpy as np
 import pytest
 
 import dpsql
-from dpsql import streams
 from dpsql.mechanisms.noisy_max import nm_threshold
 from dpsql.mechanisms.smooth_sensitivity import pak_threshold
-from dpsql.noise import SeededNoise
+from dpsql.methods import run
+from dpsql.noise import Lane
+from dpsql.testing import draws, keys, seeded
 
 VALUES = np.r_[np.full(9_900, 20.0), np.full(100, 900.0)]
 
 
 def test_nm_threshold_release():
     budget = dpsql.Budget.in_memory(epsilon=1.0)
-    with dpsql.testing.seeded(0):
+    with seeded(0):
         rel = dpsql.threshold(VALUES, epsilon=0.5, upper=1000.0, r=4096, budget=budget)
     assert len(rel) == 1 and rel.values[0] == rel.threshold == 20.0
     assert (rel.epsilon, rel.delta) == (0.5, 0.0) and budget.spent == (0.5, 0.0)
@@ -28,10 +29,11 @@ def test_nm_threshold_release():
 
 def test_nm_matches_the_primitive_on_clipped_shifted_values():
     values = np.random.default_rng(1).normal(50, 30, 5000)  # some below lower, some above upper
-    rel = streams.run("threshold", values, noise=SeededNoise(2), epsilon=0.2, lower=10.0, upper=90.0,
-                      epsilon_perturber=0.1, r=2**16)
+    rel = run("threshold", values, noise=keys(2), epsilon=0.2, lower=10.0, upper=90.0, epsilon_perturber=0.1,
+              r=2**16)
     holdout = np.sort(np.clip(values, 10.0, 90.0) - 10.0)
-    direct = nm_threshold(holdout, epsilon=0.2, upper=80.0, epsilon_perturber=0.1, r=2**16, noise=SeededNoise(2))
+    direct = nm_threshold(holdout, epsilon=0.2, upper=80.0, epsilon_perturber=0.1, r=2**16,
+                          noise=draws(2).lane(Lane.NOISY_MAX))
     assert rel.threshold == 10.0 + direct
     assert 10.0 < rel.threshold <= 90.0
 
@@ -39,8 +41,8 @@ def test_nm_matches_the_primitive_on_clipped_shifted_values():
 def test_paper_default_range_makes_the_threshold_conservative():
     """With the paper's r = 2**20 the noise term is tiny for a 10,000-row hold-out, so the
     bias term wins and the threshold covers the 1 % tail at 900."""
-    with dpsql.testing.seeded(3):
-        rel = dpsql.threshold(VALUES, epsilon=0.5, upper=1000.0)
+    with seeded(3):
+        rel = dpsql.threshold(VALUES, epsilon=0.5, upper=1000.0, budget=dpsql.Budget.in_memory(epsilon=1.0))
     assert rel.params["r"] == 2**20 and rel.threshold >= 900.0
 
 
@@ -48,8 +50,8 @@ def test_nm_threshold_concentrates_as_epsilon_grows():
     values = np.random.default_rng(4).exponential(10, 20_000)
     spread = []
     for epsilon in (0.01, 1.0):
-        picks = [streams.run("threshold", values, noise=SeededNoise(seed), epsilon=epsilon, upper=500.0,
-                             r=2**14, epsilon_perturber=0.1).threshold for seed in range(60)]
+        picks = [run("threshold", values, noise=keys(seed), epsilon=epsilon, upper=500.0, r=2**14,
+                     epsilon_perturber=0.1).threshold for seed in range(60)]
         spread.append(np.std(picks))
     assert spread[1] < spread[0] / 3
 
@@ -57,9 +59,10 @@ def test_nm_threshold_concentrates_as_epsilon_grows():
 def test_pak_threshold_release():
     values = np.random.default_rng(5).exponential(10, 20_000)
     budget = dpsql.Budget.in_memory(epsilon=1.0, delta=1e-6)
-    with dpsql.testing.seeded(6):
+    with seeded(6) as release_keys:
         rel = dpsql.threshold(values, epsilon=0.8, upper=500.0, method="pak", budget=budget)
-    direct = pak_threshold(np.sort(values), epsilon=0.8, delta=1 / 20_000**2, upper=500.0, noise=SeededNoise(6))
+    direct = pak_threshold(np.sort(values), epsilon=0.8, delta=1 / 20_000**2, upper=500.0,
+                           noise=release_keys.partition().lane(Lane.SMOOTH_SENSITIVITY))
     assert rel.threshold == direct
     assert (rel.epsilon, rel.delta) == (0.8, 1 / 20_000**2) and budget.spent == (0.8, 1 / 20_000**2)
     assert rel.params["method"] == "pak" and rel.params["tail_p"] == 0.005
@@ -67,9 +70,9 @@ def test_pak_threshold_release():
 
 def test_pak_options_pass_through():
     values = np.random.default_rng(7).exponential(10, 20_000)
-    a = streams.run("threshold", values, noise=SeededNoise(8), epsilon=0.8, upper=500.0, estimator="pak",
-                    delta=1e-6, rho=1.5)
-    b = pak_threshold(np.sort(values), epsilon=0.8, delta=1e-6, upper=500.0, rho=1.5, noise=SeededNoise(8))
+    a = run("threshold", values, noise=keys(8), epsilon=0.8, upper=500.0, estimator="pak", delta=1e-6, rho=1.5)
+    b = pak_threshold(np.sort(values), epsilon=0.8, delta=1e-6, upper=500.0, rho=1.5,
+                      noise=draws(8).lane(Lane.SMOOTH_SENSITIVITY))
     assert a.threshold == b and a.delta == 1e-6
 
 
@@ -85,7 +88,7 @@ def test_bad_parameters_are_refused_before_charging(params, word):
     kwargs = {"epsilon": 1.0, "upper": 100.0, **params}
     with pytest.raises(dpsql.InvalidParameter, match=word):
         dpsql.threshold(np.ones(1000), budget=budget, **kwargs)
-    assert budget.spent == (0.0, 0.0)
+    assert budget.spent == (0.0, 0.0) and budget.history().height == 0
 
 
 @pytest.mark.parametrize("data, word", [
@@ -96,4 +99,13 @@ def test_bad_data_is_refused(data, word):
     budget = dpsql.Budget.in_memory(epsilon=10.0)
     with pytest.raises(dpsql.InvalidData, match=word):
         dpsql.threshold(data, epsilon=1.0, upper=10.0, budget=budget)
-    assert budget.spent == (0.0, 0.0)
+    assert budget.spent == (0.0, 0.0) and budget.history().height == 0
+
+
+def test_the_nm_release_is_noisy_max_with_the_release_draws():
+    values = np.random.default_rng(9).exponential(10, 5000)
+    with seeded(10) as release_keys:
+        rel = dpsql.threshold(values, epsilon=0.3, upper=500.0, budget=dpsql.Budget.in_memory(epsilon=1.0))
+    direct = nm_threshold(np.sort(np.clip(values, 0, 500.0)), epsilon=0.3, upper=500.0, epsilon_perturber=0.3,
+                          r=2**20, noise=release_keys.partition().lane(Lane.NOISY_MAX))
+    assert rel.threshold == direct and rel.params["levels_for_nm"] == "paper"
