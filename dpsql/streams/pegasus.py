@@ -61,6 +61,13 @@ Defaults (the paper gives none in the text we follow; these are derived, not fit
   families and shared data at epsilon 0.1, 0.5 and 1 (BENCHMARKS.md), it is never worse
   than per-step Laplace by more than the Perturber's share and wins on every smooth stream.
 
+* These two derived defaults assume the adaptive smoother, whose guard follows a change of
+  level inside a group within a few steps, so the Grouper only has to cut where the level
+  moves for long. The paper's smoothers (``median``, ``average``, ``js``) follow nothing
+  inside a group: with them a missed change persists until the group closes, so they keep
+  the paper-era defaults, ``grouper_share = 0.2`` and ``theta = 5 s / eps_g`` (a third-party
+  re-implementation's; mean groups of a few steps) unless given.
+
 Streams registered before these defaults (snapshots without a ``format``) keep the old
 ones (``0.2``, ``5 s / eps_g``, ``median``) for every parameter they did not set.
 """
@@ -74,19 +81,20 @@ from functools import cache
 import numpy as np
 
 from dpsql import _validate
-from dpsql.accounting import Neighbour, largest_share
+from dpsql.accounting import largest_share
 from dpsql.error_models import ErrorModel
-from dpsql.errors import InvalidParameter
 from dpsql.mechanisms import LaplaceLattice
 from dpsql.mechanisms.svt import AboveThreshold
-from dpsql.noise import Draws, Lane
-from dpsql.release import Release, StreamMachine
-from dpsql.streams.laplace import RowNoiseStream
-from dpsql.streams.smoothing import LEVELS, AdaptiveNoise, AdaptiveSmoother, group_windows, resmoothed_windows
+from dpsql.noise import Draws
+from dpsql.release import StreamMachine
+from dpsql.streams.count_laplace import SMOOTHED_COLUMNS, CountLaplaceStream, count_neighbour, perturb_units
+from dpsql.streams.smoothing import LEVELS, AdaptiveNoise, AdaptiveSmoother
+from dpsql.streams.windows import window_alarms, window_sums
+
+# Re-exported: the count front ends and older callers import these from here.
+__all__ = ["CountLaplaceStream", "PegasusStream", "largest_share", "window_alarms", "window_sums"]
 
 SMOOTHERS = ("adaptive", "median", "average", "js")
-#: Smoothers of a per-step Laplace count stream (``count_laplace``).
-COUNT_SMOOTHERS = ("none", "adaptive")
 #: Steps after a group's start for which the first "above" is searched for every possible
 #: start at once; longer groups continue in :func:`_first_above_long`.
 SHORT_GROUP = 20
@@ -118,127 +126,6 @@ def default_theta(svt: AboveThreshold, length: float = GROUP_LENGTH) -> float:
     return svt.query_noise.scale * math.log(3.0 * length / 8.0)
 
 
-def count_neighbour(sensitivity: float) -> str:
-    """The neighbour relation of a count release in which one count moves by ``sensitivity``."""
-    if sensitivity == 1.0:
-        return Neighbour.ADD_REMOVE_EVENT.value
-    return Neighbour.ADD_REMOVE_UNIT.value
-
-
-def perturb_units(counts: np.ndarray, lattice: LaplaceLattice, noise: Draws, start: int) -> np.ndarray:
-    """Noisy counts in lattice units: negative counts are clipped to 0 (a count's public
-    lower bound), then lattice Laplace noise (step ``t``'s draw: index ``t`` of the ``ROWS``
-    lane) is added."""
-    units = lattice.to_units(np.maximum(counts, 0.0))
-    units += lattice.noise_units(noise.lane(Lane.ROWS), start, units.size)
-    return units
-
-
-class CountLaplaceStream(RowNoiseStream):
-    """Per-step Laplace on counts (the PeGaSus Perturber alone, ``eps_p = epsilon``):
-    ``c_t + Lap(sensitivity / epsilon)``, negatives clipped to 0 first; with
-    ``smoother="adaptive"``, the released noisy counts are then smoothed by the adaptive
-    smoother (:mod:`dpsql.streams.smoothing`), post-processing that costs nothing.
-
-    Privacy: ``epsilon``-DP for add/remove-one-event neighbours (one count moves by at
-    most ``sensitivity``). With ``smoother="none"`` (default) it is the baseline PeGaSus is
-    compared against; ``"adaptive"`` reads the noisy counts already released and nothing else.
-
-    A smoothed stream also keeps, per released row, the noisy count and the smoother's
-    choices (``public_columns``: public, functions of the noisy counts): its error model
-    (:class:`~dpsql.streams.smoothing.AdaptiveNoise`) needs the choices, and re-smoothed window
-    sums (:func:`window_sums`) the noisy counts (``Release.reports``).
-
-    Examples
-    --------
-    >>> import numpy as np, dpsql
-    >>> with dpsql.testing.seeded(0) as keys:
-    ...     rel = dpsql.methods.run("count_laplace", np.array([3.0, 0.0, 7.0]), noise=keys, epsilon=1.0)
-    >>> len(rel), rel.range_variance(0, 3) > 0
-    (3, True)
-    >>> with dpsql.testing.seeded(0) as keys:
-    ...     smooth = dpsql.methods.run("count_laplace", np.full(2000, 5.0), noise=keys, epsilon=0.5,
-    ...                                smoother="adaptive")
-    >>> bool(np.mean((smooth.values[500:] - 5.0) ** 2) < 1.0)  # per-step Laplace: 8
-    True
-    """
-
-    method = "count_laplace"
-    component = "perturber"
-
-    def __init__(self, n: int | None = None, *, epsilon: float, sensitivity: float = 1.0, smoother: str = "none",
-                 noise: Draws):
-        self.epsilon = _validate.epsilon(epsilon)
-        self.sensitivity = _validate.real(sensitivity, "sensitivity", minimum=0.0, strict=True)
-        self.smoother = _validate.choice(smoother, "smoother", COUNT_SMOOTHERS)
-        self.cost = (self.epsilon, 0.0)
-        self.neighbour = count_neighbour(self.sensitivity)
-        self.public_columns = SMOOTHED_COLUMNS if self.smoother == "adaptive" else ()
-        self._start(self.sensitivity, self.epsilon, noise)
-
-    def _start(self, sensitivity, epsilon, noise) -> None:
-        super()._start(sensitivity, epsilon, noise)
-        self._smoother = None
-        if self.smoother == "adaptive":
-            self._smoother = AdaptiveSmoother(self._lattice.variance, partitions=len(self._draws))
-        self._rows_out: list[dict[str, np.ndarray]] = []  # per row released: noisy count and choices
-        self._untaken = 0  # of them, rows not yet given to take_public
-
-    def _values_to_release(self, rows: np.ndarray) -> np.ndarray:
-        return np.maximum(rows, 0.0)
-
-    def _after_release(self, released: np.ndarray) -> np.ndarray:
-        if self._smoother is None:
-            return released
-        out = self._smoother.feed(released)
-        self._rows_out.append({"noisy": released, "level": out.level, "weight": out.weight, "spread": out.spread})
-        self._untaken += released.shape[-1]
-        return out.values
-
-    def params(self) -> dict:
-        return {"epsilon": self.epsilon, "sensitivity": self.sensitivity, "smoother": self.smoother}
-
-    def _columns(self, partition: int | None) -> dict[str, np.ndarray]:
-        return {name: np.concatenate([piece[name][0 if partition is None else partition]
-                                      for piece in self._rows_out]) if self._rows_out else np.empty(0)
-                for name in SMOOTHED_COLUMNS}
-
-    def take_public(self) -> dict[str, np.ndarray]:
-        """Each row output since the last call: its noisy count and the smoother's choices."""
-        columns = {name: values[len(values) - self._untaken:] for name, values in self._columns(None).items()}
-        self._untaken = 0
-        return columns
-
-    def restore_public(self, public: dict[str, np.ndarray]) -> None:
-        """The rows output before (a restored stream's error model and window sums)."""
-        self._rows_out = [{name: np.asarray(public[name])[None] for name in SMOOTHED_COLUMNS}]
-        self._untaken = 0
-
-    def snapshot(self) -> dict:
-        state = super().snapshot()
-        if self._smoother is not None:
-            state["smoother"] = self._smoother.snapshot()
-        return state
-
-    def restore(self, state: dict) -> None:
-        super().restore(state)
-        if self._smoother is not None:
-            self._smoother.restore(state["smoother"])
-
-    def describe_partition(self, partition: int) -> dict:
-        description = super().describe_partition(partition)
-        if self._smoother is not None:
-            columns = self._columns(partition)
-            description["error"] = AdaptiveNoise(float(self._lattice.variance[partition]), columns["level"],
-                                                 columns["weight"], columns["spread"], np.zeros(1, dtype=np.int64))
-            description["reports"] = columns["noisy"]
-        return description
-
-
-#: What a smoothed count stream keeps per released row (all public).
-SMOOTHED_COLUMNS = ("noisy", "level", "weight", "spread")
-
-
 class PegasusStream(StreamMachine):
     """PeGaSus as an online state machine (see the module docstring for the algorithm,
     its privacy proof and the derivation of the defaults).
@@ -251,10 +138,12 @@ class PegasusStream(StreamMachine):
         Total budget; ``eps_g = grouper_share * epsilon`` goes to the Grouper and
         ``eps_p = epsilon - eps_g`` to the Perturber.
     grouper_share : float, optional
-        In (0, 1). Default 0.02: at most 5 % over per-step Laplace where no smoothing helps.
+        In (0, 1). Default 0.02 with the adaptive smoother (at most 5 % over per-step Laplace
+        where no smoothing helps), 0.2 with the paper's smoothers.
     theta : float, optional
-        Grouper deviation threshold ``theta_g``. Default ``b_q ln(3 * 4096 / 8)`` (about
-        ``58.7 * sensitivity / eps_g``): a constant stream's groups last 4096 steps on average.
+        Grouper deviation threshold ``theta_g``. Default with the adaptive smoother
+        ``b_q ln(3 * 4096 / 8)`` (about ``58.7 * sensitivity / eps_g``: a constant stream's
+        groups last 4096 steps on average), with the paper's smoothers ``5 * sensitivity / eps_g``.
     smoother : {"adaptive", "median", "average", "js"}, optional
         Default "adaptive"; "median" is the paper's Example 3.5.
     sensitivity : float
@@ -281,8 +170,7 @@ class PegasusStream(StreamMachine):
         self.epsilon = _validate.epsilon(epsilon)
         self.sensitivity = _validate.real(sensitivity, "sensitivity", minimum=0.0, strict=True)
         self._given = {"grouper_share": grouper_share, "theta": theta, "smoother": smoother}
-        self._configure(DEFAULT_GROUPER_SHARE if grouper_share is None else grouper_share, theta,
-                        DEFAULT_SMOOTHER if smoother is None else smoother, legacy=False)
+        self._configure(legacy=False)
         self.cost = (self.epsilon, 0.0)
         self.neighbour = count_neighbour(self.sensitivity)
         self._noise = noise
@@ -293,9 +181,20 @@ class PegasusStream(StreamMachine):
         self._public: list[dict[str, np.ndarray]] = []  # per row output: group and the smoother's columns
         self._untaken = 0
 
-    def _configure(self, grouper_share, theta, smoother, *, legacy: bool) -> None:
-        self.grouper_share = _validate.probability(grouper_share, "grouper_share")
+    def _configure(self, *, legacy: bool) -> None:
+        """Parameters from those given, the others defaulted (module docstring): the derived
+        defaults with the adaptive smoother, the paper-era ones with the Grouper-driven
+        smoothers or for a stream registered under them (``legacy``)."""
+        given = self._given
+        smoother = given["smoother"]
+        if smoother is None:
+            smoother = LEGACY_DEFAULTS["smoother"] if legacy else DEFAULT_SMOOTHER
         self.smoother = _validate.choice(smoother, "smoother", SMOOTHERS)
+        paper = legacy or self.smoother != "adaptive"
+        grouper_share, theta = given["grouper_share"], given["theta"]
+        if grouper_share is None:
+            grouper_share = LEGACY_DEFAULTS["grouper_share"] if paper else DEFAULT_GROUPER_SHARE
+        self.grouper_share = _validate.probability(grouper_share, "grouper_share")
         self.eps_g = self.grouper_share * self.epsilon
         self.eps_p = largest_share(self.epsilon, self.epsilon - self.eps_g, rest=self.eps_g)
         _validate.epsilon(self.eps_g, "grouper_share * epsilon")
@@ -305,7 +204,7 @@ class PegasusStream(StreamMachine):
         self._svt = AboveThreshold(2.0 * self.sensitivity, self.eps_g)
         if theta is not None:
             self.theta = _validate.real(theta, "theta")
-        elif legacy:
+        elif paper:
             self.theta = LEGACY_DEFAULTS["theta_times_scale"] * self.sensitivity / self.eps_g
         else:
             self.theta = default_theta(self._svt)
@@ -377,11 +276,7 @@ class PegasusStream(StreamMachine):
 
     def restore(self, state: dict) -> None:
         if "format" not in state:  # registered under the legacy defaults: keep those it did not set
-            given = self._given
-            self._configure(LEGACY_DEFAULTS["grouper_share"] if given["grouper_share"] is None
-                            else given["grouper_share"], given["theta"],
-                            LEGACY_DEFAULTS["smoother"] if given["smoother"] is None else given["smoother"],
-                            legacy=True)
+            self._configure(legacy=True)
         self._rows, self._offset = int(state["rows"]), int(state["offset"])
         self._open = _OpenGroup(state["true"], state["units"], state["thresholds"], state["query_units"])
         if self._smoother is not None:
@@ -714,105 +609,3 @@ def _median_variance_ratio(longest: int) -> np.ndarray:
         return exact
     size = np.arange(_EXACT_MEDIAN_SIZES + 1, longest + 1)
     return np.concatenate([exact, exact[-1] * _EXACT_MEDIAN_SIZES / size])
-
-
-# -- Derived queries (post-processing of any release) ---------------------------------------------
-
-
-#: How :func:`window_sums` forms a window's sum.
-WINDOW_SMOOTHERS = ("adaptive", "group", "none")
-
-
-def window_sums(release: Release, *, window: int, smoother: str | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Sliding-window sums ``sum(c[t-window+1 .. t])`` of a count release and their noise
-    variances, for every row ``t`` (windows shrink at the start of the stream).
-
-    Post-processing of released values: free, no budget. ``smoother``:
-
-    * ``"none"``: the sum of the released estimates over the window, with the variance the
-      release's error model gives;
-    * ``"group"`` (PeGaSus releases): Chen et al.'s re-smoothing, every row of the window
-      replaced by the mean of its group's noisy counts as known at ``t`` (the partition at
-      ``t``: a group that has grown since the row was released gives it a longer average);
-    * ``"adaptive"`` (default where the noisy counts are known): the sum re-smoothed from the
-      noisy counts known at ``t``, choosing between the raw sum, every level of the adaptive
-      smoother known at ``t`` and, for PeGaSus, the group re-smoothing, by the C_p risk of
-      past windows (:func:`dpsql.streams.smoothing.resmoothed_windows`). The variances are
-      then a plug-in given the choices.
-
-    The noisy counts are the Perturber's output (``Release.reports`` of ``pegasus`` and of a
-    smoothed ``count_laplace``, the values of a plain one): public, part of what the release's
-    ``epsilon`` pays for. A release rebuilt from a ledger record has lost them (the record
-    keeps descriptions, not values): ``"none"`` is then the default, and asking for the others
-    raises :class:`~dpsql.InvalidParameter`.
-
-    Examples
-    --------
-    >>> import numpy as np, dpsql
-    >>> with dpsql.testing.seeded(2) as keys:
-    ...     rel = dpsql.methods.run("pegasus", np.full(100, 10.0), noise=keys, epsilon=1.0, smoother="average")
-    >>> sums, variances = window_sums(rel, window=24)
-    >>> sums.shape, bool(abs(sums[-1] - 240.0) < 4 * variances[-1] ** 0.5)
-    ((100,), True)
-    """
-    window = _validate.integer(window, "window", minimum=1)
-    noisy = _noisy_counts(release)
-    if smoother is None:
-        smoother = "none" if noisy is None else "adaptive"
-    smoother = _validate.choice(smoother, "smoother", WINDOW_SMOOTHERS)
-    if smoother == "none":
-        stop = np.arange(1, len(release) + 1)
-        start = np.maximum(stop - window, 0)
-        return release.range_sum(start, stop), release.range_variance(start, stop)
-    if noisy is None:
-        raise InvalidParameter(f"smoother={smoother!r} re-smooths window sums from the noisy counts, which this "
-                               f"release ({release.method}) does not carry; use smoother='none'")
-    grouped = release.method == "pegasus"
-    if smoother == "group" and not grouped:
-        raise InvalidParameter("smoother='group' re-smooths with PeGaSus's groups; this release has none "
-                               "(use 'adaptive' or 'none')")
-    variance, resets = _noise_variance(release), None
-    if grouped:
-        resets = np.zeros(len(noisy), dtype=bool)
-        resets[release.error.starts[release.error.starts < len(noisy)]] = True
-    if smoother == "group":
-        sums, units = group_windows(noisy, resets, window)
-        return sums, variance * units
-    return resmoothed_windows(noisy, variance, window, resets, groups=grouped)
-
-
-def _noisy_counts(release: Release) -> np.ndarray | None:
-    """The Perturber's noisy counts of a count release (public), or None where unknown."""
-    if release.method not in ("pegasus", "count_laplace"):
-        return None
-    if release.method == "count_laplace" and release.params.get("smoother", "none") == "none":
-        return np.asarray(release.values, dtype=np.float64)
-    if release.reports is None or len(release.reports) != len(release):
-        return None
-    return np.asarray(release.reports, dtype=np.float64)
-
-
-def _noise_variance(release: Release) -> float:
-    """The variance of one noisy count, from the release's public parameters."""
-    p = release.params
-    epsilon = p["eps_p"] if release.method == "pegasus" else p["epsilon"]
-    return LaplaceLattice(float(p.get("sensitivity", 1.0)), float(epsilon)).variance
-
-
-def window_alarms(release: Release, *, window: int, threshold: float, smoother: str | None = None) -> np.ndarray:
-    """Event monitoring: ``True`` at row ``t`` when the private window sum ending at ``t``
-    (:func:`window_sums`, with ``smoother``) is at least ``threshold`` (Chen et al.'s event
-    monitoring; post-processing, free).
-
-    Examples
-    --------
-    >>> import numpy as np, dpsql
-    >>> counts = np.r_[np.zeros(50), np.full(50, 40.0)]
-    >>> with dpsql.testing.seeded(4) as keys:
-    ...     rel = dpsql.methods.run("pegasus", counts, noise=keys, epsilon=1.0)
-    >>> alarms = window_alarms(rel, window=5, threshold=100.0)
-    >>> bool(alarms[:45].any()), bool(alarms[60:].all())
-    (False, True)
-    """
-    threshold = _validate.real(threshold, "threshold")
-    return window_sums(release, window=window, smoother=smoother)[0] >= threshold

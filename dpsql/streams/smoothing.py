@@ -144,13 +144,13 @@ def _memory_weight(rows: np.ndarray) -> np.ndarray:
 # -- exponentially weighted sums by pieces -----------------------------------------------------------
 
 
-def _ewm_state(partitions: int, columns: int) -> dict:
+def ewm_state(partitions: int, columns: int) -> dict:
     zeros = np.zeros((partitions, columns))
     return {"count": 0, "start": zeros, "partial": zeros.copy(), "base": zeros.copy(),
             "reset": np.zeros(partitions, dtype=bool)}
 
 
-def _ewm(x: np.ndarray, betas: tuple[float, ...], resets: np.ndarray | None, state: dict) -> np.ndarray:
+def ewm(x: np.ndarray, betas: tuple[float, ...], resets: np.ndarray | None, state: dict) -> np.ndarray:
     """``z_t = beta z_{t-1} (1 - reset_t) + x_t`` for ``x`` of shape ``(partitions, columns,
     rows)``, one decay per column, continuing from ``state`` (updated in place).
 
@@ -249,8 +249,8 @@ class AdaptiveSmoother:
     def __init__(self, variance: float | np.ndarray, partitions: int = 1):
         self.variance = np.broadcast_to(np.asarray(variance, dtype=np.float64), (partitions,)).copy()
         self.partitions = partitions
-        self._means = _ewm_state(partitions, LEVELS)
-        self._risks = _ewm_state(partitions, LEVELS)
+        self._means = ewm_state(partitions, LEVELS)
+        self._risks = ewm_state(partitions, LEVELS)
         self._length = np.zeros(partitions, dtype=np.int64)  # rows of the current segment so far
         self._risk_before = np.full((partitions, LEVELS), np.inf)  # R_k known before the next row
 
@@ -278,7 +278,7 @@ class AdaptiveSmoother:
             self._length = length[:, -1].copy()
         s2 = self.variance[:, None]
         sd = np.sqrt(s2)
-        sums = _ewm(np.broadcast_to(y[:, None, :], (parts, LEVELS, n)), tuple(BETAS[1:]), resets, self._means)
+        sums = ewm(np.broadcast_to(y[:, None, :], (parts, LEVELS, n)), tuple(BETAS[1:]), resets, self._means)
         tables = [level_weights(k, length) for k in range(LEVELS + 1)]
         means = [y] + [sums[:, k - 1] * tables[k][0] for k in range(1, LEVELS + 1)]
         # risk of every level, known after each row; the choice at a row uses the one before it
@@ -286,7 +286,7 @@ class AdaptiveSmoother:
         for k in range(1, LEVELS + 1):
             terms[:, k - 1] = np.minimum((means[k] - y) ** 2, RISK_CLIP * s2) + 2.0 * s2 * tables[k][0] - s2
         rows = self._risks["count"] + 1 + idx
-        risks = _ewm(terms, (_RHO,) * LEVELS, None, self._risks) / _memory_weight(rows)
+        risks = ewm(terms, (_RHO,) * LEVELS, None, self._risks) / _memory_weight(rows)
         before = np.concatenate([self._risk_before[:, :, None], risks[:, :, :-1]], axis=2)
         if n:
             self._risk_before = risks[:, :, -1].copy()
@@ -415,7 +415,7 @@ class AdaptiveNoise(ErrorModel):
 
     def _suffix_sums(self, a: np.ndarray, ends: np.ndarray):
         """``h^k_i`` (``(LEVELS, rows)``) by chunks of rows from the end: yields ``(lo, hi, h)``."""
-        state = _ewm_state(1, LEVELS)
+        state = ewm_state(1, LEVELS)
         n = self._n
         for hi in range(n, 0, -BATCH):
             lo = max(0, hi - BATCH)
@@ -423,18 +423,18 @@ class AdaptiveNoise(ErrorModel):
             for k in range(1, LEVELS + 1):
                 hit = self._level[lo:hi] == k
                 x[0, k - 1, hit] = a[lo:hi][hit]
-            h = _ewm(x[:, :, ::-1], tuple(BETAS[1:]), ends[lo:hi][None, ::-1], state)[0, :, ::-1]
+            h = ewm(x[:, :, ::-1], tuple(BETAS[1:]), ends[lo:hi][None, ::-1], state)[0, :, ::-1]
             yield lo, hi, h
 
     def _prefix_sums_at(self, u: np.ndarray, resets: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """``P^k_j = sum_{s(j) <= i < j} U_i beta_k^(j-i)`` at ``rows`` (``(len(rows), LEVELS)``)."""
-        state = _ewm_state(1, LEVELS)
+        state = ewm_state(1, LEVELS)
         out = np.zeros((len(rows), LEVELS))
         before = rows - 1  # P_j = beta z_{j-1} within j's segment
         valid = (rows > 0) & ~resets[np.minimum(rows, self._n - 1)]
         for lo in range(0, self._n, BATCH):
             hi = min(self._n, lo + BATCH)
-            z = _ewm(np.broadcast_to(u[lo:hi], (1, LEVELS, hi - lo)), tuple(BETAS[1:]), resets[None, lo:hi], state)
+            z = ewm(np.broadcast_to(u[lo:hi], (1, LEVELS, hi - lo)), tuple(BETAS[1:]), resets[None, lo:hi], state)
             hit = valid & (before >= lo) & (before < hi)
             out[hit] = BETAS[1:] * z[0][:, before[hit] - lo].T
         return out
@@ -493,120 +493,3 @@ class AdaptiveNoise(ErrorModel):
     def range_bias_bound(self, starts, stops):
         starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
         return self._spread[np.maximum(stops, starts)] - self._spread[starts]
-
-
-# -- window sums re-smoothed with what is known at the window's end ------------------------------------
-
-
-def group_windows(noisy: np.ndarray, resets: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
-    """PeGaSus's re-smoothed window sums (Chen et al., CCS 2017): the window ending at ``t``
-    sums every row replaced by the mean of its group's noisy counts as known at ``t`` (the
-    group's rows up to ``t``, including rows after the one replaced). Returns the sums and
-    their noise variances in units of one noisy count's variance (``sum_g k_g^2 / known_g``
-    for the ``k_g`` rows of group ``g`` in the window, ``known_g`` of its rows known at ``t``).
-
-    >>> noisy = np.array([1.0, 3.0, 5.0, 7.0]); starts = np.array([True, False, True, False])
-    >>> sums, units = group_windows(noisy, starts, 3)
-    >>> sums.tolist(), units.tolist()
-    ([1.0, 4.0, 9.0, 14.0], [1.0, 2.0, 3.0, 2.5])
-    """
-    n = len(noisy)
-    cumulative = np.concatenate([[0.0], np.cumsum(noisy)])
-    starts = np.flatnonzero(resets | (np.arange(n) == 0))
-    ends = np.append(starts[1:], n)
-    group = np.repeat(np.arange(len(starts)), ends - starts)
-    t = np.arange(n)
-    first = np.maximum(t - window + 1, 0)
-    sums, units = np.zeros(n), np.zeros(n)
-    for back in range(int((group - group[first]).max()) + 1 if n else 0):  # groups in a window, newest first
-        g = group - back
-        inside = g >= group[first]
-        g = np.where(inside, g, 0)
-        known_end = np.minimum(ends[g], t + 1)
-        known = known_end - starts[g]
-        rows = known_end - np.maximum(starts[g], first)
-        mean = (cumulative[known_end] - cumulative[starts[g]]) / known
-        sums += np.where(inside, rows * mean, 0.0)
-        units += np.where(inside, rows * rows / known, 0.0)
-    return sums, units
-
-
-def resmoothed_windows(noisy: np.ndarray, variance: float, window: int, resets: np.ndarray | None = None,
-                       groups: bool = False, *, clip: bool = False, memory_factor: float = 1.0,
-                       guard: bool = True, step_guard: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Window sums ``sum(c[t-window+1 .. t])`` for every ``t``, re-smoothed from the noisy counts
-    known at ``t`` (post-processing), and their noise variances (a plug-in, as
-    :class:`AdaptiveNoise`).
-
-    Candidates, each linear in the noisy counts ``y``: the raw sum ``Y_t`` of the window's
-    noisy counts; each level's mean at ``t`` times the window's rows (every row re-estimated
-    by the level known at ``t``); with ``groups``, PeGaSus's group re-smoothing
-    (:func:`group_windows`). For a candidate ``T`` putting total weight ``A`` on the window's
-    rows, ``(T - Y)^2 - w sigma2 + 2 sigma2 A`` is an unbiased estimate of its squared error
-    (C_p, as for single rows); averaged over past windows, the admissible candidate of
-    least risk after shrinkage toward ``Y`` is taken, with risks known before ``t``.
-    """
-    noisy = np.asarray(noisy, dtype=np.float64)
-    n = len(noisy)
-    s2 = float(variance)
-    cumulative = np.concatenate([[0.0], np.cumsum(noisy)])
-    rows = np.minimum(np.arange(1, n + 1), window).astype(np.float64)
-    raw = cumulative[1:] - cumulative[np.maximum(np.arange(1, n + 1) - window, 0)]
-    group_sums, group_units = group_windows(noisy, resets, window) if groups else (None, None)
-    smoother = AdaptiveSmoother(s2)
-    candidates = LEVELS + (2 if groups else 1)
-    rho = 1.0 - 1.0 / (MEMORY * memory_factor)
-    risk_state = _ewm_state(1, candidates - 1)
-    risk_before = np.full(candidates - 1, np.inf)
-    sums, variances = np.empty(n), np.empty(n)
-    for lo in range(0, n, BATCH):
-        hi = min(n, lo + BATCH)
-        out = smoother.feed(noisy[None, lo:hi], None if resets is None else resets[None, lo:hi], internals=True)
-        length, means, v, admissible = out.length[0], out.means[0], out.v[0], out.admissible[0]
-        m, w = hi - lo, rows[lo:hi]
-        total, weight, units = np.empty((candidates, m)), np.empty((candidates, m)), np.empty((candidates, m))
-        ok = np.ones((candidates, m), dtype=bool)
-        total[0], weight[0], units[0] = raw[lo:hi], w, w
-        covered = np.minimum(w.astype(np.int64), length)
-        for k in range(1, LEVELS + 1):
-            w_all = level_weights(k, length)[0]
-            w_in = level_weights(k, covered)[0]
-            total[k] = w * means[k]
-            weight[k] = w * w_all / w_in  # the level's weights on the window's rows, times its rows
-            units[k] = w * w * v[k]
-            if step_guard:
-                ok[k] = admissible[k]
-        if groups:
-            total[-1], weight[-1], units[-1] = group_sums[lo:hi], group_units[lo:hi], group_units[lo:hi]
-        if guard:  # each candidate agrees with the raw sum
-            spread = np.sqrt(np.maximum(units[1:] + w - 2.0 * weight[1:], 0.0) * s2)
-            ok[1:] &= np.abs(total[1:] - raw[lo:hi]) <= np.maximum(GAUSS_Z * spread, LAPLACE_Z * np.sqrt(s2))
-        residual = (total[1:] - raw[lo:hi]) ** 2
-        if clip:
-            residual = np.minimum(residual, RISK_CLIP * s2 * w)
-        terms = residual - s2 * w + 2.0 * s2 * weight[1:]
-        count = risk_state["count"]
-        risks = _ewm(terms[None], (rho,) * (candidates - 1), None, risk_state)[0]
-        risks /= (1.0 - rho ** (count + 1 + np.arange(m))) / (1.0 - rho)
-        before = np.concatenate([risk_before[:, None], risks[:, :-1]], axis=1)
-        risk_before = risks[:, -1].copy()
-        best, choice = s2 * w, np.zeros(m, dtype=np.intp)
-        lam = np.zeros((candidates, m))
-        for c in range(1, candidates):
-            gain = s2 * (w - weight[c])
-            spread2 = before[c - 1] + s2 * w - 2.0 * s2 * weight[c]
-            full = gain >= spread2
-            with np.errstate(invalid="ignore", divide="ignore"):
-                lam[c] = np.where(full, 1.0, np.maximum(gain, 0.0) / spread2)
-                shrunk = np.where(full, before[c - 1], s2 * w - np.maximum(gain, 0.0) ** 2 / spread2)
-            better = ok[c] & (shrunk < best)
-            best = np.where(better, shrunk, best)
-            choice[better] = c
-        pick = choice[None]
-        lam_c = np.take_along_axis(lam, pick, axis=0)[0]
-        total_c = np.take_along_axis(total, pick, axis=0)[0]
-        weight_c = np.take_along_axis(weight, pick, axis=0)[0]
-        units_c = np.take_along_axis(units, pick, axis=0)[0]
-        sums[lo:hi] = raw[lo:hi] + lam_c * (total_c - raw[lo:hi])
-        variances[lo:hi] = s2 * ((1 - lam_c) ** 2 * w + 2 * lam_c * (1 - lam_c) * weight_c + lam_c**2 * units_c)
-    return sums, variances
