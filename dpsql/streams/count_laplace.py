@@ -147,7 +147,8 @@ class CountSmoothedStream(CountLaplaceStream):
         description = super().describe_partition(partition)
         columns = self._columns(partition)
         description["error"] = AdaptiveNoise(float(self._lattice.variance[partition]), columns["level"],
-                                             columns["weight"], columns["spread"], np.zeros(1, dtype=np.int64))
+                                             columns["weight"], columns["spread"], np.zeros(1, dtype=np.int64),
+                                             columns["noisy"])
         description["reports"] = columns["noisy"]
         description["components"] = {self.component: self.cost, "smoother": (0.0, 0.0)}
         return description

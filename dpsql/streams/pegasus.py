@@ -291,7 +291,7 @@ class PegasusStream(StreamMachine):
             error = GroupPrefixNoise(starts, self._rows, self._perturber.variance, self.smoother)
         else:
             error = AdaptiveNoise(self._perturber.variance, columns["level"], columns["weight"], columns["spread"],
-                                  starts)
+                                  starts, columns["noisy"])
         params = {"epsilon": self.epsilon, "grouper_share": self.grouper_share, "eps_p": self.eps_p,
                   "eps_g": self.eps_g, "theta": self.theta, "smoother": self.smoother,
                   "sensitivity": self.sensitivity}

@@ -362,13 +362,16 @@ class AdaptiveNoise(ErrorModel):
     not noise); an estimate from released values, not a sure bound.
 
     Parameters are plain data (the ledger records them): ``variance`` (``sigma2``), per row
-    ``level`` (int8), ``weight`` and ``spread``, and the segment ``starts`` (the resets; ``[0]``
-    for a stream smoothed as one segment).
+    ``level`` (int8), ``weight`` and ``spread``, the segment ``starts`` (the resets; ``[0]``
+    for a stream smoothed as one segment) and ``noisy``, the released noisy counts the outputs
+    were computed from (kept with the model so that a release rebuilt from its ledger record
+    can still re-smooth its window sums, :func:`dpsql.streams.windows.window_sums`).
     """
 
     def __init__(self, variance: float, level: np.ndarray, weight: np.ndarray, spread: np.ndarray,
-                 starts: np.ndarray):
+                 starts: np.ndarray, noisy: np.ndarray | None = None):
         self._variance = float(variance)
+        self.noisy = None if noisy is None else np.asarray(noisy, dtype=np.float64)
         self._level = np.asarray(level, dtype=np.int8)
         self._weight = np.asarray(weight, dtype=np.float64)
         self._spread = np.concatenate([[0.0], np.cumsum(np.asarray(spread, dtype=np.float64))])

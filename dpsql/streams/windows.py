@@ -168,9 +168,11 @@ def window_sums(release: Release, *, window: int, smoother: str | None = None) -
 
     The noisy counts are the Perturber's output (``Release.reports`` of ``pegasus`` and
     ``count_smoothed``, the values of ``count_laplace``): public, part of what the release's
-    ``epsilon`` pays for. A release rebuilt from a ledger record has lost them (the record
-    keeps descriptions, not values): ``"none"`` is then the default, and asking for the others
-    raises :class:`~dpsql.InvalidParameter`.
+    ``epsilon`` pays for. A release rebuilt from a ledger record (an answer-cache hit, a
+    continual stream's rows) finds them in its adaptive error model
+    (:class:`~dpsql.streams.smoothing.AdaptiveNoise`); PeGaSus with the paper's smoothers
+    does not keep them there, so such a rebuilt release sums its values (``"none"``) and
+    refuses the others with :class:`~dpsql.InvalidParameter`.
 
     Examples
     --------
@@ -211,9 +213,14 @@ def _noisy_counts(release: Release) -> np.ndarray | None:
     """The Perturber's noisy counts of a count release (public), or None where unknown."""
     if release.method == "count_laplace":  # its values are the noisy counts
         return np.asarray(release.values, dtype=np.float64)
-    if release.method not in SMOOTHED_METHODS or release.reports is None or len(release.reports) != len(release):
+    if release.method not in SMOOTHED_METHODS:
         return None
-    return np.asarray(release.reports, dtype=np.float64)
+    noisy = release.reports
+    if noisy is None:  # a release rebuilt from its ledger record: the adaptive error model keeps them
+        noisy = getattr(release.error, "noisy", None)
+    if noisy is None or len(noisy) != len(release):
+        return None
+    return np.asarray(noisy, dtype=np.float64)
 
 
 def _noise_variance(release: Release) -> float:
