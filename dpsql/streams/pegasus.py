@@ -47,7 +47,7 @@ Defaults (the paper gives none in the text we follow; these are derived, not fit
   count, so PeGaSus's error there is at least the Perturber's, ``2 s^2 / eps_p^2 = (1 -
   share)^-2`` times per-step Laplace at the full epsilon. Allowing at most 5 % over Laplace
   on such streams asks for ``share <= 1 - 1.05^-1/2 = 0.024``; 0.02 (4.1 % over Laplace)
-  leaves the adaptive smoother its own ~1 % on rough streams. (The earlier [recon] default
+  leaves the adaptive smoother its own ~1 % on rough streams. (The earlier default
   0.2 costs 56 % on such streams before any grouping error.)
 * ``theta = b_q ln(3 L / 8)`` with ``b_q`` the scale of the Grouper's query noise (about
   ``8 s / eps_g``) and ``L = 2^12 = 4096``, the adaptive smoother's longest horizon. On a
@@ -57,10 +57,12 @@ Defaults (the paper gives none in the text we follow; these are derived, not fit
   group length ``(8 / 3) exp(theta / b_q) = L``: false restarts then leave the longest level
   its whole horizon on average. (The earlier ``theta = 5 s / eps_g`` is ``0.63 b_q``: mean
   groups of about 5 steps on a constant stream, fewer on real counts.)
-* ``smoother = "adaptive"``: measured against ``median``, ``average`` and ``js`` on synthetic
-  families and shared data at epsilon 0.1, 0.5 and 1 (BENCHMARKS.md), it is never worse
-  than per-step Laplace by more than the Perturber's share and wins on every smooth stream.
-
+* ``smoother = "adaptive"``: it chooses its horizon (up to 4096 steps) and its shrinkage
+  toward ``c~_t`` from the C_p risk of the noisy counts, so on a rough stream it returns
+  ``c~_t`` (error: the Perturber's alone, the bound above) and on a smooth one averages as
+  far back as the guard allows; the paper's smoothers average the whole group so far, which
+  is right only where the group is constant. Measured in BENCHMARKS.md ("PeGaSus and count
+  smoothing") against the earlier defaults.
 * These two derived defaults assume the adaptive smoother, whose guard follows a change of
   level inside a group within a few steps, so the Grouper only has to cut where the level
   moves for long. The paper's smoothers (``median``, ``average``, ``js``) follow nothing
