@@ -55,17 +55,18 @@ METHODS = (
 
 
 READING = """
-Reading. Per-second counts at about one event per second are smooth next to the noise (Laplace variance 200,
-8 and 2 at epsilon 0.1, 0.5 and 1 against a Poisson variance of about 1), so averaging far back pays: the
-adaptive smoother comes close to the floor `v / (sigma2 + v)` (about 0.005, 0.11 and 0.33) that the counts' own Poisson variance `v` sets, and
-the re-smoothed window sums gain as well. Hourly traffic counts move by hundreds from hour to hour, far more
-than the noise: nothing can beat the noisy count there, `count_smoothed` returns it (1.00) and PeGaSus pays its
-Grouper's 2 % of epsilon (`(1 - 0.02)^-2 = 1.041`). The old defaults lose on both: groups too short to average
-on the smooth stream and medians over hours of different levels on the rough one. The paper's group
-re-smoothing of window sums alone (`group windows`) helps on the smooth stream at small epsilon but is
-ruinous on the rough one, where the derived theta lets a group span a daily cycle; the default re-smoothing
-takes it only where its risk is lower. The section "PeGaSus count streams vs per-step Laplace" (bench/pegasus.py)
-measured the earlier defaults; its remark that window sums never improve does not hold for these methods.
+Reading. Per-second counts at about one event per second are smooth next to the noise (Laplace variance 200, 8
+and 2 at epsilon 0.1, 0.5 and 1 against a Poisson variance of about 1), so averaging far back pays: the
+adaptive smoother comes close to the floor `v / (sigma2 + v)` (about 0.005, 0.11 and 0.33) that the counts'
+own Poisson variance `v` sets, and the re-smoothed window sums gain as well. Hourly traffic counts move by
+hundreds from hour to hour, far more than the noise: nothing can beat the noisy count there, `count_smoothed`
+returns it (1.00) and PeGaSus pays its Grouper's 2 % of epsilon (`(1 - 0.02)^-2 = 1.041`). The old defaults
+lose on both: groups too short to average on the smooth stream and medians over hours of different levels on
+the rough one. The paper's group re-smoothing of window sums alone (`group windows`) helps on the smooth
+stream at small epsilon but is ruinous on the rough one, where the derived theta lets a group span a daily
+cycle; the default re-smoothing takes it only where its risk is lower. The section "PeGaSus count streams vs
+per-step Laplace" (bench/pegasus.py) measured the earlier defaults; its remark that window sums never improve
+does not hold for these methods.
 """
 
 
