@@ -211,7 +211,12 @@ class PegasusStream(StreamMachine):
         else:
             self.theta = default_theta(self._svt)
         self._smoother = AdaptiveSmoother(self._perturber.variance) if self.smoother == "adaptive" else None
-        self.public_columns = ("group", *SMOOTHED_COLUMNS) if self._smoother is not None else ("group", "noisy")
+        if self._smoother is not None:
+            self.public_columns: tuple[str, ...] = ("group", *SMOOTHED_COLUMNS)
+        elif legacy:  # a continual stream's stored rows keep the columns they were registered with
+            self.public_columns = ("group",)
+        else:
+            self.public_columns = ("group", "noisy")
 
     def feed(self, chunk: np.ndarray) -> np.ndarray:
         size = len(chunk)
@@ -257,7 +262,8 @@ class PegasusStream(StreamMachine):
     def take_public(self) -> dict[str, np.ndarray]:
         """Each row output since the last call: its group's first step (public), its noisy
         count and the adaptive smoother's choices."""
-        columns = {name: values[len(values) - self._untaken:] for name, values in self._columns().items()}
+        columns = {name: values[len(values) - self._untaken:] for name, values in self._columns().items()
+                   if name in self.public_columns}
         self._untaken = 0
         return columns
 

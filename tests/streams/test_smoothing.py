@@ -258,6 +258,8 @@ def test_a_pegasus_snapshot_without_format_keeps_the_legacy_defaults():
     old = machine_for("pegasus", None, testing.draws(1), {"epsilon": 1.0})
     old.restore(legacy)
     assert (old.smoother, old.grouper_share, old.theta) == ("median", 0.2, 5.0 / old.eps_g)
+    old.feed(np.full(20, 3.0))
+    assert old.public_columns == ("group",) and set(old.take_public()) == {"group"}  # its stored rows' columns
     assert machine_for("pegasus", None, testing.draws(1), {"epsilon": 1.0, "smoother": "js"}).grouper_share == 0.2
 
 
