@@ -4,7 +4,9 @@ Input: released values ``y_t = c_t + e_t`` whose noise ``e_t`` is independent, m
 with a public variance ``sigma2`` (a lattice Laplace draw: ``2 (s / eps)^2``), and
 optionally *resets*: public rows at which the smoothing restarts (the first row of each
 PeGaSus group). The estimate at row ``t`` reads ``y_1 .. y_t`` and the resets up to ``t``
-only, so it is post-processing: it draws no noise and costs nothing.
+only, so it is post-processing: it draws no noise and costs nothing. Used by
+``count_smoothed`` (:mod:`dpsql.streams.count_laplace`) and PeGaSus's default smoother
+(:mod:`dpsql.streams.pegasus`); docs/algorithms.md, "The adaptive smoother", says the same in prose.
 
 Algorithm
 ---------
