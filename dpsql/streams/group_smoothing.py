@@ -110,9 +110,15 @@ class GroupPrefixNoise(ErrorModel):
       ``Var(sum) <= (sum of standard deviations)^2``. The result is an upper bound on
       the noise variance, not the exact value; the bias of a median on a non-constant
       group is not included.
+
+    ``noisy`` (optional): the released noisy counts, kept with the model so that a release
+    rebuilt from its ledger record can still re-smooth its window sums
+    (:func:`dpsql.streams.windows.window_sums`).
     """
 
-    def __init__(self, group_starts: np.ndarray, n: int, variance: float, smoother: str):
+    def __init__(self, group_starts: np.ndarray, n: int, variance: float, smoother: str,
+                 noisy: np.ndarray | None = None):
+        self.noisy = None if noisy is None else np.asarray(noisy, dtype=np.float64)
         self._starts = np.asarray(group_starts, dtype=np.int64)
         self._lengths = np.diff(np.append(self._starts, n))
         self._variance = variance

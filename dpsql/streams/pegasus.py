@@ -292,7 +292,8 @@ class PegasusStream(StreamMachine):
             starts = np.concatenate([[0], starts])
         columns = self._columns()
         if self._smoother is None:
-            error = GroupPrefixNoise(starts, self._rows, self._perturber.variance, self.smoother)
+            error = GroupPrefixNoise(starts, self._rows, self._perturber.variance, self.smoother,
+                                     columns.get("noisy"))
         else:
             error = AdaptiveNoise(self._perturber.variance, columns["level"], columns["weight"], columns["spread"],
                                   starts, columns["noisy"])

@@ -169,10 +169,9 @@ def window_sums(release: Release, *, window: int, smoother: str | None = None) -
     The noisy counts are the Perturber's output (``Release.reports`` of ``pegasus`` and
     ``count_smoothed``, the values of ``count_laplace``): public, part of what the release's
     ``epsilon`` pays for. A release rebuilt from a ledger record (an answer-cache hit, a
-    continual stream's rows) finds them in its adaptive error model
-    (:class:`~dpsql.streams.smoothing.AdaptiveNoise`); PeGaSus with the paper's smoothers
-    does not keep them there, so such a rebuilt release sums its values (``"none"``) and
-    refuses the others with :class:`~dpsql.InvalidParameter`.
+    continual stream's rows) finds them in its error model (``error.noisy``); one whose
+    record predates them (a PeGaSus stream registered under the legacy defaults) sums its
+    values (``"none"``) and refuses the others with :class:`~dpsql.InvalidParameter`.
 
     Examples
     --------
@@ -216,7 +215,7 @@ def _noisy_counts(release: Release) -> np.ndarray | None:
     if release.method not in SMOOTHED_METHODS:
         return None
     noisy = release.reports
-    if noisy is None:  # a release rebuilt from its ledger record: the adaptive error model keeps them
+    if noisy is None:  # a release rebuilt from its ledger record: its error model keeps them
         noisy = getattr(release.error, "noisy", None)
     if noisy is None or len(noisy) != len(release):
         return None

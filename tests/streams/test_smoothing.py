@@ -367,3 +367,19 @@ def test_the_choices_stay_in_range():
     out = AdaptiveSmoother(2.0).feed(rough_hourly(3000, seed=22)[None])
     assert out.level.min() >= 0 and out.level.max() <= LEVELS
     assert np.all((out.weight >= 0) & (out.weight <= 1)) and np.all(out.spread >= 0)
+
+
+@pytest.mark.parametrize(("method", "params"), [("pegasus", {}), ("pegasus", {"smoother": "median"}),
+                                                ("count_smoothed", {})])
+def test_a_release_rebuilt_from_the_ledger_re_smooths_its_windows_alike(method, params):
+    counts = smooth_poisson(1500, seed=23)
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    with testing.seeded(24):
+        first = dpsql.publish(method, counts, epsilon=0.5, budget=budget, **params)
+    with testing.seeded(24):
+        again = dpsql.publish(method, counts, epsilon=0.5, budget=budget, **params)  # an answer-cache hit
+    assert budget.spent == (0.5, 0.0) and again.reports is None
+    np.testing.assert_array_equal(again.values, first.values)
+    for smoother in (None, "adaptive", "none"):
+        np.testing.assert_allclose(window_sums(again, window=40, smoother=smoother),
+                                   window_sums(first, window=40, smoother=smoother), rtol=1e-12)
