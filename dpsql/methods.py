@@ -18,11 +18,12 @@ from dpsql.errors import InvalidParameter
 from dpsql.noise import Draws, Keystream
 from dpsql.release import Release, StreamMachine, chunks_of, release_from
 from dpsql.streams.binary_tree import BinaryTreeStream
+from dpsql.streams.count_laplace import CountLaplaceStream, CountSmoothedStream
 from dpsql.streams.du import MACHINES as DU_MACHINES
 from dpsql.streams.hierarchy import HierarchyStream
 from dpsql.streams.laplace import LaplaceStream
 from dpsql.streams.pak import PakStream
-from dpsql.streams.pegasus import CountLaplaceStream, PegasusStream
+from dpsql.streams.pegasus import PegasusStream
 from dpsql.streams.threshold import ThresholdRelease
 from dpsql.streams.topl import PmDirectStream, ToplStream
 from dpsql.streams.tops import ToPS
@@ -37,13 +38,14 @@ METHODS: dict[str, Callable[..., StreamMachine]] = {
     "threshold": ThresholdRelease,
     "pegasus": PegasusStream,
     "count_laplace": CountLaplaceStream,
+    "count_smoothed": CountSmoothedStream,
     "topl": ToplStream,
     "pm_direct": PmDirectStream,
     **DU_MACHINES,
 }
 
 #: Methods releasing counts of events per time bucket (the input is an event table's time column).
-COUNT_METHODS = ("pegasus", "count_laplace")
+COUNT_METHODS = ("pegasus", "count_laplace", "count_smoothed")
 
 
 @functools.cache

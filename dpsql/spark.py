@@ -79,7 +79,8 @@ def count_stream(df, *, time_column: str, every, start, stop, partition_by, meth
                  epsilon: float, budget: Budget | None = None, note: str | None = None, **params):
     """Private counts of the events of ``df`` per bucket of the public time domain ``[start,
     stop)`` cut every ``every`` (never read from the data), one stream per ``partition_by``
-    group: PeGaSus (``method="pegasus"``) or per-bucket Laplace (``"count_laplace"``).
+    group: PeGaSus (``method="pegasus"``), per-bucket Laplace (``"count_laplace"``) or
+    per-bucket Laplace then the adaptive smoother (``"count_smoothed"``).
 
     Returns a lazy Spark DataFrame: the partition columns, the bucket start (``time_column``)
     and ``dp_count``, every bucket of the domain (empty ones too). Events outside the domain

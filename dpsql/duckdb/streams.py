@@ -5,7 +5,7 @@
     delta, rows, partitions, watermark, created, release_id). The first execution registers
     it in the bound budget's ledger and charges its whole cost once (:meth:`dpsql.Budget.stream`);
     later ones reopen it for free, refusing other parameters. Count streams
-    (``method := 'pegasus'`` or ``'count_laplace'``) take the event table's time column as
+    (``method := 'pegasus'``, ``'count_laplace'`` or ``'count_smoothed'``) take the event table's time column as
     ``order_col`` (``value_col`` NULL) and their public grid ``every := INTERVAL ...`` and
     ``start := TIMESTAMP ...``.
 

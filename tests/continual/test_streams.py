@@ -250,11 +250,12 @@ def test_stream_intervals_cover_the_truth_at_their_level():
     assert 0.92 <= np.mean(covered) <= 0.995
 
 
-def test_count_streams_close_buckets_with_until_and_release_empty_ones():
+@pytest.mark.parametrize("method", ["count_laplace", "count_smoothed", "pegasus"])
+def test_count_streams_close_buckets_with_until_and_release_empty_ones(method):
     start = dt.datetime(2024, 1, 1)
     budget = dpsql.Budget.in_memory(epsilon=1.0)
     with dpsql.testing.seeded(4):
-        stream = budget.stream("logins", method="count_laplace", epsilon=1.0, order_by="ts", partition_by="ap",
+        stream = budget.stream("logins", method=method, epsilon=1.0, order_by="ts", partition_by="ap",
                                every="1h", start=start)
     events = pl.DataFrame({"ts": [start + dt.timedelta(minutes=m) for m in (5, 70, 75, 300)], "ap": [1, 1, 2, 1]})
     first = stream.append(events.head(3), until=start + dt.timedelta(hours=2))
@@ -268,7 +269,7 @@ def test_count_streams_close_buckets_with_until_and_release_empty_ones():
         counts[0, [0, 1, 5]] = [1, 1, 1]
         counts[1, 1] = 1
         counts[2, 3] = 1
-        whole = dpsql.publish("count_laplace", counts.ravel(), partition_offsets=[0, 6, 12, 18],
+        whole = dpsql.publish(method, counts.ravel(), partition_offsets=[0, 6, 12, 18],
                               partition_keys=[1, 2, 7], epsilon=1.0)
     released = stream.released().sort_by([("ap", "ascending"), ("ts", "ascending")])
     assert np.array_equal(released["count"].to_numpy(), whole.values)
