@@ -179,3 +179,50 @@ def test_the_same_release_asked_in_sql_and_in_polars_is_one_charge():
     assert budget.history()["kind"].to_list() == ["release", "cache hit"] and budget.spent == (1.0, 0.0)
     con.sql("SELECT v FROM dp_range_sum('t', 'ts', 'v', epsilon := 1, upper := 21)").fetchall()
     assert budget.spent == (2.0, 0.0)  # another bound is another release
+
+
+def test_the_fingerprint_covers_the_order_key_partition_and_value_columns():
+    """The same rows in another row order are the identical release (a cache hit); another order
+    key, another partition key or another value is new data (charged)."""
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
+    n = 3000
+    frame = pl.DataFrame({"meter": np.arange(n) % 3, "ts": np.arange(n), "v": (np.arange(n) % 11) * 1.0})
+
+    def release(data):
+        return data.select("meter", "ts", pl.col("v").dpsql.range_sum(
+            order_by="ts", partition_by="meter", method="laplace", epsilon=0.5, upper=20.0, budget=budget)).sort(
+            "meter", "ts")
+
+    first = release(frame)
+    shuffled = release(frame.sample(fraction=1.0, shuffle=True, seed=5))
+    assert shuffled.equals(first) and budget.spent == (0.5, 0.0)
+    changed = {
+        "order key": frame.with_columns(pl.when(pl.col("ts") == 0).then(-1).otherwise(pl.col("ts")).alias("ts")),
+        "partition key": frame.with_columns(pl.when(pl.col("ts") == 5).then(1).otherwise(pl.col("meter"))
+                                            .alias("meter")),
+        "value": frame.with_columns(pl.when(pl.col("ts") == 7).then(3.0).otherwise(pl.col("v")).alias("v")),
+    }
+    for k, (what, data) in enumerate(changed.items()):
+        release(data)
+        assert budget.spent == (0.5 * (k + 2), 0.0), f"another {what} was answered from the cache"
+    assert budget.history()["kind"].to_list() == ["release", "cache hit", "release", "release", "release"]
+
+
+def test_stored_answers_are_compressed(ledger):
+    import sqlite3
+
+    budget = dpsql.Budget.open(ledger, epsilon=10.0)
+    values = np.arange(100_000) % 17.0
+    releases = {method: dpsql.publish(method, values, budget=budget, epsilon=1.0, upper=20.0, **params)
+                for method, params in (("laplace", {}), ("tops", {"m": 1000}), ("hierarchy", {}))}
+    with sqlite3.connect(ledger) as conn:
+        stored = dict(conn.execute("SELECT release_id, length(answer) FROM answers").fetchall())
+    raw = values.nbytes
+    # lattice noise leaves the low bits of every value zero; ToPS and the hierarchy repeat values
+    assert stored[releases["laplace"].release_id] < 0.75 * raw
+    assert stored[releases["tops"].release_id] < 0.05 * raw and stored[releases["hierarchy"].release_id] < 0.05 * raw
+    for method, release in releases.items():  # and come back exactly
+        again = dpsql.publish(method, values, budget=budget, epsilon=1.0, upper=20.0,
+                              **({"m": 1000} if method == "tops" else {}))
+        assert again.release_id == release.release_id and np.array_equal(again.values, release.values)
+    assert budget.spent == (3.0, 0.0)
