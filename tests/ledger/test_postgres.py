@@ -201,3 +201,28 @@ def test_the_password_never_appears_in_history_errors_logs_or_the_cli(postgres, 
     assert not leaked
     assert "postgres@127.0.0.1" in locations[0] and "password=***" in locations[1]
     assert any("no scope named 'missing'" in text for text in shown)
+
+
+def test_a_lock_held_too_long_is_a_typed_error_and_charges_nothing(postgres_url, monkeypatch):
+    from dpsql.ledger import postgres as postgres_backend
+
+    dpsql.Budget.open(postgres_url, epsilon=1.0)
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import psycopg, time
+        with psycopg.connect({postgres_url!r}) as conn:  # a transaction holding the scope's row
+            conn.execute("SELECT 1 FROM scopes WHERE scope = 'default' FOR UPDATE")
+            print("locked", flush=True)
+            time.sleep(60)
+    """)], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"locked"
+        monkeypatch.setattr(postgres_backend, "LOCK_TIMEOUT_MS", 300)
+        budget = dpsql.Budget.open(postgres_url)
+        with pytest.raises(dpsql.LedgerError, match=r"held the ledger's lock for more than 0\.3 s") as refused:
+            dpsql.laplace(np.ones(100), epsilon=0.5, upper=1.0, budget=budget)
+        assert "postgres@127.0.0.1" in str(refused.value) and "Nothing was charged" in str(refused.value)
+    finally:
+        holder.kill()
+        holder.wait()
+    dpsql.laplace(np.ones(100), epsilon=0.5, upper=1.0, budget=budget)
+    assert _totals(postgres_url) == (1, Fraction(1, 2))
