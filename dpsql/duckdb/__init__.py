@@ -87,8 +87,9 @@ def register(con: duckdb.DuckDBPyConnection, *, budget: Budget) -> None:
     (1,)
     """
     if budget is None:
-        raise InvalidParameter("SQL releases need a budget to be charged to: dpsql.register(con, budget=dpsql.Budget."
-                               "open(path, epsilon=...)) (or Budget.in_memory(...))")
+        raise InvalidParameter("budget must be a dpsql.Budget, got None: SQL releases are charged to it; pass "
+                               "dpsql.register(con, budget=dpsql.Budget.open(path, epsilon=...)) (or "
+                               "Budget.in_memory(...))")
     if not isinstance(budget, Budget):
         raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
     if not isinstance(con, duckdb.DuckDBPyConnection):
