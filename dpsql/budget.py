@@ -165,6 +165,7 @@ class Budget:
                 raise UnknownRelease(f"dp_row {dp_row} is not a row of a one-shot release in ledger {self.location} "
                                      "(rows of a continual stream: budget.stream(name))")
             release_id = row.release_id
+        assert release_id is not None  # exactly one of release_id and dp_row was given
         record = ReleaseRecord.from_row(self._ledger.release(release_id))
         if record.scope != self.scope:
             raise InvalidParameter(f"release {release_id} belongs to scope {record.scope!r}, not {self.scope!r}")
