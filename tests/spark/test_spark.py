@@ -149,3 +149,22 @@ def test_bad_rows_and_types_are_refused_on_the_driver_before_the_charge(spark):
     # a time key repeated across partitions (not within one) is a valid release, charged once
     out = spark_dp.range_sum(df, **release).toPandas()
     assert len(out) == n and budget.spent == (0.5, 0.0)
+
+
+def test_the_release_key_never_appears_in_the_plan(spark, monkeypatch):
+    keys = []
+    fresh = dpsql.noise.Keystream.fresh
+
+    def recorded():
+        keystream = fresh()
+        keys.append(keystream.key)
+        return keystream
+
+    monkeypatch.setattr(dpsql.noise.Keystream, "fresh", staticmethod(recorded))
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    out = spark_dp.range_sum(spark.createDataFrame(_readings(300).to_pandas()), order_by="ts", value="kwh",
+                             partition_by="meter", method="laplace", epsilon=0.5, upper=60.0, budget=budget)
+    plan = out._jdf.queryExecution().toString() + out._jdf.queryExecution().executedPlan().toString()
+    assert len(keys) == 1 and len(keys[0]) == 32 and out.count() == 300
+    for shown in (keys[0].hex(), repr(keys[0]), keys[0].hex().upper()):
+        assert shown not in plan
