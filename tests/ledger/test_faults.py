@@ -355,3 +355,51 @@ def test_integers_beyond_exact_float_range_are_refused_before_any_noise(method, 
             frame.select(pl.col("v").dpsql.range_sum(order_by="ts", method=method, epsilon=1.0, budget=budget,
                                                      **params))
     assert drawn == [] and budget.spent == (0.0, 0.0) and budget.history().height == 0
+
+
+@pytest.mark.parametrize("front_end", ["polars", "duckdb"])
+def test_a_front_end_release_refused_at_its_charge_leaves_nothing_noisy_reachable(front_end):
+    import duckdb
+
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    values = np.arange(5000) % 17.0
+    real_charge = budget.charge
+
+    def racing_charge(charge, **kwargs):  # another release spends the budget between check and charge
+        real_charge(CHARGE.__class__(**{**CHARGE.__dict__, "epsilon": 0.9}))
+        return real_charge(charge, **kwargs)
+
+    budget.charge = racing_charge
+    frame = pl.DataFrame({"ts": np.arange(5000), "v": values})
+    with pytest.raises(dpsql.BudgetExhausted) as refused:
+        if front_end == "polars":
+            frame.select(pl.col("v").dpsql.range_sum(order_by="ts", method="laplace", epsilon=0.5, upper=20.0,
+                                                     budget=budget))
+        else:
+            con = duckdb.connect()
+            dpsql.register(con, budget=budget)
+            con.register("frame", frame.to_arrow())
+            with dpsql.duckdb.typed_errors():
+                con.sql("SELECT * FROM dp_range_sum('frame', 'ts', 'v', method := 'laplace', epsilon := 0.5, "
+                        "upper := 20)").fetchall()
+    error = refused.value
+    for linked in (error, error.__cause__, error.__context__):
+        if linked is not None:
+            _assert_frames_hold_nothing_noisy(linked, values)
+    assert budget.spent == (0.9, 0.0)
+
+
+def _assert_frames_hold_nothing_noisy(error: BaseException, data) -> None:
+    """:func:`_assert_nothing_noisy` for an exception a front end re-raised (which may chain the
+    engine's own exception): its arguments and every frame of its traceback."""
+    from dpsql.noise import Draws, Keystream
+    from dpsql.release import PartitionedRelease, Release, StreamMachine
+
+    assert all(isinstance(a, (str, int, float, tuple)) for a in error.args)
+    traceback = error.__traceback__
+    while traceback is not None:
+        for name, value in traceback.tb_frame.f_locals.items():
+            assert not isinstance(value, (Release, PartitionedRelease, StreamMachine, Keystream, Draws)), name
+            if isinstance(value, np.ndarray) and value.dtype == np.float64:
+                assert value.shape != data.shape or np.array_equal(value, data), f"{name} holds released values"
+        traceback = traceback.tb_next
