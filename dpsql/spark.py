@@ -6,7 +6,8 @@ partitions, which is every partition's cost. It is **charged once, on the driver
 task runs**; each partition is then released by the same online machines as everywhere in
 dpsql, inside ``groupBy(partition).applyInArrow``, on the executors. No data comes back to the
 driver (one aggregate job checks the keys and values first, so that a refused call charges
-nothing and a charged release never fails on its data).
+nothing and a charged release never fails on its data; finding a time key repeated within a
+partition needs the keys grouped, a shuffle of the key columns about as costly as the release's).
 
 Noise comes from the release's secret key and each draw's address (the partition's key,
 the level, the position), :mod:`dpsql.noise`: the key travels to the executors inside the
