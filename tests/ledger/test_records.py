@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -226,3 +227,36 @@ def test_stored_answers_are_compressed(ledger):
                               **({"m": 1000} if method == "tops" else {}))
         assert again.release_id == release.release_id and np.array_equal(again.values, release.values)
     assert budget.spent == (3.0, 0.0)
+
+
+def test_a_reordered_release_table_is_restored_in_order_and_bad_tables_are_refused(ledger, tmp_path):
+    import pyarrow as pa
+
+    budget = dpsql.Budget.open(ledger, epsilon=2.0)
+    values = np.arange(6000) % 13.0
+    release = dpsql.publish("hierarchy", values, budget=budget, partition_offsets=[0, 2500, 6000],
+                            partition_keys=["north", "south"], epsilon=1.0, upper=20.0, r=4096)
+    table = release.to_arrow()
+    shuffled = table.take(np.random.default_rng(0).permutation(table.num_rows))  # e.g. sorted by a query
+    pq.write_table(shuffled, tmp_path / "shuffled.parquet")
+    restored = dpsql.Release.from_arrow(pq.read_table(tmp_path / "shuffled.parquet"), budget=budget)
+    assert np.array_equal(restored.values, release.values)
+    assert restored.part(1).range_ci(10, 3000) == release.part(1).range_ci(10, 3000)
+    with dpsql.use_budget(budget):  # the default budget's ledger
+        assert np.array_equal(dpsql.Release.from_arrow(table, budget=None).values, release.values)
+    value_at = table.schema.get_field_index("value")
+    bad = {
+        "pyarrow.Table": table.to_pandas(),
+        "lacks its 'row' or 'value'": table.drop_columns(["row"]),
+        "1 null value": table.set_column(value_at, "value", pa.array([None, *values[1:].tolist()], pa.float64())),
+        "has 6000 values; the table has 5999": table.slice(1),
+        "do not name each of its rows once": table.set_column(table.schema.get_field_index("row"), "row",
+                                                              pa.array(np.zeros(6000, dtype=np.int64))),
+        "outside 0 .. 1": table.set_column(0, "partition", pa.array(np.full(6000, 2, dtype=np.int64))),
+    }
+    for message, data in bad.items():
+        with pytest.raises(dpsql.DPError, match=re.escape(message)):
+            dpsql.Release.from_arrow(data, budget=budget)
+    with pytest.raises(dpsql.InvalidParameter, match=r"pass budget=dpsql\.Budget\.open"):
+        dpsql.Release.from_arrow(table, budget=None)
+    assert budget.spent == (1.0, 0.0)
