@@ -284,3 +284,18 @@ def test_a_charge_reads_the_running_total_not_the_history(tmp_path):
     assert statistics.median(took) < 0.1, took
     recorded, running = _recorded_totals(path)
     assert recorded == running == (Fraction(200_017, 2), 0)
+
+
+@pytest.mark.parametrize("location", [None, "", 3, b"ledger.sqlite"])
+def test_a_ledger_location_must_be_a_path_or_url(location, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(dpsql.InvalidParameter, match="location must be a file path or a postgresql:// URL"):
+        dpsql.Budget.open(location, epsilon=1.0)
+    assert list(tmp_path.iterdir()) == []  # no file named "None" (or anything) was created
+
+
+def test_a_row_handle_beyond_64_bits_is_an_unknown_release():
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    for handle in (2**63, 2**70):
+        with pytest.raises(dpsql.UnknownRelease, match=f"dp_row {handle}"):
+            budget.release(dp_row=handle)
