@@ -161,6 +161,13 @@ def _columns(partition_by) -> list[str]:
 
 
 def _fields(df, columns: list[str]) -> dict:
+    """The Spark fields of ``columns`` (the order key, value or time column last), each named once."""
+    if not all(hasattr(df, a) for a in ("schema", "groupBy", "select")):
+        raise InvalidParameter(f"df must be a pyspark.sql.DataFrame, got {type(df).__name__}")
+    if not all(isinstance(c, str) and c for c in columns):
+        raise InvalidParameter(f"column names must be non-empty strings, got {columns[-1]!r} / {columns!r}")
+    if len(set(columns)) != len(columns):
+        raise InvalidParameter(f"a column cannot play two roles (partition, order key, value): {columns!r}")
     present = {f.name: f for f in df.schema.fields}
     missing = [c for c in columns if c not in present]
     if missing:

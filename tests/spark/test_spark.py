@@ -129,6 +129,12 @@ def test_bad_rows_and_types_are_refused_on_the_driver_before_the_charge(spark):
     for error, message, frame in refused:
         with pytest.raises(error, match=message):
             spark_dp.range_sum(frame, **release)
+    with pytest.raises(dpsql.InvalidParameter, match=r"must be a pyspark\.sql\.DataFrame, got DataFrame"):
+        spark_dp.range_sum(pl.DataFrame({"meter": [1], "ts": [1], "kwh": [1.0]}), **release)
+    with pytest.raises(dpsql.InvalidParameter, match="non-empty strings"):
+        spark_dp.range_sum(df, **release | {"order_by": ["ts"]})
+    with pytest.raises(dpsql.InvalidParameter, match="two roles"):
+        spark_dp.range_sum(df, **release | {"value": "ts"})
     events = spark.createDataFrame(pl.DataFrame({"ap": np.arange(n) % 3, "t": np.arange(n) * 60.0}).to_pandas())
     counts = dict(every=600.0, start=0.0, stop=n * 60.0, epsilon=0.5, budget=budget)
     with pytest.raises(dpsql.InvalidParameter, match="'when' not found"):
