@@ -263,18 +263,18 @@ def test_a_role_without_write_rights_is_a_typed_error_and_charges_nothing(postgr
     budget = dpsql.Budget.open(postgres_url, epsilon=1.0)
     budget.charge(CHARGE)
     database = postgres_url.rsplit("/", 1)[1]
+    role = f"reader_{time.time_ns()}"  # roles are the server's, shared by every test database
     with psycopg.connect(postgres_url, autocommit=True) as conn:
-        conn.execute("DROP ROLE IF EXISTS reader")
-        conn.execute("CREATE ROLE reader LOGIN")
-        conn.execute("GRANT SELECT ON ALL TABLES IN SCHEMA public TO reader")
-    reader = f"postgresql://reader@127.0.0.1:{postgres.port}/{database}"
+        conn.execute(f"CREATE ROLE {role} LOGIN")
+        conn.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")
+    reader = f"postgresql://{role}@127.0.0.1:{postgres.port}/{database}"
     read_only = dpsql.Budget.open(reader)  # reading needs no write rights
     assert read_only.spent == (0.01, 0.0)
     with pytest.raises(dpsql.LedgerError, match="may not write the ledger's tables") as refused:
         dpsql.laplace(np.ones(100), epsilon=0.5, upper=1.0, budget=read_only)
-    assert "reader@127.0.0.1" in str(refused.value) and "Nothing was charged" in str(refused.value)
+    assert f"{role}@127.0.0.1" in str(refused.value) and "Nothing was charged" in str(refused.value)
     empty = postgres.url(f"t_empty_{time.time_ns()}").rsplit("/", 1)[1]
-    other = f"postgresql://reader@127.0.0.1:{postgres.port}/{empty}"
+    other = f"postgresql://{role}@127.0.0.1:{postgres.port}/{empty}"
     with pytest.raises(dpsql.LedgerError, match="may not write"):  # cannot create a new ledger's tables
         dpsql.Budget.open(other, epsilon=1.0)
     assert _totals(postgres_url) == (1, Fraction(1, 100))
