@@ -174,3 +174,18 @@ def test_the_release_key_never_appears_in_the_plan(spark, monkeypatch):
     assert len(keys) == 1 and len(keys[0]) == 32 and out.count() == 300
     for shown in (keys[0].hex(), repr(keys[0]), keys[0].hex().upper()):
         assert shown not in plan
+
+
+def test_a_release_over_two_key_columns_equals_the_local_one(spark):
+    frame = _readings(3000, meters=4, seed=7).with_columns(
+        pl.when(pl.col("ts") % 2 == 0).then(pl.lit("north")).otherwise(pl.lit("south")).alias("site"))
+    params = dict(method="hierarchy", epsilon=1.0, upper=60.0, r=256)
+    with dpsql.testing.seeded(11):
+        local = frame.with_columns(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by=["site", "meter"],
+                                                                 **params).alias("dp"))
+    with dpsql.testing.seeded(11):
+        out = spark_dp.range_sum(spark.createDataFrame(frame.to_pandas()), order_by="ts", value="kwh",
+                                 partition_by=["site", "meter"], **params)
+    got = pl.from_pandas(out.toPandas()).sort("site", "meter", "ts")
+    expected = local.sort("site", "meter", "ts")
+    assert got["kwh"].to_list() == expected["dp"].to_list() and got.height == 3000
