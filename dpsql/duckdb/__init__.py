@@ -86,6 +86,10 @@ def register(con: duckdb.DuckDBPyConnection, *, budget: Budget) -> None:
     >>> con.execute("SELECT count(*) FROM duckdb_functions() WHERE function_name = 'dp_range_sum'").fetchone()
     (1,)
     """
+    if budget is None:
+        raise InvalidParameter("budget must be a dpsql.Budget, got None: SQL releases are charged to it; pass "
+                               "dpsql.register(con, budget=dpsql.Budget.open(path, epsilon=...)) (or "
+                               "Budget.in_memory(...))")
     if not isinstance(budget, Budget):
         raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
     if not isinstance(con, duckdb.DuckDBPyConnection):
