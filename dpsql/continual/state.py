@@ -104,6 +104,7 @@ def timestamp_type(name: str) -> pa.DataType:
 
 
 def refuse_null_keys(frame: pl.DataFrame, columns, label: str) -> None:
+    """Refuse null or NaN keys in ``columns`` (the order column first) and infinite order keys."""
     for column in columns:
         nulls = frame.get_column(column).null_count()
         if nulls:
@@ -112,6 +113,10 @@ def refuse_null_keys(frame: pl.DataFrame, columns, label: str) -> None:
         series = frame.get_column(column)
         if series.dtype.is_float() and series.is_nan().any():
             raise InvalidTimeKey(f"{label}: key column {column!r} contains NaN")
+        if column == columns[0] and series.dtype.is_float() and series.is_infinite().any():
+            # an infinite order key would become the watermark: every later row would be late
+            raise InvalidTimeKey(f"{label}: order column {column!r} contains an infinite key; order keys must be "
+                                 "finite")
 
 
 def numeric(series: pl.Series, column: str, label: str) -> pl.Series:

@@ -9,8 +9,10 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -374,3 +376,114 @@ def test_the_stored_state_is_the_open_part_not_the_history(tmp_path):
     # rows of the open block wait for its last row; the state holds their sum, not them
     assert rows == stream.released().num_rows and 0 <= 200_000 - rows < MAX_FLAT_BLOCK
     assert len(state) < 16_384  # kilobytes, whatever the history
+
+
+def test_more_refused_appends_name_the_problem_and_change_nothing(tmp_path):
+    path = tmp_path / "l.sqlite"
+    budget = dpsql.Budget.open(path, epsilon=1.0)
+    stream = budget.stream("s", method="hierarchy", epsilon=1.0, order_by="ts", value="v", upper=10.0, block=4)
+    stream.append(pl.DataFrame({"ts": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], "v": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]}))
+    before = _ledger_rows(path)
+    refusals = [
+        (pl.DataFrame({"ts": [6.0]}), dpsql.InvalidParameter, "'v' not found"),
+        (pl.DataFrame({"ts": [6.0], "v": [float("inf")]}), dpsql.InvalidData, "infinite"),
+        (pl.DataFrame({"ts": [6.0], "v": [-float("inf")]}), dpsql.InvalidData, "infinite"),
+        # an infinite key would become the watermark, and every later row would be late
+        (pl.DataFrame({"ts": [6.0, float("inf")], "v": [1.0, 1.0]}), dpsql.InvalidTimeKey, "infinite key"),
+        (pl.DataFrame({"ts": [float("nan")], "v": [1.0]}), dpsql.InvalidTimeKey, "NaN"),
+        (pl.DataFrame({"ts": [6.0], "v": ["x"]}), dpsql.InvalidData, "must be numeric"),
+        (pl.DataFrame({"ts": [4.5, 7.0], "v": [1.0, 1.0]}), dpsql.LateRow, r"4\.5.*watermark 5\.0"),
+        (pl.DataFrame({"ts": [5.0], "v": [7.0]}), dpsql.ConflictingRow, r"order key 5\.0"),  # pending, not released
+    ]
+    for data, error, message in refusals:
+        with pytest.raises(error, match=message):
+            stream.append(data)
+        assert _ledger_rows(path) == before
+    with pytest.raises(dpsql.InvalidParameter, match="until closes a count stream's buckets"):
+        stream.append(pl.DataFrame({"ts": [6.0], "v": [1.0]}), until=7.0)
+    assert _ledger_rows(path) == before and budget.spent == (1.0, 0.0)
+    assert stream.append(pl.DataFrame({"ts": [5.0, 6.0, 7.0], "v": [6.0, 7.0, 8.0]}))["ts"].to_pylist() == [
+        4.0, 5.0, 6.0, 7.0]
+
+
+def test_refused_count_appends_change_nothing(tmp_path):
+    path = tmp_path / "l.sqlite"
+    budget = dpsql.Budget.open(path, epsilon=1.0)
+    stream = budget.stream("c", method="count_laplace", epsilon=1.0, order_by="t", partition_by="ap", every=1.0,
+                           start=0.0)
+    stream.append(pl.DataFrame({"t": [0.5, 1.5, 2.5, 3.5], "ap": [1, 2, 1, 2]}), until=3.0)
+    before = _ledger_rows(path)
+    refusals = [
+        (pl.DataFrame({"t": [3.2, 2.9], "ap": [1, 2]}), {}, dpsql.LateRow, "already released"),
+        (pl.DataFrame({"t": [3.2], "ap": [1]}), {"until": 2.0}, dpsql.InvalidParameter, "until=2.0 is earlier"),
+        (pl.DataFrame({"t": [3.2], "ap": [1]}), {"until": float("nan")}, dpsql.InvalidParameter, "until"),
+        (pl.DataFrame({"t": [3.2, float("inf")], "ap": [1, 1]}), {}, dpsql.InvalidTimeKey, "infinite"),
+        (pl.DataFrame({"t": [3.2, None], "ap": [1, 1]}), {}, dpsql.InvalidTimeKey, "null"),
+        (pl.DataFrame({"t": [3.2], "ap": [None]}, schema={"t": pl.Float64, "ap": pl.Int64}), {},
+         dpsql.InvalidTimeKey, "'ap' contains 1 null"),
+        (pl.DataFrame({"time": [3.2], "ap": [1]}), {}, dpsql.InvalidParameter, "'t' not found"),
+    ]
+    for data, options, error, message in refusals:
+        with pytest.raises(error, match=message):
+            stream.append(data, **options)
+        assert _ledger_rows(path) == before
+    assert budget.spent == (1.0, 0.0)
+    closed = stream.append(pl.DataFrame({"t": [3.2], "ap": [1]}), until=4.0)
+    assert closed.num_rows == 2 and closed["t"].to_pylist() == [3.0, 3.0]
+
+
+def test_a_threshold_has_no_online_form_and_a_refused_registration_charges_nothing():
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    with pytest.raises(dpsql.InvalidParameter, match="'threshold' has no online form"):
+        budget.stream("t", method="threshold", epsilon=0.5, order_by="ts", value="v", upper=1.0)
+    with pytest.raises(dpsql.BudgetExhausted):
+        budget.stream("big", method="laplace", epsilon=2.0, order_by="ts", value="v", upper=1.0)
+    with pytest.raises(dpsql.InvalidParameter, match="unknown parameter"):
+        budget.stream("typo", method="laplace", epsilon=0.5, order_by="ts", value="v", upper=1.0, uper=2.0)
+    assert budget.spent == (0.0, 0.0) and budget.streams().height == 0 and budget.history().height == 0
+    for name in ("t", "big", "typo"):
+        with pytest.raises(dpsql.UnknownStream, match=repr(name)):
+            budget.stream(name)
+
+
+def test_appending_to_a_read_only_ledger_is_a_ledger_error_and_changes_nothing():
+    with tempfile.TemporaryDirectory() as directory:  # under /tmp: its parents are open to the unprivileged writer
+        _append_to_a_read_only_ledger(Path(directory))
+
+
+def _append_to_a_read_only_ledger(directory: Path) -> None:
+    path = directory / "l.sqlite"
+    budget = dpsql.Budget.open(path, epsilon=1.0)
+    stream = budget.stream("s", method="laplace", epsilon=0.5, order_by="ts", value="v", upper=1.0)
+    stream.append(pl.DataFrame({"ts": [1], "v": [1.0]}))
+    before = _ledger_rows(path)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a writer that may only read the file: root drops its privileges, anyone else loses write bits
+        os.close(read)
+        try:
+            if os.geteuid() == 0:
+                os.chmod(directory, 0o755)
+                os.setgid(65534)
+                os.setuid(65534)
+            else:
+                for p in directory.iterdir():
+                    os.chmod(p, 0o444)
+                os.chmod(directory, 0o555)
+            dpsql.Budget.open(path).stream("s").append(pl.DataFrame({"ts": [2], "v": [1.0]}))
+            message = "appended"
+        except BaseException as error:
+            message = f"{type(error).__name__}: {error}"
+        os.write(write, message.encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read, "rb") as pipe:
+        message = pipe.read().decode()
+    os.chmod(directory, 0o755)
+    for p in directory.iterdir():
+        os.chmod(p, 0o644)
+    assert message.startswith("LedgerError") and str(path) in message, message
+    # a non-root writer may not even create the -shm file beside a read-only ledger: it cannot open it
+    assert ("read-only" in message and "stream 's'" in message) or (os.geteuid() != 0 and "cannot be opened" in message)
+    assert _ledger_rows(path) == before and stream.released().num_rows == 1 and budget.spent == (0.5, 0.0)
