@@ -50,6 +50,7 @@ class RangeAppend:
         outputs, released, like = [], 0, None
         with stream._store.appending(stream.budget.scope, stream.name) as (conn, row):
             known: dict[bytes, PartitionRow] = {}
+            since: dict[bytes, bytes | None] = {}  # each partition's watermark before this append
             for table in self.batches:  # one batch, or a lazy frame's sorted batches: one transaction
                 like = like or table
                 frame = self._ordered(table)
@@ -60,10 +61,11 @@ class RangeAppend:
                     part = known.get(group.address) or stream._store.new_partition(
                         conn, row, group.address, group.key_text, PartitionState().pack())
                     known[group.address] = part
+                    since.setdefault(group.address, part.watermark)
                     rows = frame.slice(group.start, group.stop - group.start)
                     output, count = self._partition(conn, row, part, keystream.partition(group.address),
                                                     rows.get_column(spec.order_by).to_arrow(),
-                                                    rows.get_column("__value").to_numpy())
+                                                    rows.get_column("__value").to_numpy(), since[group.address])
                     outputs.append(output)
                     released += count
             stream._store.finish(conn, row, released)
@@ -81,13 +83,21 @@ class RangeAppend:
         return frame.sort([*spec.partition_by, spec.order_by], maintain_order=True)
 
     def _partition(self, conn, row: StreamRow, part: PartitionRow, draws: Draws, keys: pa.Array,
-                   values: np.ndarray) -> tuple[pa.Table, int]:
+                   values: np.ndarray, since: bytes | None) -> tuple[pa.Table, int]:
+        """Release a partition's rows of one batch; ``since`` is its watermark before this append
+        (a lazy frame's later batch may repeat a key of an earlier one: a duplicate, not a repeat)."""
         stream = self.stream
         state = PartitionState.unpack(part.state)
         watermark = None if part.watermark is None else stored_keys(part.watermark)
         keys = same_type(keys, watermark, stream)
         tags = draws.tags(values)
         old = 0 if watermark is None else int(pc.sum(pc.less_equal(keys, watermark[0])).as_py() or 0)
+        if old and part.watermark != since:
+            again = keys[:old] if since is None else keys[:old].filter(
+                pc.greater(keys[:old], stored_keys(since)[0]))
+            if len(again):
+                raise InvalidTimeKey(f"stream {stream.name!r}: order key {again[0].as_py()!r} appears twice in one "
+                                     "partition of this append; time keys must be unique within a partition")
         recorded = self._repeats(conn, row, part, state, keys[:old], tags[:old], watermark)
         if old == len(keys):
             return recorded, 0
