@@ -487,3 +487,44 @@ def _append_to_a_read_only_ledger(directory: Path) -> None:
     # a non-root writer may not even create the -shm file beside a read-only ledger: it cannot open it
     assert ("read-only" in message and "stream 's'" in message) or (os.geteuid() != 0 and "cannot be opened" in message)
     assert _ledger_rows(path) == before and stream.released().num_rows == 1 and budget.spent == (0.5, 0.0)
+
+
+def _events(n: int, hours: int, seed: int) -> pl.DataFrame:
+    rng = np.random.default_rng(seed)
+    return pl.DataFrame({"t": np.sort(rng.uniform(0, hours, n)), "ap": rng.integers(0, 3, n)})
+
+
+@pytest.mark.parametrize("method", ["count_laplace", "pegasus"])
+@pytest.mark.parametrize("cut", ["ones", "sevens", "random", "by partition"])
+def test_count_streams_appended_in_any_chunks_release_the_one_shot_counts(method, cut):
+    hours = 48
+    events = _events(600, hours, seed=3)
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    with dpsql.testing.seeded(9):
+        stream = budget.stream("c", method=method, epsilon=1.0, order_by="t", partition_by="ap", every=1.0,
+                               start=0.0)
+    rng = np.random.default_rng(1)
+    if cut == "by partition":  # partitions interleaved: each one's events of a day at a time, closing the day
+        chunks = [(events.filter((pl.col("ap") == ap) & (pl.col("t") // 24 == day)), None if ap < 2 else 24 * day + 24)
+                  for day in range(2) for ap in range(3)]
+    else:
+        chunks, at = [], 0
+        while at < events.height:
+            step = {"ones": 1, "sevens": 7}.get(cut) or int(rng.integers(1, 60))
+            chunk = events.slice(at, step)
+            at += step
+            # close every bucket before the next event's (or, at random, none)
+            nxt = events["t"][at] if at < events.height else hours
+            chunks.append((chunk, None if rng.random() < 0.3 else float(np.floor(nxt))))
+        chunks.append((events.head(0), hours))
+    pieces = [stream.append(chunk, until=until) for chunk, until in chunks]
+    released = pa.concat_tables(pieces).sort_by([("ap", "ascending"), ("t", "ascending")])
+    counts = np.zeros((3, hours))
+    np.add.at(counts, (events["ap"].to_numpy(), events["t"].to_numpy().astype(int)), 1)
+    with dpsql.testing.seeded(9):
+        whole = dpsql.publish(method, counts.ravel(), partition_offsets=np.arange(4) * hours,
+                              partition_keys=[0, 1, 2], epsilon=1.0)
+    assert released["t"].to_pylist() == list(np.tile(np.arange(hours, dtype=float), 3))
+    assert np.array_equal(released["count"].to_numpy(), whole.values)
+    assert stream.released().sort_by([("ap", "ascending"), ("t", "ascending")]).equals(released)
+    assert budget.spent == (1.0, 0.0)
