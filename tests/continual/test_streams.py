@@ -528,3 +528,28 @@ def test_count_streams_appended_in_any_chunks_release_the_one_shot_counts(method
     assert np.array_equal(released["count"].to_numpy(), whole.values)
     assert stream.released().sort_by([("ap", "ascending"), ("t", "ascending")]).equals(released)
     assert budget.spent == (1.0, 0.0)
+
+
+@pytest.mark.parametrize(("method", "params"), [("tops", {}), ("pak", {"delta": 1e-6}), ("hierarchy", {})],
+                         ids=lambda p: str(p))
+def test_default_parameters_are_fixed_not_derived_from_the_length(method, params):
+    """ToPS's and PAK's hold-out m (4096 rows) and the hierarchy's range r default without the
+    table's length: a stream with no explicit parameters is the one-shot release with none."""
+    from dpsql.streams.holdout import DEFAULT_HOLDOUT
+
+    rng = np.random.default_rng(2)
+    values = np.round(rng.gamma(2.0, 6.0, 9000), 2)
+    frame = pl.DataFrame({"ts": np.arange(9000), "kwh": values})
+    budget = dpsql.Budget.in_memory(epsilon=1.0, delta=1e-5)
+    with dpsql.testing.seeded(3):
+        stream = budget.stream("d", method=method, epsilon=1.0, order_by="ts", value="kwh", upper=200.0, **params)
+    first = stream.append(frame.slice(0, DEFAULT_HOLDOUT - 1))
+    completing = stream.append(frame.slice(DEFAULT_HOLDOUT - 1, 1000))
+    if method != "hierarchy":  # the hold-out's rows wait for its last row, then come back with it
+        assert first.num_rows == 0 and completing["ts"][0].as_py() == 0
+    rest = stream.append(frame.slice(DEFAULT_HOLDOUT + 999))
+    released = pa.concat_tables([first, completing, rest])
+    with dpsql.testing.seeded(3):
+        whole = dpsql.publish(method, values, epsilon=1.0, upper=200.0, **params)
+    assert released.num_rows > 8000 and stream.params == {"epsilon": 1.0, "upper": 200.0, **params}
+    assert np.array_equal(released["kwh"].to_numpy(), whole.values[:released.num_rows])
