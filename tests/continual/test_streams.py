@@ -553,3 +553,37 @@ def test_default_parameters_are_fixed_not_derived_from_the_length(method, params
         whole = dpsql.publish(method, values, epsilon=1.0, upper=200.0, **params)
     assert released.num_rows > 8000 and stream.params == {"epsilon": 1.0, "upper": 200.0, **params}
     assert np.array_equal(released["kwh"].to_numpy(), whole.values[:released.num_rows])
+
+
+def test_the_stream_key_is_never_shown(tmp_path):
+    """The key lives only in the ledger file: no view, listing, history, released row, error or
+    CLI output carries it."""
+    import base64
+
+    import duckdb
+
+    path = tmp_path / "l.sqlite"
+    budget = dpsql.Budget.open(path, epsilon=1.0)
+    con = duckdb.connect()
+    dpsql.duckdb.register(con, budget=budget)
+    created = con.sql("SELECT * FROM dp_stream_create('s', 'ts', 'v', method := 'tops', epsilon := 1.0, "
+                      "upper := 10, m := 50)").fetchall()
+    stream = budget.stream("s")
+    shown = [str(created), repr(stream), stream._repr_html_(), str(stream.info()), repr(budget),
+             budget.streams().write_json(), budget.history(full=True).write_json(),
+             str(stream.append(pl.DataFrame({"ts": range(80), "v": np.arange(80) % 9 * 1.0})).to_pylist()),
+             str(stream.released().to_pylist()), str(stream.release().__dict__)]
+    try:
+        stream.append(pl.DataFrame({"ts": [3], "v": [100.0]}))
+    except dpsql.ConflictingRow as error:
+        shown.append(str(error) + repr(error.args))
+    cli = subprocess.run([sys.executable, "-m", "dpsql.cli", "ledger", str(path), "--json", "--history",
+                          "--streams"], capture_output=True, text=True, check=True)
+    shown.append(cli.stdout + cli.stderr)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        secret = bytes(conn.execute("SELECT secret FROM streams").fetchone()[0])
+    key = secret[:-1]
+    assert len(key) >= 16 and len(shown) == 12
+    forms = [key.hex(), key.hex().upper(), base64.b64encode(key).decode(), repr(key)[2:-1], str(list(key))[1:-1]]
+    for text in shown:
+        assert not any(form in text for form in forms)
