@@ -158,7 +158,9 @@ class RangeAppend:
             raise LateRow(f"stream {stream.name!r}: a row with order key {late!r} arrives at or below its "
                           f"partition's watermark {watermark[0].as_py()!r} and repeats no row appended before; "
                           "nothing of this append was kept")
-        return pa.concat_tables(outputs) if outputs else stream._output(
+        if len(outputs) > 1:  # read newest chunk first: back in row (so order key) order
+            return pa.concat_tables(outputs[::-1])
+        return outputs[0] if outputs else stream._output(
             pa.table({"key": keys.slice(0, 0), "value": pa.array([], pa.float64())}), part, 0)
 
     def _same_values(self, keys: pa.Array, tags: np.ndarray, hit: np.ndarray, recorded_tags: np.ndarray) -> None:

@@ -587,3 +587,28 @@ def test_the_stream_key_is_never_shown(tmp_path):
     forms = [key.hex(), key.hex().upper(), base64.b64encode(key).decode(), repr(key)[2:-1], str(list(key))[1:-1]]
     for text in shown:
         assert not any(form in text for form in forms)
+
+
+def test_an_append_reads_the_open_state_not_the_released_history(tmp_path, monkeypatch):
+    """O(new rows + state): new rows read no released chunk; a repeated batch reads only the newest
+    chunks back to its first repeated key."""
+    from dpsql.ledger.streams import StreamStore
+
+    budget = dpsql.Budget.open(tmp_path / "l.sqlite", epsilon=1.0)
+    stream = budget.stream("s", method="laplace", epsilon=1.0, order_by="ts", value="v", upper=10.0)
+    frame = pl.DataFrame({"ts": np.arange(20_000), "v": np.arange(20_000) % 7 * 1.0})
+    for at in range(0, 19_000, 1000):
+        stream.append(frame.slice(at, 1000))
+    read = []
+    chunks = StreamStore.chunks
+
+    def counted(self, *args, **kwargs):
+        for chunk in chunks(self, *args, **kwargs):
+            read.append(chunk[2])
+            yield chunk
+
+    monkeypatch.setattr(StreamStore, "chunks", counted)
+    assert stream.append(frame.slice(19_000, 10)).num_rows == 10 and read == []
+    # 10 rows of the newest chunk, 5 of the one before (returned in key order), 5 new
+    again = stream.append(frame.slice(18_995, 20))
+    assert again["ts"].to_pylist() == list(range(18_995, 19_015)) and read == [10, 1000]
