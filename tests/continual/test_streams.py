@@ -612,3 +612,30 @@ def test_an_append_reads_the_open_state_not_the_released_history(tmp_path, monke
     # 10 rows of the newest chunk, 5 of the one before (returned in key order), 5 new
     again = stream.append(frame.slice(18_995, 20))
     assert again["ts"].to_pylist() == list(range(18_995, 19_015)) and read == [10, 1000]
+
+
+@pytest.mark.parametrize("epsilon", [0.5, 0.75])  # the loser's charge fits the budget, or would not
+def test_a_registration_that_loses_a_race_reopens_the_winners_stream_free(tmp_path, monkeypatch, epsilon):
+    """Two processes registering one name at once: the one that commits second finds the name
+    taken inside its charge's transaction; it reopens the stream, charging nothing."""
+    from dpsql.ledger.streams import StreamStore
+
+    path = tmp_path / "l.sqlite"
+    options = dict(method="laplace", epsilon=epsilon, order_by="ts", value="v", upper=1.0)
+    winner = dpsql.Budget.open(path, epsilon=1.0).stream("s", **options)
+    find = StreamStore.find
+    calls = []
+
+    def not_yet(self, scope, name):  # the loser looked before the winner committed
+        calls.append(name)
+        return None if len(calls) == 1 else find(self, scope, name)
+
+    monkeypatch.setattr(StreamStore, "find", not_yet)
+    budget = dpsql.Budget.open(path)
+    loser = budget.stream("s", **options)
+    assert len(calls) == 2 and loser.release_id == winner.release_id
+    assert budget.spent == (epsilon, 0.0) and budget.history()["kind"].to_list() == ["stream"]
+    calls.clear()
+    with pytest.raises(dpsql.InvalidParameter, match=r"upper=1\.0; reopening it with upper=2\.0"):
+        budget.stream("s", **{**options, "upper": 2.0})
+    assert budget.spent == (epsilon, 0.0)
