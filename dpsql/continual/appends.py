@@ -53,6 +53,8 @@ class RangeAppend:
             since: dict[bytes, bytes | None] = {}  # each partition's watermark before this append
             for table in self.batches:  # one batch, or a lazy frame's sorted batches: one transaction
                 like = like or table
+                if not table.num_rows:
+                    continue  # nothing new (a quiet day, a filter that kept nothing): releases nothing
                 frame = self._ordered(table)
                 groups = _groups(frame, spec, f"stream {stream.name!r}")
                 known.update(stream._store.partitions(conn, row.release_id,

@@ -639,3 +639,25 @@ def test_a_registration_that_loses_a_race_reopens_the_winners_stream_free(tmp_pa
     with pytest.raises(dpsql.InvalidParameter, match=r"upper=1\.0; reopening it with upper=2\.0"):
         budget.stream("s", **{**options, "upper": 2.0})
     assert budget.spent == (epsilon, 0.0)
+
+
+def test_an_append_with_no_rows_releases_nothing_and_is_no_error(tmp_path):
+    """A quiet day (or a filter that keeps nothing) is an ordinary append, from Python or SQL."""
+    import duckdb
+
+    path = tmp_path / "l.sqlite"
+    budget = dpsql.Budget.open(path, epsilon=1.0)
+    stream = budget.stream("s", method="laplace", epsilon=0.5, order_by="ts", value="v", partition_by="g", upper=1.0)
+    stream.append(pl.DataFrame({"g": [1, 2], "ts": [1, 1], "v": [0.5, 0.5]}))
+    before = _ledger_rows(path)
+    schema = {"g": pl.Int64, "ts": pl.Int64, "v": pl.Float64}
+    empty = stream.append(pl.DataFrame(schema=schema))
+    assert empty.num_rows == 0 and empty.column_names == ["g", "ts", "v", "dp_row"]
+    assert empty.schema.field("ts").type == pa.int64()
+    assert stream.append(pl.LazyFrame({"g": [1], "ts": [9], "v": [1.0]}).filter(pl.col("ts") < 0)).num_rows == 0
+    con = duckdb.connect()
+    dpsql.duckdb.register(con, budget=budget)
+    con.execute("CREATE TABLE quiet (g BIGINT, ts BIGINT, v DOUBLE)")
+    assert con.sql("SELECT * FROM dp_stream_append('s', 'quiet')").fetchall() == []
+    assert _ledger_rows(path) == before
+    assert stream.append(pl.DataFrame({"g": [1], "ts": [2], "v": [0.5]})).num_rows == 1
