@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import os
 import signal
 import sqlite3
@@ -133,7 +134,10 @@ def test_registration_is_charged_once_and_reopening_from_another_process_is_free
     assert history["kind"].to_list() == ["stream"] and history["stream"].to_list() == ["kwh"]
     listed = budget.streams()
     assert listed.select("name", "method", "rows", "partitions", "watermark").row(0) == ("kwh", "laplace", 3, 1, "3")
-    assert listed["epsilon"][0] == 0.5
+    assert listed["epsilon"][0] == 0.5 and listed["delta"][0] == 0.0
+    assert json.loads(listed["params"][0]) == {"epsilon": 0.5, "upper": 10.0}
+    created = dt.datetime.fromisoformat(listed["created"][0].replace("Z", "+00:00"))
+    assert abs(created - history["time"][0]) < dt.timedelta(seconds=5)  # registered with its charge
 
 
 def test_reopening_with_other_parameters_names_the_parameter():
@@ -661,3 +665,12 @@ def test_an_append_with_no_rows_releases_nothing_and_is_no_error(tmp_path):
     assert con.sql("SELECT * FROM dp_stream_append('s', 'quiet')").fetchall() == []
     assert _ledger_rows(path) == before
     assert stream.append(pl.DataFrame({"g": [1], "ts": [2], "v": [0.5]})).num_rows == 1
+
+
+def test_a_persistent_ledger_refuses_a_seeded_stream_and_keeps_nothing(tmp_path):
+    budget = dpsql.Budget.open(tmp_path / "l.sqlite", epsilon=1.0)
+    with dpsql.testing.seeded(1), pytest.raises(dpsql.NonPrivateRelease, match="seeded"):
+        budget.stream("s", method="laplace", epsilon=0.5, order_by="ts", value="v", upper=1.0)
+    assert budget.spent == (0.0, 0.0) and budget.streams().height == 0 and budget.history().height == 0
+    with pytest.raises(dpsql.UnknownStream, match="'s'"):
+        budget.stream("s")
