@@ -42,6 +42,7 @@ RANGE_METHODS = [
     ("tops", {"upper": 200.0, "m": 300, "smoother": "recent"}),
     ("tops", {"upper": 200.0, "threshold": 40.0, "r": 1024}),
     ("pak", {"upper": 200.0, "m": 300, "delta": 1e-6}),
+    ("pak", {"upper": 200.0, "threshold": 40.0}),
 ]
 
 
@@ -89,7 +90,7 @@ def test_appends_in_any_chunks_release_the_one_shot_values(method, params):
             at += step
         _same_as_one_shot(pa.concat_tables(pieces), method, params, frame, seed=11)
         assert stream.released().num_rows == sum(p.num_rows for p in pieces)
-        assert budget.spent == (1.0, 1e-6 if method == "pak" else 0.0)
+        assert budget.spent == (1.0, params.get("delta", 0.0))
 
 
 @pytest.mark.parametrize(("method", "params"), RANGE_METHODS, ids=lambda p: str(p))
