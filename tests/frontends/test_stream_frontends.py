@@ -203,3 +203,32 @@ def test_a_key_twice_across_a_lazy_frames_batches_is_a_duplicate_not_a_repeat():
             stream.append(pl.LazyFrame({"ts": ts, "v": values}))
         assert stream.released().equals(before)
     assert stream.append(pl.LazyFrame({"ts": np.arange(-2, n), "v": np.r_[0.5, 0.5, np.ones(n)]})).num_rows == n + 2
+
+
+@pytest.mark.parametrize(("method", "params"), [("hierarchy", {"upper": 60.0, "r": 256}),
+                                                ("tops", {"upper": 200.0, "m": 200, "smoother": "recent"}),
+                                                ("binary_tree", {"upper": 60.0})], ids=lambda p: str(p))
+def test_a_stream_appended_in_pieces_is_the_sql_and_polars_one_shot_release(method, params):
+    """Issue 12 item 5: the values of dp_range_sum and .dpsql.range_sum over the whole table, with
+    the same explicit parameters and test noise."""
+    frame = _readings(3000, seed=7)
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
+    con = _sql(budget)
+    con.from_arrow(frame.to_arrow()).create("t")
+    sql_params = ", ".join(f"{k} := {v!r}" for k, v in params.items())
+    with dpsql.testing.seeded(3):
+        in_sql = con.sql(f"SELECT meter, ts, kwh FROM dp_range_sum('t', 'ts', 'kwh', method := '{method}', "
+                         f"epsilon := 0.5, partition_by := 'meter', {sql_params})").pl()
+    with dpsql.testing.seeded(3):
+        in_polars = frame.with_columns(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", method=method,
+                                                                     epsilon=0.5, budget=budget, **params))
+    with dpsql.testing.seeded(3):
+        stream = budget.stream("s", method=method, epsilon=0.5, order_by="ts", value="kwh", partition_by="meter",
+                               **params)
+    for at in range(0, frame.height, 211):
+        stream.append(frame.slice(at, 211))
+    released = pl.from_arrow(stream.released()).select("meter", "ts", "kwh")
+    assert released.height > 2000
+    for one_shot in (in_sql, in_polars):
+        joined = released.join(one_shot, on=["meter", "ts"], how="left", suffix="_one_shot")
+        assert joined["kwh"].to_list() == joined["kwh_one_shot"].to_list()
