@@ -5,7 +5,7 @@ partition inside the one transaction that commits them."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,6 +19,7 @@ from dpsql.continual.state import (
     TAG,
     PartitionState,
     StreamSpec,
+    arrow_type,
     bucket_starts,
     numeric,
     refuse_null_keys,
@@ -27,7 +28,7 @@ from dpsql.continual.state import (
     stored_keys,
     type_name,
 )
-from dpsql.errors import ConflictingRow, InvalidParameter, InvalidTimeKey, LateRow
+from dpsql.errors import ConflictingRow, InvalidData, InvalidParameter, InvalidTimeKey, LateRow
 from dpsql.ledger.streams import PartitionRow, StreamRow
 from dpsql.noise import Draws, partition_address
 from dpsql.timegrid import instant, ticks
@@ -60,8 +61,7 @@ class RangeAppend:
                 known.update(stream._store.partitions(conn, row.release_id,
                                                       [g.address for g in groups if g.address not in known]))
                 for group in groups:
-                    part = known.get(group.address) or stream._store.new_partition(
-                        conn, row, group.address, group.key_text, PartitionState().pack())
+                    part = known.get(group.address) or _new_partition(stream, conn, row, group)
                     known[group.address] = part
                     since.setdefault(group.address, part.watermark)
                     rows = frame.slice(group.start, group.stop - group.start)
@@ -221,8 +221,7 @@ class CountAppend:
         """Add a batch's events to their partitions' open buckets (refusing late ones)."""
         stream = self.stream
         for group in _groups(frame, self.spec, label, order="__bucket", unique_keys=False):
-            part = partitions.get(group.address) or stream._store.new_partition(
-                conn, row, group.address, group.key_text, PartitionState().pack())
+            part = partitions.get(group.address) or _new_partition(stream, conn, row, group)
             partitions[group.address] = part
             state = touched.get(group.address) or PartitionState.unpack(part.state)
             counted = frame.slice(group.start, group.stop - group.start).get_column("__bucket").to_numpy()
@@ -269,6 +268,24 @@ class CountAppend:
         return bucket_starts(np.array([bucket]), self.spec)[0].as_py()
 
 
+def _new_partition(stream: Stream, conn, row: StreamRow, group: _Group) -> PartitionRow:
+    """Add the group's partition, its keys typed as the stream's first partition's (a key of another
+    kind, which could never be read back beside them, is refused)."""
+    types = stream._store.key_types(conn, row.release_id)
+    text = group.key_text
+    if types is not None and types != group.types:
+        for column, value, kind, given in zip(stream.spec.partition_by, group.values, types, group.types):
+            try:
+                same = pa.array([value], type=arrow_type(kind)).to_pylist() == [value]  # 2.0 is 2, 2.5 is not
+            except (pa.ArrowException, TypeError, ValueError):
+                same = False
+            if not same:
+                raise InvalidData(f"stream {stream.name!r}: partition column {column!r} holds {value!r} ({given}); "
+                                  f"the stream's partition keys are {kind} (nothing of this append was kept)")
+        text = json.dumps({"values": group.values, "types": types}, default=str)
+    return stream._store.new_partition(conn, row, group.address, text, PartitionState().pack())
+
+
 def _closed_buckets(partitions: dict[bytes, PartitionRow]) -> int:
     """Buckets released by every partition: all partitions are closed together."""
     fed = [PartitionState.unpack(p.state).fed for p in partitions.values()]
@@ -281,6 +298,8 @@ class _Group:
     key_text: str
     start: int
     stop: int
+    values: list = field(default_factory=list)
+    types: list = field(default_factory=list)
 
 
 def _groups(frame: pl.DataFrame, spec: StreamSpec, label: str, *, order: str | None = None,
@@ -309,7 +328,8 @@ def _groups(frame: pl.DataFrame, spec: StreamSpec, label: str, *, order: str | N
         key = values[0] if len(values) == 1 else tuple(values)
         text = json.dumps({"values": values, "types": [type_name(frame.schema[c]) for c in spec.partition_by]},
                           default=str) if values else json.dumps({"values": [], "types": types})
-        groups.append(_Group(b"" if not values else partition_address(key), text, a, b))
+        groups.append(_Group(b"" if not values else partition_address(key), text, a, b, values,
+                             [type_name(frame.schema[c]) for c in spec.partition_by]))
     return groups
 
 

@@ -348,7 +348,8 @@ class Stream:
         if self.spec.partition_by:
             key = json.loads(part.key_text)
             for column, value, kind in zip(self.spec.partition_by, key["values"], key["types"]):
-                columns.append(pa.array([value] * n, type=arrow_type(kind)).cast(arrow_type(kind)))
+                # dates and times are kept as text (JSON): Arrow parses them back
+                columns.append(pa.array([value] * n).cast(arrow_type(kind)))
                 names.append(column)
         columns += [chunk["key"], chunk["value"], pa.array(part.first_handle + positions, pa.int64())]
         names += [self.spec.order_by, self._value_column(), ROW_COLUMN]

@@ -675,3 +675,39 @@ def test_a_persistent_ledger_refuses_a_seeded_stream_and_keeps_nothing(tmp_path)
     assert budget.spent == (0.0, 0.0) and budget.streams().height == 0 and budget.history().height == 0
     with pytest.raises(dpsql.UnknownStream, match="'s'"):
         budget.stream("s")
+
+
+def test_partition_keys_keep_the_streams_type_and_one_of_another_kind_is_refused(tmp_path):
+    path = tmp_path / "l.sqlite"
+    budget = dpsql.Budget.open(path, epsilon=1.0)
+    stream = budget.stream("s", method="laplace", epsilon=0.5, order_by="ts", value="v", partition_by="g", upper=1.0)
+    stream.append(pl.DataFrame({"g": [1], "ts": [1], "v": [0.5]}))
+    before = _ledger_rows(path)
+    for key, kind in ((["a"], "large_string"), ([2.5], "double"), ([True], "bool")):
+        with pytest.raises(dpsql.InvalidData, match=f"partition column 'g' holds .* \\({kind}\\); the stream's "
+                                                    "partition keys are int64"):
+            stream.append(pl.DataFrame({"g": key, "ts": [1], "v": [0.5]}))
+        assert _ledger_rows(path) == before
+    # keys of the same kind join in the stream's type; the stream stays readable whole
+    stream.append(pl.DataFrame({"g": pl.Series([2], dtype=pl.Int32), "ts": [1], "v": [0.5]}))
+    stream.append(pl.DataFrame({"g": [3.0], "ts": [1], "v": [0.5]}))
+    released = stream.released()
+    assert released.schema.field("g").type == pa.int64() and released["g"].to_pylist() == [1, 2, 3]
+
+
+def test_date_and_time_partition_keys_come_back_as_they_went_in():
+    budget = dpsql.Budget.in_memory(epsilon=2.0)
+    day, hour = dt.date(2024, 1, 2), dt.datetime(2024, 1, 2, 5, tzinfo=dt.UTC)
+    values = budget.stream("v", method="laplace", epsilon=0.5, order_by="ts", value="x", partition_by=["d", "h"],
+                           upper=1.0)
+    out = values.append(pl.DataFrame({"d": [day], "h": [hour], "ts": [1], "x": [0.5]}))
+    assert out.select(["d", "h"]).to_pylist() == [{"d": day, "h": hour}]
+    assert values.released(partition=(day, hour)).num_rows == 1
+    counts = budget.stream("c", method="count_laplace", epsilon=0.5, order_by="t", partition_by="d", every=1.0,
+                           start=0.0)
+    out = counts.append(pl.DataFrame({"t": [0.5, 1.5], "d": [day, dt.date(2024, 1, 3)]}), until=2.0)
+    assert out["d"].to_pylist() == [day, day, dt.date(2024, 1, 3), dt.date(2024, 1, 3)]
+    assert counts.released(partition=day)["t"].to_pylist() == [0.0, 1.0]
+    with pytest.raises(dpsql.InvalidData, match="partition column 'd' holds 'x'"):
+        counts.append(pl.DataFrame({"t": [2.5], "d": ["x"]}), until=3.0)
+    assert counts.released().num_rows == 4
