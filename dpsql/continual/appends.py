@@ -21,6 +21,7 @@ from dpsql.continual.state import (
     StreamSpec,
     arrow_type,
     bucket_starts,
+    decoded,
     numeric,
     refuse_null_keys,
     same_type,
@@ -76,7 +77,7 @@ class RangeAppend:
     def _ordered(self, table: pa.Table) -> pl.DataFrame:
         """The batch validated, with its values as float64, in (partition, order key) order."""
         spec, label = self.spec, f"stream {self.stream.name!r}"
-        frame = pl.from_arrow(table)
+        frame = decoded(pl.from_arrow(table), spec.partition_by)
         refuse_null_keys(frame, [spec.order_by, *spec.partition_by], label)
         values = _validate.values(numeric(frame.get_column(spec.value), spec.value, label), spec.value)
         frame = frame.with_columns(pl.Series("__value", values))
@@ -210,7 +211,7 @@ class CountAppend:
     def _bucketed(self, table: pa.Table) -> pl.DataFrame:
         """The batch's events with their buckets (events before the grid's start dropped), by partition."""
         spec, label = self.spec, f"stream {self.stream.name!r}"
-        frame = pl.from_arrow(table)
+        frame = decoded(pl.from_arrow(table), spec.partition_by)
         refuse_null_keys(frame, [spec.order_by, *spec.partition_by], label)
         buckets = spec.grid.buckets(ticks(table[spec.order_by], f"{label}: {spec.order_by}", spec.datetime))
         frame = frame.with_columns(pl.Series("__bucket", buckets)).filter(pl.col("__bucket") >= 0)

@@ -103,6 +103,13 @@ def timestamp_type(name: str) -> pa.DataType:
     return pa.timestamp(inside[0], tz=inside[1] if len(inside) > 1 else None)
 
 
+def decoded(frame: pl.DataFrame, columns) -> pl.DataFrame:
+    """``frame`` with its categorical (dictionary-encoded) key ``columns`` as plain strings: a
+    partition key is stored and returned by value."""
+    cast = [pl.col(c).cast(pl.String) for c in columns if isinstance(frame.schema[c], (pl.Categorical, pl.Enum))]
+    return frame.with_columns(cast) if cast else frame
+
+
 def refuse_null_keys(frame: pl.DataFrame, columns, label: str) -> None:
     """Refuse null or NaN keys in ``columns`` (the order column first) and infinite order keys."""
     for column in columns:

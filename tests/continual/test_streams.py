@@ -711,3 +711,17 @@ def test_date_and_time_partition_keys_come_back_as_they_went_in():
     with pytest.raises(dpsql.InvalidData, match="partition column 'd' holds 'x'"):
         counts.append(pl.DataFrame({"t": [2.5], "d": ["x"]}), until=3.0)
     assert counts.released().num_rows == 4
+
+
+def test_categorical_partition_keys_are_kept_by_value():
+    budget = dpsql.Budget.in_memory(epsilon=2.0)
+    stream = budget.stream("s", method="laplace", epsilon=0.5, order_by="ts", value="v", partition_by="g", upper=1.0)
+    stream.append(pl.DataFrame({"g": pl.Series(["a"], dtype=pl.Categorical), "ts": [1], "v": [0.5]}))
+    stream.append(pa.table({"g": pa.array(["b"]).dictionary_encode(), "ts": [1], "v": [0.5]}))
+    stream.append(pl.DataFrame({"g": ["a"], "ts": [2], "v": [0.5]}))  # the same partition, as a plain string
+    released = stream.released()
+    assert released["g"].to_pylist() == ["a", "a", "b"] and released["ts"].to_pylist() == [1, 2, 1]
+    counts = budget.stream("c", method="count_laplace", epsilon=0.5, order_by="t", partition_by="g", every=1.0,
+                           start=0.0)
+    out = counts.append(pl.DataFrame({"g": pl.Series(["a", "b"], dtype=pl.Categorical), "t": [0.5, 0.7]}), until=1.0)
+    assert out["g"].to_pylist() == ["a", "b"]
