@@ -725,3 +725,18 @@ def test_categorical_partition_keys_are_kept_by_value():
                            start=0.0)
     out = counts.append(pl.DataFrame({"g": pl.Series(["a", "b"], dtype=pl.Categorical), "t": [0.5, 0.7]}), until=1.0)
     assert out["g"].to_pylist() == ["a", "b"]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_refusal_in_a_later_partition_keeps_nothing_of_the_earlier_ones(tmp_path, persistent):
+    budget = dpsql.Budget.open(tmp_path / "l.sqlite", epsilon=1.0) if persistent else dpsql.Budget.in_memory(
+        epsilon=1.0)
+    stream = budget.stream("s", method="laplace", epsilon=1.0, order_by="ts", value="v", partition_by="g", upper=1.0)
+    first = stream.append(pl.DataFrame({"g": [0, 1], "ts": [5, 5], "v": [0.5, 0.5]}))
+    before = stream.info()
+    with pytest.raises(dpsql.LateRow, match="order key 4"):  # partition 0's new row is fine, partition 1's late
+        stream.append(pl.DataFrame({"g": [0, 1, 2], "ts": [6, 4, 1], "v": [0.5, 0.5, 0.5]}))
+    assert stream.info() == before and stream.released().equals(first)
+    again = stream.append(pl.DataFrame({"g": [0, 2], "ts": [6, 1], "v": [0.5, 0.5]}))
+    assert again["dp_row"].to_pylist()[0] == first["dp_row"][0].as_py() + 1  # partition 0 continues at its row 1
+    assert stream.info()["partitions"] == 3
