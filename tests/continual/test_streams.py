@@ -740,3 +740,16 @@ def test_a_refusal_in_a_later_partition_keeps_nothing_of_the_earlier_ones(tmp_pa
     again = stream.append(pl.DataFrame({"g": [0, 2], "ts": [6, 1], "v": [0.5, 0.5]}))
     assert again["dp_row"].to_pylist()[0] == first["dp_row"][0].as_py() + 1  # partition 0 continues at its row 1
     assert stream.info()["partitions"] == 3
+
+
+def test_a_count_stream_reopens_only_with_its_own_time_grid():
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    start = dt.datetime(2024, 1, 1)
+    budget.stream("c", method="count_laplace", epsilon=0.5, order_by="ts", every="1h", start=start)
+    assert budget.stream("c", every="60m", start="2024-01-01").name == "c"  # the same grid, spelt otherwise
+    for other in ({"every": "2h"}, {"start": start + dt.timedelta(minutes=30)}, {"every": 3600.0}):
+        with pytest.raises(dpsql.InvalidParameter, match=r"another time grid|every must be a duration"):
+            budget.stream("c", **other)
+    with pytest.raises(dpsql.InvalidParameter, match="order_by='ts'; reopening it with order_by='t'"):
+        budget.stream("c", order_by="t")
+    assert budget.spent == (0.5, 0.0)
