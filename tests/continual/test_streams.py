@@ -119,6 +119,7 @@ def test_registration_is_charged_once_and_reopening_from_another_process_is_free
     path = tmp_path / "l.sqlite"
     budget = dpsql.Budget.open(path, epsilon=1.0)
     stream = budget.stream("kwh", method="laplace", epsilon=0.5, order_by="ts", value="kwh", upper=10.0)
+    assert isinstance(stream, dpsql.Stream) and "Stream" in dpsql.__all__
     stream.append(pl.DataFrame({"ts": [1, 2], "kwh": [1.0, 2.0]}))
     code = f"""
         import dpsql, polars as pl
