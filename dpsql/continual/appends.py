@@ -323,14 +323,12 @@ def _groups(frame: pl.DataFrame, spec: StreamSpec, label: str, *, order: str | N
                                  "this append; time keys must be unique within a partition")
     starts = np.flatnonzero(new).tolist()
     groups = []
-    types = [str(frame.schema[c]) for c in spec.partition_by]
+    types = [type_name(frame.schema[c]) for c in spec.partition_by]
     for a, b in zip(starts, [*starts[1:], n]):
         values = [frame.get_column(c)[a] for c in spec.partition_by]
         key = values[0] if len(values) == 1 else tuple(values)
-        text = json.dumps({"values": values, "types": [type_name(frame.schema[c]) for c in spec.partition_by]},
-                          default=str) if values else json.dumps({"values": [], "types": types})
-        groups.append(_Group(b"" if not values else partition_address(key), text, a, b, values,
-                             [type_name(frame.schema[c]) for c in spec.partition_by]))
+        text = json.dumps({"values": values, "types": types}, default=str)
+        groups.append(_Group(b"" if not values else partition_address(key), text, a, b, values, types))
     return groups
 
 
