@@ -159,7 +159,7 @@ class Budget:
         :meth:`dpsql.Release.from_arrow`) joins them with the released values."""
         if (release_id is None) == (dp_row is None):
             raise InvalidParameter("give a release_id or a dp_row handle")
-        if dp_row is not None:
+        if release_id is None:  # so dp_row is given
             row = self._ledger.release_at(_validate.integer(dp_row, "dp_row", minimum=0))
             if row is None or "stream" in _state.unpack(row.description):
                 raise UnknownRelease(f"dp_row {dp_row} is not a row of a one-shot release in ledger {self.location} "

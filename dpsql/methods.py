@@ -69,6 +69,10 @@ def check_method(method: str, *, per_row: bool = False, online: bool = False) ->
         raise InvalidParameter(f"unknown method {method!r}; expected one of {', '.join(map(repr, sorted(METHODS)))}")
     factory = METHODS[method]
     outputs = getattr(factory, "n_outputs", None)
+    if online and outputs is not None:
+        raise InvalidParameter(f"method {method!r} has no online form: it releases {outputs} value(s) from all of "
+                               "a table's rows at once, so it cannot be a continual stream (release it once with "
+                               "dpsql.threshold and pass threshold= to a tops or pak stream)")
     if per_row and outputs is not None:
         raise InvalidParameter(f"method {method!r} releases {outputs} value(s) per stream, not one per row: release "
                                "it with the front end's threshold function (dp_threshold, .dpsql.threshold)")

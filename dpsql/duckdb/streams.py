@@ -15,7 +15,9 @@
     the private value (named like the value column; ``count`` for count streams) and
     ``dp_row``. Rows repeated from an earlier append return their recorded values. ``until``
     closes a count stream's buckets ending at or before it. Costs nothing: the stream was
-    charged when created. Executing the same query again is an idempotent re-append.
+    charged when created. Executing the same query again is an idempotent re-append for a stream of
+    values; a count stream's events carry no identity, so appending them again is refused
+    (``LateRow``) once their buckets are closed and counted twice while they are open.
 
 ``dp_stream(name)``
     Every row the stream has released so far (free).
