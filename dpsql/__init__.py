@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 from dpsql import duckdb, ldp, polars, testing
 from dpsql.api import binary_tree, hierarchy, laplace, pak, threshold, tops
 from dpsql.budget import Budget, use_budget
+from dpsql.continual import Stream
 from dpsql.counts import pegasus
 from dpsql.duckdb import register
 from dpsql.errors import (
@@ -55,6 +56,7 @@ __all__ = [
     "Preview",
     "Release",
     "RenamedParameter",
+    "Stream",
     "UnknownRelease",
     "UnknownStream",
     "binary_tree",

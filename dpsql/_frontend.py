@@ -36,10 +36,19 @@ RENAMED = {"time_column": "order_by", "time_col": "order_by", "order_col": "orde
            "estimator": "method"}
 
 
-def check_budget(budget, *, required: bool = False) -> None:
-    """Refuse a ``budget`` that is not a :class:`dpsql.Budget` (None passes unless ``required``)."""
-    if budget is None and not required:
+def check_budget(budget, *, required: str | None = None) -> None:
+    """Refuse a ``budget`` that is not a :class:`dpsql.Budget`. None passes unless ``required``,
+    which then says why a budget is needed and how to pass one.
+
+    >>> check_budget(None, required="SQL releases are charged to it")
+    Traceback (most recent call last):
+    ...
+    dpsql.errors.InvalidParameter: budget must be a dpsql.Budget, got None: SQL releases are charged to it
+    """
+    if budget is None and required is None:
         return
+    if budget is None:
+        raise InvalidParameter(f"budget must be a dpsql.Budget, got None: {required}")
     if not isinstance(budget, Budget):
         raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
 

@@ -23,7 +23,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from dpsql import _state, _validate
+from dpsql import _current, _state, _validate
 from dpsql.accounting import Charge, Kind, Neighbour, Notion, exact
 from dpsql.continual import Stream, open_stream
 from dpsql.errors import InvalidParameter, NonPrivateRelease, NotionMismatch, UnknownRelease
@@ -159,13 +159,13 @@ class Budget:
         :meth:`dpsql.Release.from_arrow`) joins them with the released values."""
         if (release_id is None) == (dp_row is None):
             raise InvalidParameter("give a release_id or a dp_row handle")
-        if release_id is None:
+        if release_id is None:  # so dp_row is given
             row = self._ledger.release_at(_validate.integer(dp_row, "dp_row", minimum=0))
             if row is None or "stream" in _state.unpack(row.description):
                 raise UnknownRelease(f"dp_row {dp_row} is not a row of a one-shot release in ledger {self.location} "
                                      "(rows of a continual stream: budget.stream(name))")
             release_id = row.release_id
-        record = ReleaseRecord.from_row(self._ledger.release(release_id))
+        record = ReleaseRecord.from_row(self._ledger.release(str(release_id)))
         if record.scope != self.scope:
             raise InvalidParameter(f"release {release_id} belongs to scope {record.scope!r}, not {self.scope!r}")
         return record
@@ -292,8 +292,6 @@ class Budget:
 
 # -- the default budget ------------------------------------------------------------------------------
 
-_default: Budget | None = None
-
 
 class use_budget(contextlib.AbstractContextManager):
     """Make ``budget`` the default of every release that passes no ``budget=``.
@@ -312,20 +310,18 @@ class use_budget(contextlib.AbstractContextManager):
     """
 
     def __init__(self, budget: Budget | None):
-        global _default
         if budget is not None and not isinstance(budget, Budget):
             raise InvalidParameter(f"use_budget takes a dpsql.Budget, got {type(budget).__name__}")
-        self._previous, _default = _default, budget
+        self._previous, _current.budget = _current.budget, budget
         self.budget = budget
 
     def __enter__(self) -> Budget | None:
         return self.budget
 
     def __exit__(self, *exc) -> None:
-        global _default
-        _default = self._previous
+        _current.budget = self._previous
 
 
 def default_budget() -> Budget | None:
     """The budget set by :func:`use_budget`, if any."""
-    return _default
+    return _current.budget

@@ -45,14 +45,14 @@ def _connection(location: str):
             conn.read_only = True
         except Exception as error:
             raise LedgerError(f"ledger {redacted(location)}: cannot connect ({type(error).__name__})") from None
-        return conn, PostgresBackend(location).execute
+        return conn, PostgresBackend(location).execute, redacted(location), psycopg.Error
     conn = _read_only_sqlite(location)
-    return conn, lambda c, sql, params=(): c.execute(sql, params)
+    return conn, lambda c, sql, params=(): c.execute(sql, params), location, sqlite3.Error
 
 
 def read(location: str, scope: str | None = None) -> dict:
     """Everything the CLI shows: ``{"scopes": [...], "history": [...], "streams": [...]}``."""
-    conn, execute = _connection(location)
+    conn, execute, shown, errors = _connection(location)  # shown: the location without its password
     try:
         where, params = ("WHERE scope = ?", (scope,)) if scope else ("", ())
         scopes = []
@@ -72,6 +72,8 @@ def read(location: str, scope: str | None = None) -> dict:
         streams = [dict(zip(["scope", "name", "method", "spec", "rows", "partitions", "created"], row))
                    for row in execute(conn, f"SELECT scope, name, method, spec, rows, partitions, created FROM streams "
                                             f"{where} ORDER BY created", params).fetchall()]
+    except errors as error:
+        raise LedgerError(f"ledger {shown}: not a readable dpsql ledger ({type(error).__name__})") from None
     finally:
         conn.close()
     for entry in history:
@@ -79,7 +81,7 @@ def read(location: str, scope: str | None = None) -> dict:
     for entry in streams:
         entry["params"] = json.loads(entry.pop("spec"))["params"]
     if scope and not scopes:
-        raise LedgerError(f"ledger {location}: no scope named {scope!r}")
+        raise LedgerError(f"ledger {shown}: no scope named {scope!r}")
     return {"scopes": scopes, "history": history, "streams": streams}
 
 

@@ -1,4 +1,5 @@
-"""Private count streams from event tables (PeGaSus, ALGORITHMS.md §2).
+"""Private count streams from event tables (PeGaSus, Chen et al., CCS 2017; docs/algorithms.md,
+"Counts of events").
 
 Users hold *events* (one row per login, connection, trip); the streams to release are
 counts per time bucket. This module does the bucketing over a **public, gap-free time
@@ -40,17 +41,18 @@ from dpsql.budget import Budget
 from dpsql.errors import InvalidData, InvalidParameter, RenamedParameter
 from dpsql.publishing import publish
 from dpsql.release import PartitionedRelease, Release
-from dpsql.streams.pegasus import DEFAULT_GROUPER_SHARE, largest_share, window_sums
+from dpsql.streams.pegasus import largest_share
+from dpsql.streams.windows import WINDOW_SMOOTHERS, window_sums
 from dpsql.timegrid import TimeDomain, ticks, time_domain
 
 #: Old names of count methods -> their registered names (:data:`dpsql.methods.COUNT_METHODS`, the
 #: one name every front end uses); refused with a :class:`~dpsql.RenamedParameter` naming the new one.
-RENAMED_METHODS = {"laplace": "count_laplace"}
+RENAMED_METHODS = {"laplace": "count_laplace", "smoothed": "count_smoothed"}
 
 
 
-def pegasus(counts, *, epsilon: float, grouper_share: float = DEFAULT_GROUPER_SHARE, theta: float | None = None,
-            smoother: str = "median", sensitivity: float = 1.0, budget: Budget | None = None,
+def pegasus(counts, *, epsilon: float, grouper_share: float | None = None, theta: float | None = None,
+            smoother: str | None = None, sensitivity: float = 1.0, budget: Budget | None = None,
             note: str | None = None) -> Release:
     """Release a count stream with PeGaSus (perturb, group, smooth), online.
 
@@ -66,13 +68,17 @@ def pegasus(counts, *, epsilon: float, grouper_share: float = DEFAULT_GROUPER_SH
         One count per time step, in time order.
     epsilon : float
         Total budget.
-    grouper_share : float
-        Share of ``epsilon`` for the Grouper, in (0, 1); default 0.2 [recon: from a
-        re-implementation, not the paper fragments].
+    grouper_share : float, optional
+        Share of ``epsilon`` for the Grouper, in (0, 1); default 0.02 with the adaptive
+        smoother (derived in :mod:`dpsql.streams.pegasus`: at most 5 % over per-step Laplace
+        where nothing smooths), 0.2 with the paper's smoothers.
     theta : float, optional
-        Grouper deviation threshold; default ``5 * sensitivity / eps_g`` [recon].
-    smoother : {"median", "average", "js"}
-        Estimate from the noisy counts of the current group (up to now).
+        Grouper deviation threshold; default with the adaptive smoother: a constant stream's
+        groups last 4096 steps on average (:func:`dpsql.streams.pegasus.default_theta`); with
+        the paper's smoothers ``5 * sensitivity / eps_g``.
+    smoother : {"adaptive", "median", "average", "js"}, optional
+        Estimate from the noisy counts of the current group (up to now); default
+        ``"adaptive"`` (:mod:`dpsql.streams.smoothing`), ``"median"`` is the paper's.
     sensitivity : float
         The most one neighbour changes one count.
     budget : dpsql.Budget, optional
@@ -82,8 +88,10 @@ def pegasus(counts, *, epsilon: float, grouper_share: float = DEFAULT_GROUPER_SH
     -------
     dpsql.Release
         ``values`` are the estimates; ``error.range_variance`` is exact for ``average``
-        and ``js`` and an upper bound for ``median`` (see
-        :class:`dpsql.streams.pegasus.GroupPrefixNoise`).
+        and ``js``, an upper bound for ``median`` (see
+        :class:`dpsql.streams.pegasus.GroupPrefixNoise`) and exact given the smoother's
+        choices for ``adaptive`` (:class:`dpsql.streams.smoothing.AdaptiveNoise`); ``reports``
+        are the Perturber's noisy counts (public), from which window sums are re-smoothed.
 
     Examples
     --------
@@ -214,6 +222,7 @@ class CountRelease:
     time_column: str
     window: int | None = None
     alarm_threshold: float | None = None
+    window_smoother: str | None = None
 
     def parts(self) -> list[Release]:
         return list(self.release.parts) if isinstance(self.release, PartitionedRelease) else [self.release]
@@ -223,7 +232,8 @@ class CountRelease:
         a row's level), ``dp_level`` (hierarchies only), ``dp_count`` (the estimate),
         ``dp_std_error`` (its noise standard deviation), ``dp_row`` (bucket index) and
         ``dp_part`` (stream index); with ``window``, ``dp_window_sum`` (sum of the last
-        ``window`` buckets, fewer at the start) and ``dp_window_std_error``; with
+        ``window`` buckets, fewer at the start, formed as ``window_smoother`` says:
+        :func:`dpsql.streams.windows.window_sums`) and ``dp_window_std_error``; with
         ``alarm_threshold``, ``dp_alarm`` (window sum >= threshold)."""
         n_buckets = self.domain.n_buckets
         parts = self.parts()
@@ -238,7 +248,7 @@ class CountRelease:
         out[ROW] = np.tile(rows, len(parts))
         out[PART] = np.repeat(np.arange(len(parts)), n_buckets)
         if self.window is not None:
-            sums = [window_sums(p, window=self.window) for p in parts]
+            sums = [window_sums(p, window=self.window, smoother=self.window_smoother) for p in parts]
             out[WINDOW_SUM] = np.concatenate([total for total, _ in sums])
             out[WINDOW_STD_ERROR] = np.sqrt(np.concatenate([variance for _, variance in sums]))
             if self.alarm_threshold is not None:
@@ -263,6 +273,7 @@ def check_count_method(method) -> str:
 def release_event_counts(times, *, start, stop, every, epsilon: float, method: str = "pegasus",
                          keys: Mapping[str, object] | None = None, hierarchy: bool = False, units=None,
                          cap: int | None = None, window: int | None = None, alarm_threshold: float | None = None,
+                         window_smoother: str | None = None,
                          budget: Budget | None = None, note: str | None = None, time_column: str = "time",
                          **params) -> CountRelease:
     """Bucket events over the public domain and release every count stream.
@@ -273,7 +284,8 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
     columns are levels, coarsest first (e.g. building, floor, room, access point): level
     ``l`` partitions by the first ``l`` columns, every event is counted once per level,
     and each level gets ``epsilon / L`` (sequential across levels, parallel within),
-    ALGORITHMS.md §2.6; the ledger is charged their exact sum, ``epsilon``.
+    as in PeGaSus's hierarchical aggregation (Chen et al., CCS 2017); the ledger is charged
+    their exact sum, ``epsilon``.
 
     Parameters
     ----------
@@ -281,8 +293,10 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
         Event times (datetimes, or numbers with a numeric domain).
     start, stop, every :
         The public time domain ``[start, stop)`` and bucket width (:func:`time_domain`).
-    method : {"pegasus", "count_laplace"}
-        PeGaSus, or per-bucket Laplace (the baseline; ``"laplace"``, its old name, is refused).
+    method : {"pegasus", "count_laplace", "count_smoothed"}
+        PeGaSus, per-bucket Laplace (the baseline), or per-bucket Laplace then the adaptive
+        smoother (post-processing, same cost). The old names ``"laplace"`` and ``"smoothed"``
+        are refused (:data:`RENAMED_METHODS`).
     keys : mapping of column name to array, optional
         Partition columns (one value per event).
     units, cap : optional
@@ -291,6 +305,11 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
     window, alarm_threshold : optional
         Add sliding-window sums over ``window`` buckets and the event-monitoring alarm
         ``window sum >= alarm_threshold`` to :meth:`CountRelease.columns` (free).
+    window_smoother : {"adaptive", "group", "none"}, optional
+        How window sums are formed (:func:`dpsql.streams.windows.window_sums`): by default
+        re-smoothed from the noisy counts known at the window's end for ``pegasus`` and
+        ``count_smoothed``, the sum of the released values for ``count_laplace``; ``"group"`` (PeGaSus
+        only) is the paper's group re-smoothing.
     **params
         PeGaSus parameters (``grouper_share``, ``theta``, ``smoother``).
 
@@ -311,6 +330,13 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
     method = check_count_method(method)
     epsilon = _validate.epsilon(epsilon)
     window = None if window is None else _validate.integer(window, "window", minimum=1)
+    if window_smoother is not None:
+        window_smoother = _validate.choice(window_smoother, "window_smoother", WINDOW_SMOOTHERS)
+        if window is None:
+            raise InvalidParameter("window_smoother needs window (the number of buckets summed)")
+        if window_smoother == "group" and method != "pegasus":
+            raise InvalidParameter(f"window_smoother='group' re-smooths with PeGaSus's groups; method "
+                                   f"{method!r} has none (use 'adaptive' or 'none')")
     if alarm_threshold is not None:
         if window is None:
             raise InvalidParameter("alarm_threshold needs window (the number of buckets summed)")
@@ -353,4 +379,4 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
                       partition_levels=levels if partitioned else None, note=note,
                       epsilon=level_epsilon, sensitivity=sensitivity, **params)
     return CountRelease(release, domain, key_values, np.asarray(levels) if hierarchy else None, time_column,
-                        window, alarm_threshold)
+                        window, alarm_threshold, window_smoother)

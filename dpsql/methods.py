@@ -18,11 +18,12 @@ from dpsql.errors import InvalidParameter
 from dpsql.noise import Draws, Keystream
 from dpsql.release import Release, StreamMachine, chunks_of, release_from
 from dpsql.streams.binary_tree import BinaryTreeStream
+from dpsql.streams.count_laplace import CountLaplaceStream, CountSmoothedStream
 from dpsql.streams.du import MACHINES as DU_MACHINES
 from dpsql.streams.hierarchy import HierarchyStream
 from dpsql.streams.laplace import LaplaceStream
 from dpsql.streams.pak import PakStream
-from dpsql.streams.pegasus import CountLaplaceStream, PegasusStream
+from dpsql.streams.pegasus import PegasusStream
 from dpsql.streams.threshold import ThresholdRelease
 from dpsql.streams.topl import PmDirectStream, ToplStream
 from dpsql.streams.tops import ToPS
@@ -37,13 +38,14 @@ METHODS: dict[str, Callable[..., StreamMachine]] = {
     "threshold": ThresholdRelease,
     "pegasus": PegasusStream,
     "count_laplace": CountLaplaceStream,
+    "count_smoothed": CountSmoothedStream,
     "topl": ToplStream,
     "pm_direct": PmDirectStream,
     **DU_MACHINES,
 }
 
 #: Methods releasing counts of events per time bucket (the input is an event table's time column).
-COUNT_METHODS = ("pegasus", "count_laplace")
+COUNT_METHODS = ("pegasus", "count_laplace", "count_smoothed")
 
 
 @functools.cache
@@ -67,6 +69,10 @@ def check_method(method: str, *, per_row: bool = False, online: bool = False) ->
         raise InvalidParameter(f"unknown method {method!r}; expected one of {', '.join(map(repr, sorted(METHODS)))}")
     factory = METHODS[method]
     outputs = getattr(factory, "n_outputs", None)
+    if online and outputs is not None:
+        raise InvalidParameter(f"method {method!r} has no online form: it releases {outputs} value(s) from all of "
+                               "a table's rows at once, so it cannot be a continual stream (release it once with "
+                               "dpsql.threshold and pass threshold= to a tops or pak stream)")
     if per_row and outputs is not None:
         raise InvalidParameter(f"method {method!r} releases {outputs} value(s) per stream, not one per row: release "
                                "it with the front end's threshold function (dp_threshold, .dpsql.threshold)")

@@ -37,6 +37,7 @@ _ASSUMPTIONS = {
     "tops": "the private threshold at its largest value (upper)",
     "pak": "the private threshold at its largest value (upper)",
     "pegasus": "no group longer than one step",
+    "count_smoothed": "counts that jump at every step, so the smoother returns the noisy counts",
 }
 
 

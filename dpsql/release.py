@@ -147,10 +147,49 @@ class Release:
     def from_arrow(table, *, budget) -> Release | PartitionedRelease:
         """The release a :meth:`to_arrow` table holds, its error model read from ``budget``'s
         ledger by the table's ``release_id`` (:class:`~dpsql.UnknownRelease` if that ledger
-        does not record it). The values are the table's; nothing is charged."""
+        does not record it). The values are the table's, in the order of its ``partition`` and
+        ``row`` columns (the table may have been reordered); nothing is charged."""
+        import pyarrow as pa
+
+        from dpsql import _current
+        from dpsql.errors import InvalidData
+
+        if not isinstance(table, pa.Table):
+            raise InvalidParameter(f"Release.from_arrow takes the pyarrow.Table of Release.to_arrow, got "
+                                   f"{type(table).__name__}")
+        budget = _current.budget if budget is None else budget
+        if not callable(getattr(budget, "release", None)):  # a dpsql.Budget (whose module imports this one)
+            raise InvalidParameter("Release.from_arrow reads the release's error model from the ledger it was charged "
+                                   "to: pass budget=dpsql.Budget.open(<that ledger>, scope=...), or set it with "
+                                   f"dpsql.use_budget (got {type(budget).__name__})")
         meta = _metadata_of(table)
         record = budget.release(meta["release_id"])
+        columns = [c for c in ("partition", "row", "value") if c in table.column_names]
+        if "value" not in columns or ("partition" in columns and "row" not in columns):
+            raise InvalidParameter(f"the table of release {record.release_id} lacks its 'row' or 'value' column "
+                                   f"(it has {', '.join(map(repr, table.column_names))})")
+        for column in columns:
+            if table.column(column).null_count:
+                raise InvalidData(f"column {column!r} of release {record.release_id} holds "
+                                  f"{table.column(column).null_count} null value(s): not the released table")
         values = np.asarray(table.column("value").to_numpy(), dtype=np.float64)
+        n = int(record.offsets[-1])
+        if len(values) != n:
+            raise InvalidParameter(f"release {record.release_id} has {n} values; the table has {len(values)}")
+        if "row" in columns:
+            position = np.asarray(table.column("row").to_numpy(), dtype=np.int64)
+            if "partition" in columns:
+                partition = np.asarray(table.column("partition").to_numpy(), dtype=np.int64)
+                if partition.size and (partition.min() < 0 or partition.max() >= record.partitions):
+                    raise InvalidParameter(f"column 'partition' of release {record.release_id} names partitions "
+                                           f"outside 0 .. {record.partitions - 1}")
+                position = position + record.offsets[partition]
+            if not np.array_equal(np.sort(position), np.arange(n)):
+                raise InvalidParameter(f"columns 'partition' and 'row' of release {record.release_id} do not name "
+                                       "each of its rows once: not the released table")
+            ordered = np.empty(n)
+            ordered[position] = values
+            values = ordered
         return record.with_values(values)
 
     def __repr__(self) -> str:

@@ -5,8 +5,9 @@ partitions being disjoint (one meter, one access point): the release costs the m
 partitions, which is every partition's cost. It is **charged once, on the driver, before any
 task runs**; each partition is then released by the same online machines as everywhere in
 dpsql, inside ``groupBy(partition).applyInArrow``, on the executors. No data comes back to the
-driver (one small aggregate checks the keys for nulls first, so that a refused call charges
-nothing).
+driver (one aggregate job checks the keys and values first, so that a refused call charges
+nothing and a charged release never fails on its data; finding a time key repeated within a
+partition needs the keys grouped, a shuffle of the key columns about as costly as the release's).
 
 Noise comes from the release's secret key and each draw's address (the partition's key,
 the level, the position), :mod:`dpsql.noise`: the key travels to the executors inside the
@@ -76,7 +77,7 @@ def range_sum(df, *, order_by: str, value: str, partition_by, method: str = RANG
     for column in [*partition_by, order_by]:
         _require_key_type(fields[column], column)
     release = _Release(method, {"epsilon": epsilon, **params}, budget, note)
-    refuse_null_keys(_null_counts(df, [*partition_by, order_by]), order_label=order_by, partition_labels=partition_by)
+    _refuse_bad_rows(df, partition_by, order_by, value, fields[value].dataType)
     release.charge(rows=0)
     schema = ", ".join(f"`{c}` {fields[c].dataType.simpleString()}" for c in [*partition_by, order_by]) \
         + f", `{value}` double"
@@ -89,7 +90,8 @@ def count_stream(df, *, order_by: str | None = None, every, start, stop, partiti
                  epsilon: float, budget: Budget | None = None, note: str | None = None, **params):
     """Private counts of the events of ``df`` per bucket of the public time domain ``[start,
     stop)`` cut every ``every`` (never read from the data), one stream per ``partition_by``
-    group: PeGaSus (``method="pegasus"``) or per-bucket Laplace (``"count_laplace"``).
+    group: PeGaSus (``method="pegasus"``), per-bucket Laplace (``"count_laplace"``) or
+    per-bucket Laplace then the adaptive smoother (``"count_smoothed"``).
 
     Returns a lazy Spark DataFrame: the partition columns, the bucket start (named like ``order_by``)
     and ``dp_count``, every bucket of the domain (empty ones too). Events outside the domain
@@ -105,14 +107,14 @@ def count_stream(df, *, order_by: str | None = None, every, start, stop, partiti
     for column in partition_by:
         _require_key_type(fields[column], column)
     domain = time_domain(start=start, stop=stop, every=every)
+    from pyspark.sql import functions as F
+
+    ticks = _spark_ticks(F.col(order_by), fields[order_by], domain.datetime, order_by)
     release = _Release(method, {"epsilon": epsilon, **params}, budget, note)
     nulls = _null_counts(df, [*partition_by, order_by])
     refuse_null_keys(nulls, order_label=None, partition_labels=partition_by)
     refuse_null_event_times(order_by, nulls[order_by])
     release.charge(rows=0)
-    from pyspark.sql import functions as F
-
-    ticks = _spark_ticks(F.col(order_by), fields[order_by], domain.datetime)
     bucket = F.floor((ticks - F.lit(domain.start)) / F.lit(domain.every)).cast("long")
     counted = (df.select(*partition_by, bucket.alias("__bucket"))
                .where((F.col("__bucket") >= 0) & (F.col("__bucket") < domain.n_buckets))
@@ -172,6 +174,13 @@ def _columns(partition_by) -> list[str]:
 
 
 def _fields(df, columns: list[str]) -> dict:
+    """The Spark fields of ``columns`` (the order key, value or time column last), each named once."""
+    if not all(hasattr(df, a) for a in ("schema", "groupBy", "select")):
+        raise InvalidParameter(f"df must be a pyspark.sql.DataFrame, got {type(df).__name__}")
+    if not all(isinstance(c, str) and c for c in columns):
+        raise InvalidParameter(f"column names must be non-empty strings, got {columns[-1]!r} / {columns!r}")
+    if len(set(columns)) != len(columns):
+        raise InvalidParameter(f"a column cannot play two roles (partition, order key, value): {columns!r}")
     present = {f.name: f for f in df.schema.fields}
     missing = [c for c in columns if c not in present]
     if missing:
@@ -205,17 +214,60 @@ def _null_counts(df, columns: list[str]) -> dict[str, int]:
     return {column: nulls[column] or 0 for column in columns}
 
 
-def _spark_ticks(column, field, datetime: bool):
+def _refuse_bad_rows(df, partition_by: list[str], order_by: str, value: str, value_type) -> None:
+    """One aggregate job over the keys and the value, before the charge: every refusal a task
+    would make (a null key, an order key repeated within a partition, a value that is null,
+    NaN, infinite or an integer float64 cannot hold) is made here, so a refused call charges
+    nothing and a charged release never fails on its data."""
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    keys = [*partition_by, order_by]
+    v = F.col(value)
+    if isinstance(value_type, (T.FloatType, T.DoubleType)):
+        non_finite = F.isnan(v) | (F.abs(v) == F.lit(float("inf")))
+    elif isinstance(value_type, T.IntegralType):
+        non_finite = (v > F.lit(_validate._EXACT_INTEGERS)) | (v < F.lit(-_validate._EXACT_INTEGERS))
+    else:
+        non_finite = F.lit(False)
+    per_key = df.groupBy(*keys).agg(F.count(F.lit(1)).alias("rows"),
+                                    F.sum(v.isNull().cast("long")).alias("nulls"),
+                                    F.sum(F.coalesce(non_finite, F.lit(False)).cast("long")).alias("non_finite"))
+    any_null_key = F.lit(False)
+    for column in keys:
+        any_null_key = any_null_key | F.col(column).isNull()
+    found = per_key.agg(*[F.sum(F.when(F.col(c).isNull(), F.col("rows"))).alias(f"null_{k}")
+                          for k, c in enumerate(keys)],
+                        F.sum(F.when(~any_null_key & (F.col("rows") > 1), 1)).alias("repeated"),
+                        F.sum("nulls").alias("nulls"), F.sum("non_finite").alias("non_finite")).first()
+    refuse_null_keys({column: found[f"null_{k}"] or 0 for k, column in enumerate(keys)}, order_label=order_by,
+                     partition_labels=partition_by)
+    if found["repeated"]:
+        raise InvalidTimeKey(f"order column {order_by!r} has a duplicate value within a partition "
+                             f"({found['repeated']} repeated key(s)); time keys must be unique within a partition")
+    if found["nulls"]:
+        raise InvalidData(f"column {value!r} contains {found['nulls']} null value(s); drop or impute them before a "
+                          "private release")
+    if found["non_finite"]:
+        what = "NaN or infinite" if isinstance(value_type, (T.FloatType, T.DoubleType)) else "integers beyond 2**53"
+        raise InvalidData(f"column {value!r} contains {found['non_finite']} {what} value(s); clean them before a "
+                          "private release")
+
+
+def _spark_ticks(column, field, datetime: bool, name: str):
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
     if not datetime:
+        if not isinstance(field.dataType, T.NumericType):
+            raise InvalidData(f"the time column {name!r} must hold numbers for numeric bounds, got "
+                              f"{field.dataType.simpleString()}")
         return column.cast("double")
     if isinstance(field.dataType, T.DateType):
         return F.unix_date(column).cast("long") * F.lit(86_400 * 10**9)
     if isinstance(field.dataType, (T.TimestampType, T.TimestampNTZType)):
         return F.unix_micros(column.cast("timestamp")) * F.lit(1000)
-    raise InvalidData(f"the time column must hold timestamps or dates for datetime bounds, got "
+    raise InvalidData(f"the time column {name!r} must hold timestamps or dates for datetime bounds, got "
                       f"{field.dataType.simpleString()}")
 
 

@@ -5,7 +5,7 @@ partition inside the one transaction that commits them."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,7 +19,9 @@ from dpsql.continual.state import (
     TAG,
     PartitionState,
     StreamSpec,
+    arrow_type,
     bucket_starts,
+    decoded,
     numeric,
     refuse_null_keys,
     same_type,
@@ -27,7 +29,7 @@ from dpsql.continual.state import (
     stored_keys,
     type_name,
 )
-from dpsql.errors import ConflictingRow, InvalidParameter, InvalidTimeKey, LateRow
+from dpsql.errors import ConflictingRow, InvalidData, InvalidParameter, InvalidTimeKey, LateRow
 from dpsql.ledger.streams import PartitionRow, StreamRow
 from dpsql.noise import Draws, partition_address
 from dpsql.timegrid import instant, ticks
@@ -50,20 +52,23 @@ class RangeAppend:
         outputs, released, like = [], 0, None
         with stream._store.appending(stream.budget.scope, stream.name) as (conn, row):
             known: dict[bytes, PartitionRow] = {}
+            since: dict[bytes, bytes | None] = {}  # each partition's watermark before this append
             for table in self.batches:  # one batch, or a lazy frame's sorted batches: one transaction
                 like = like or table
+                if not table.num_rows:
+                    continue  # nothing new (a quiet day, a filter that kept nothing): releases nothing
                 frame = self._ordered(table)
                 groups = _groups(frame, spec, f"stream {stream.name!r}")
                 known.update(stream._store.partitions(conn, row.release_id,
                                                       [g.address for g in groups if g.address not in known]))
                 for group in groups:
-                    part = known.get(group.address) or stream._store.new_partition(
-                        conn, row, group.address, group.key_text, PartitionState().pack())
+                    part = known.get(group.address) or _new_partition(stream, conn, row, group)
                     known[group.address] = part
+                    since.setdefault(group.address, part.watermark)
                     rows = frame.slice(group.start, group.stop - group.start)
                     output, count = self._partition(conn, row, part, keystream.partition(group.address),
                                                     rows.get_column(spec.order_by).to_arrow(),
-                                                    rows.get_column("__value").to_numpy())
+                                                    rows.get_column("__value").to_numpy(), since[group.address])
                     outputs.append(output)
                     released += count
             stream._store.finish(conn, row, released)
@@ -72,7 +77,7 @@ class RangeAppend:
     def _ordered(self, table: pa.Table) -> pl.DataFrame:
         """The batch validated, with its values as float64, in (partition, order key) order."""
         spec, label = self.spec, f"stream {self.stream.name!r}"
-        frame = pl.from_arrow(table)
+        frame = decoded(pl.from_arrow(table), spec.partition_by)
         refuse_null_keys(frame, [spec.order_by, *spec.partition_by], label)
         values = _validate.values(numeric(frame.get_column(spec.value), spec.value, label), spec.value)
         frame = frame.with_columns(pl.Series("__value", values))
@@ -81,13 +86,21 @@ class RangeAppend:
         return frame.sort([*spec.partition_by, spec.order_by], maintain_order=True)
 
     def _partition(self, conn, row: StreamRow, part: PartitionRow, draws: Draws, keys: pa.Array,
-                   values: np.ndarray) -> tuple[pa.Table, int]:
+                   values: np.ndarray, since: bytes | None) -> tuple[pa.Table, int]:
+        """Release a partition's rows of one batch; ``since`` is its watermark before this append
+        (a lazy frame's later batch may repeat a key of an earlier one: a duplicate, not a repeat)."""
         stream = self.stream
         state = PartitionState.unpack(part.state)
         watermark = None if part.watermark is None else stored_keys(part.watermark)
         keys = same_type(keys, watermark, stream)
         tags = draws.tags(values)
         old = 0 if watermark is None else int(pc.sum(pc.less_equal(keys, watermark[0])).as_py() or 0)
+        if old and part.watermark != since:
+            again = keys[:old] if since is None else keys[:old].filter(
+                pc.greater(keys[:old], stored_keys(since)[0]))
+            if len(again):
+                raise InvalidTimeKey(f"stream {stream.name!r}: order key {again[0].as_py()!r} appears twice in one "
+                                     "partition of this append; time keys must be unique within a partition")
         recorded = self._repeats(conn, row, part, state, keys[:old], tags[:old], watermark)
         if old == len(keys):
             return recorded, 0
@@ -148,7 +161,9 @@ class RangeAppend:
             raise LateRow(f"stream {stream.name!r}: a row with order key {late!r} arrives at or below its "
                           f"partition's watermark {watermark[0].as_py()!r} and repeats no row appended before; "
                           "nothing of this append was kept")
-        return pa.concat_tables(outputs) if outputs else stream._output(
+        if len(outputs) > 1:  # read newest chunk first: back in row (so order key) order
+            return pa.concat_tables(outputs[::-1])
+        return outputs[0] if outputs else stream._output(
             pa.table({"key": keys.slice(0, 0), "value": pa.array([], pa.float64())}), part, 0)
 
     def _same_values(self, keys: pa.Array, tags: np.ndarray, hit: np.ndarray, recorded_tags: np.ndarray) -> None:
@@ -196,7 +211,7 @@ class CountAppend:
     def _bucketed(self, table: pa.Table) -> pl.DataFrame:
         """The batch's events with their buckets (events before the grid's start dropped), by partition."""
         spec, label = self.spec, f"stream {self.stream.name!r}"
-        frame = pl.from_arrow(table)
+        frame = decoded(pl.from_arrow(table), spec.partition_by)
         refuse_null_keys(frame, [spec.order_by, *spec.partition_by], label)
         buckets = spec.grid.buckets(ticks(table[spec.order_by], f"{label}: {spec.order_by}", spec.datetime))
         frame = frame.with_columns(pl.Series("__bucket", buckets)).filter(pl.col("__bucket") >= 0)
@@ -207,8 +222,7 @@ class CountAppend:
         """Add a batch's events to their partitions' open buckets (refusing late ones)."""
         stream = self.stream
         for group in _groups(frame, self.spec, label, order="__bucket", unique_keys=False):
-            part = partitions.get(group.address) or stream._store.new_partition(
-                conn, row, group.address, group.key_text, PartitionState().pack())
+            part = partitions.get(group.address) or _new_partition(stream, conn, row, group)
             partitions[group.address] = part
             state = touched.get(group.address) or PartitionState.unpack(part.state)
             counted = frame.slice(group.start, group.stop - group.start).get_column("__bucket").to_numpy()
@@ -255,6 +269,24 @@ class CountAppend:
         return bucket_starts(np.array([bucket]), self.spec)[0].as_py()
 
 
+def _new_partition(stream: Stream, conn, row: StreamRow, group: _Group) -> PartitionRow:
+    """Add the group's partition, its keys typed as the stream's first partition's (a key of another
+    kind, which could never be read back beside them, is refused)."""
+    types = stream._store.key_types(conn, row.release_id)
+    text = group.key_text
+    if types is not None and types != group.types:
+        for column, value, kind, given in zip(stream.spec.partition_by, group.values, types, group.types):
+            try:
+                same = pa.array([value], type=arrow_type(kind)).to_pylist() == [value]  # 2.0 is 2, 2.5 is not
+            except (pa.ArrowException, TypeError, ValueError):
+                same = False
+            if not same:
+                raise InvalidData(f"stream {stream.name!r}: partition column {column!r} holds {value!r} ({given}); "
+                                  f"the stream's partition keys are {kind} (nothing of this append was kept)")
+        text = json.dumps({"values": group.values, "types": types}, default=str)
+    return stream._store.new_partition(conn, row, group.address, text, PartitionState().pack())
+
+
 def _closed_buckets(partitions: dict[bytes, PartitionRow]) -> int:
     """Buckets released by every partition: all partitions are closed together."""
     fed = [PartitionState.unpack(p.state).fed for p in partitions.values()]
@@ -267,6 +299,8 @@ class _Group:
     key_text: str
     start: int
     stop: int
+    values: list = field(default_factory=list)
+    types: list = field(default_factory=list)
 
 
 def _groups(frame: pl.DataFrame, spec: StreamSpec, label: str, *, order: str | None = None,
@@ -289,13 +323,12 @@ def _groups(frame: pl.DataFrame, spec: StreamSpec, label: str, *, order: str | N
                                  "this append; time keys must be unique within a partition")
     starts = np.flatnonzero(new).tolist()
     groups = []
-    types = [str(frame.schema[c]) for c in spec.partition_by]
+    types = [type_name(frame.schema[c]) for c in spec.partition_by]
     for a, b in zip(starts, [*starts[1:], n]):
         values = [frame.get_column(c)[a] for c in spec.partition_by]
         key = values[0] if len(values) == 1 else tuple(values)
-        text = json.dumps({"values": values, "types": [type_name(frame.schema[c]) for c in spec.partition_by]},
-                          default=str) if values else json.dumps({"values": [], "types": types})
-        groups.append(_Group(b"" if not values else partition_address(key), text, a, b))
+        text = json.dumps({"values": values, "types": types}, default=str)
+        groups.append(_Group(b"" if not values else partition_address(key), text, a, b, values, types))
     return groups
 
 

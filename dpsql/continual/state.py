@@ -103,7 +103,15 @@ def timestamp_type(name: str) -> pa.DataType:
     return pa.timestamp(inside[0], tz=inside[1] if len(inside) > 1 else None)
 
 
+def decoded(frame: pl.DataFrame, columns) -> pl.DataFrame:
+    """``frame`` with its categorical (dictionary-encoded) key ``columns`` as plain strings: a
+    partition key is stored and returned by value."""
+    cast = [pl.col(c).cast(pl.String) for c in columns if isinstance(frame.schema[c], (pl.Categorical, pl.Enum))]
+    return frame.with_columns(cast) if cast else frame
+
+
 def refuse_null_keys(frame: pl.DataFrame, columns, label: str) -> None:
+    """Refuse null or NaN keys in ``columns`` (the order column first) and infinite order keys."""
     for column in columns:
         nulls = frame.get_column(column).null_count()
         if nulls:
@@ -112,6 +120,10 @@ def refuse_null_keys(frame: pl.DataFrame, columns, label: str) -> None:
         series = frame.get_column(column)
         if series.dtype.is_float() and series.is_nan().any():
             raise InvalidTimeKey(f"{label}: key column {column!r} contains NaN")
+        if column == columns[0] and series.dtype.is_float() and series.is_infinite().any():
+            # an infinite order key would become the watermark: every later row would be late
+            raise InvalidTimeKey(f"{label}: order column {column!r} contains an infinite key; order keys must be "
+                                 "finite")
 
 
 def numeric(series: pl.Series, column: str, label: str) -> pl.Series:

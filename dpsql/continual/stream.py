@@ -55,7 +55,7 @@ from dpsql.continual.state import (
     scalar_like,
 )
 from dpsql.error_models import check_level
-from dpsql.errors import InvalidParameter, UnknownStream
+from dpsql.errors import BudgetExhausted, InvalidParameter, LedgerError, UnknownStream
 from dpsql.ledger.streams import PartitionRow, StreamRow, StreamStore
 from dpsql.methods import COUNT_METHODS, check_method, machine_for
 from dpsql.noise import Draws, Keystream, partition_address
@@ -101,7 +101,17 @@ def open_stream(budget, name: str, *, method: str | None = None, epsilon: float 
         store.register(conn, receipt, scope=budget.scope, name=name, method=method, spec=spec.to_json(),
                        secret=keystream.key + (b"\x01" if keystream.private else b"\x00"))
 
-    budget.charge(charge, then=register)
+    try:
+        budget.charge(charge, then=register)
+    except (LedgerError, BudgetExhausted):
+        # another process may have registered it since we looked (its insert wins, ours and our
+        # charge roll back): then this call reopens it, free, like any later call
+        existing = store.find(budget.scope, name)
+        if existing is None:
+            raise
+        stream = Stream(budget, existing)
+        stream._check_reopen({k: v for k, v in given.items() if v is not None})
+        return stream
     return Stream(budget, store.get(budget.scope, name))
 
 
@@ -338,7 +348,8 @@ class Stream:
         if self.spec.partition_by:
             key = json.loads(part.key_text)
             for column, value, kind in zip(self.spec.partition_by, key["values"], key["types"]):
-                columns.append(pa.array([value] * n, type=arrow_type(kind)).cast(arrow_type(kind)))
+                # dates and times are kept as text (JSON): Arrow parses them back
+                columns.append(pa.array([value] * n).cast(arrow_type(kind)))
                 names.append(column)
         columns += [chunk["key"], chunk["value"], pa.array(part.first_handle + positions, pa.int64())]
         names += [self.spec.order_by, self._value_column(), ROW_COLUMN]

@@ -95,7 +95,8 @@ def register(con: duckdb.DuckDBPyConnection, *, budget: Budget) -> None:
     >>> con.execute("SELECT count(*) FROM duckdb_functions() WHERE function_name = 'dp_range_sum'").fetchone()
     (1,)
     """
-    check_budget(budget, required=True)
+    check_budget(budget, required="SQL releases are charged to it; pass dpsql.register(con, "
+                 "budget=dpsql.Budget.open(path, epsilon=...)) (or Budget.in_memory(...))")
     if not isinstance(con, duckdb.DuckDBPyConnection):
         raise InvalidParameter(f"con must be a duckdb connection, got {type(con).__name__}")
     sql_errors.install()

@@ -5,13 +5,15 @@ SQL surface (installed by :func:`dpsql.duckdb.register`)::
     dp_count_stream(tbl, order_by, every := INTERVAL '5 minutes', start := ..., stop := ...,
                     epsilon := ..., method := 'pegasus', partition_by := NULL, hierarchy := false,
                     privacy_unit := NULL, contribution_cap := NULL, "window" := NULL,
-                    alarm_threshold := NULL, grouper_share := NULL, theta := NULL, smoother := NULL)
+                    alarm_threshold := NULL, window_smoother := NULL, grouper_share := NULL, theta := NULL,
+                    smoother := NULL)
 
 Table macro. Counts the events (rows) of table, view, file or data-frame variable
 ``tbl`` per bucket ``[start + i * every, start + (i + 1) * every)`` of the public time
 domain ``[start, stop)`` (required: never read from the data; the last bucket may be
-shorter) and releases every count stream with PeGaSus (``method := 'pegasus'``) or
-per-bucket Laplace (``'count_laplace'``) through :func:`dpsql.counts.release_event_counts`:
+shorter) and releases every count stream with PeGaSus (``method := 'pegasus'``),
+per-bucket Laplace (``'count_laplace'``) or per-bucket Laplace then the adaptive smoother
+(``'count_smoothed'``, post-processing at the same cost) through :func:`dpsql.counts.release_event_counts`:
 one call of :func:`dpsql.publishing.publish`, one charge. Empty buckets are released; events
 outside the domain are dropped and counted nowhere. ``every`` must have a fixed length
 (an INTERVAL without months or years, or text such as ``'5m'``, ``'1h30m'``);
@@ -33,12 +35,16 @@ like ``order_by``), the partition columns (NULL above a row's level), ``dp_level
 (hierarchies only), ``dp_count`` (the estimate), ``dp_std_error`` (noise only) and
 ``dp_row``, the connection-wide row handle of :mod:`dpsql.duckdb.range_sum`
 (consecutive buckets of a stream have consecutive handles; ``dp_release_id(dp_row)``
-gives the ledger's ``release_id``); with ``"window" := w`` (quoted: an SQL keyword), ``dp_window_sum`` (sum of
-the last ``w`` estimates, fewer at the start) and ``dp_window_std_error``; with
+gives the ledger's ``release_id``); with ``"window" := w`` (quoted: an SQL keyword), ``dp_window_sum``
+(the sum of the last ``w`` buckets, fewer at the start: for ``'pegasus'`` and ``'count_smoothed'``
+re-smoothed from the noisy counts known at the window's end, for ``'count_laplace'`` the sum of
+the released counts; ``window_smoother := 'none'`` sums the released counts,
+:func:`dpsql.streams.windows.window_sums`) and ``dp_window_std_error``; with
 ``alarm_threshold``, ``dp_alarm`` (``dp_window_sum >= alarm_threshold``: event
 monitoring). Windows and alarms are post-processing; so are SQL window functions over
-``dp_count``, whose error bars ``dp_range_variance(min(dp_row) OVER w, max(dp_row) OVER w
-+ 1)`` gives exactly (with ``w`` partitioned by the partition columns and ``dp_level``).
+``dp_count`` (equal to ``dp_window_sum`` with ``window_smoother := 'none'``), whose error
+bars ``dp_range_variance(min(dp_row) OVER w, max(dp_row) OVER w + 1)`` gives exactly (with
+``w`` partitioned by the partition columns and ``dp_level``).
 """
 
 from __future__ import annotations
@@ -71,7 +77,8 @@ from dpsql.errors import InvalidData, InvalidParameter
 MACRO = "dp_count_stream"
 #: Named macro parameters besides ``every`` (whose default is an interval).
 PARAMETERS = ("start", "stop", "epsilon", "method", "partition_by", "hierarchy", "privacy_unit",
-              "contribution_cap", "window", "alarm_threshold", "grouper_share", "theta", "smoother")
+              "contribution_cap", "window", "alarm_threshold", "window_smoother", "grouper_share", "theta",
+              "smoother")
 _INTERVAL = re.compile(r"^(?:(?P<days>-?\d+) days?)?\s*(?:(?P<sign>-)?(?P<h>\d+):(?P<m>\d\d):(?P<s>\d\d(?:\.\d+)?))?$")
 
 

@@ -6,8 +6,8 @@
     it in the bound budget's ledger and charges its whole cost once (:meth:`dpsql.Budget.stream`):
     it needs ``method`` and ``epsilon``, as in Python. Later ones reopen it for free
     (``dp_stream_create('kwh', NULL, NULL)`` or with the same parameters), refusing other ones. Count streams
-    (``method := 'pegasus'`` or ``'count_laplace'``) take the event table's time column as
-    ``order_by`` (``value_col`` NULL) and their public grid ``every := INTERVAL ...`` and
+    (``method := 'pegasus'``, ``'count_laplace'`` or ``'count_smoothed'``) take the event table's time column
+    as ``order_by`` (``value_col`` NULL) and their public grid ``every := INTERVAL ...`` and
     ``start := TIMESTAMP ...``.
 
 ``dp_stream_append(name, tbl, until := NULL)``
@@ -16,7 +16,9 @@
     the private value (named like the value column; ``count`` for count streams) and
     ``dp_row``. Rows repeated from an earlier append return their recorded values. ``until``
     closes a count stream's buckets ending at or before it. Costs nothing: the stream was
-    charged when created. Executing the same query again is an idempotent re-append.
+    charged when created. Executing the same query again is an idempotent re-append for a stream of
+    values; a count stream's events carry no identity, so appending them again is refused
+    (``LateRow``) once their buckets are closed and counted twice while they are open.
 
 ``dp_stream(name)``
     Every row the stream has released so far (free).

@@ -8,15 +8,21 @@ by a team, or memory.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+from dpsql.errors import InvalidParameter
 from dpsql.ledger.sqlite import SqliteBackend
 from dpsql.ledger.store import Ledger, Receipt, ReleaseRow, ScopeState
 
 
 def open_ledger(location: str | Path) -> Ledger:
     """The ledger at ``location``: a file path, or a ``postgresql://`` URL."""
-    text = str(location)
+    if not isinstance(location, (str, os.PathLike)) or not os.fspath(location):
+        raise InvalidParameter(f"a ledger's location must be a file path or a postgresql:// URL, got {location!r}")
+    text = os.fspath(location)
+    if not isinstance(text, str):
+        raise InvalidParameter(f"a ledger's location must be a file path or a postgresql:// URL, got {location!r}")
     if text.startswith(("postgresql://", "postgres://")):
         from dpsql.ledger.postgres import PostgresBackend
 

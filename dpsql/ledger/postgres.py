@@ -38,8 +38,17 @@ class PostgresBackend:
 
     def __init__(self, url: str):
         self._url = url
-        self._password = psycopg.conninfo.conninfo_to_dict(url).get("password")
         self.location = redacted(url)
+        problem = None
+        try:
+            self._password = psycopg.conninfo.conninfo_to_dict(url).get("password")
+        except psycopg.Error as error:
+            # psycopg quotes the whole URL, password included: raised outside this block, redacted,
+            # so that neither the message nor the exception's context holds the password
+            problem = str(error).strip().replace(url, self.location)
+        if problem is not None:
+            raise LedgerError(f"ledger {self.location}: not a valid PostgreSQL connection URL ({problem}). Nothing "
+                              "was charged or released.")
 
     def connect(self):
         conn = psycopg.connect(self._url, autocommit=True, connect_timeout=CONNECT_TIMEOUT)

@@ -313,6 +313,8 @@ class Ledger:
 
     def release_at(self, handle: int) -> ReleaseRow | None:
         """The release whose row handles include ``handle``, or None."""
+        if not 0 <= handle < 2**63:  # handles are 64-bit integers in every backend
+            return None
         with self.reading("resolve a row handle") as conn:
             row = self.execute(conn, "SELECT release_id, scope, first_handle, handles, description FROM releases "
                                      "WHERE first_handle <= ? ORDER BY first_handle DESC LIMIT 1",

@@ -125,6 +125,12 @@ class StreamStore:
                                                 None if row[5] is None else bytes(row[5]), bytes(row[6]))
         return found
 
+    def key_types(self, conn, release_id: str) -> list[str] | None:
+        """The partition key types of the stream's first partition (None before it has one)."""
+        row = self._q(conn, "SELECT key_text FROM stream_partitions WHERE release_id = ? AND ordinal = 0",
+                      (release_id,)).fetchone()
+        return None if row is None else json.loads(row[0])["types"]
+
     def new_partition(self, conn, stream: StreamRow, address: bytes, key_text: str, state: bytes) -> PartitionRow:
         """Add a partition (inside an append), with its block of row handles."""
         ordinal = int(self._q(conn, "SELECT COUNT(*) FROM stream_partitions WHERE release_id = ?",

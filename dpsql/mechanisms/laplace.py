@@ -155,8 +155,9 @@ class LaplaceLattice:
         dpsql.errors.InvalidParameter: values of magnitude 2**53.0 lattice units ...
         """
         units = np.rint(np.asarray(values, dtype=np.float64) / self.granularity)
+        _refuse_inexact(units, self.scale_units)  # before any noise is drawn
         noise = self.noise_units(draws, start, units.size).reshape(units.shape)
-        return _add_draws(units, noise, self.granularity, self.scale_units)
+        return _add_draws(units, noise, self.granularity)
 
 
 class LatticeBatch:
@@ -204,19 +205,24 @@ class LatticeBatch:
         values = np.asarray(values, dtype=np.float64)
         gamma = self._per_partition(self.granularity, values.ndim)
         units = np.rint(values / gamma)
+        _refuse_inexact(units, float(self.scale_units.max()))  # before any noise is drawn
         noise = self.noise_units(draws, start, units[0].size if len(units) else 0).reshape(units.shape)
-        return _add_draws(units, noise, gamma, float(self.scale_units.max()))
+        return _add_draws(units, noise, gamma)
 
 
-def _add_draws(units: np.ndarray, draws: np.ndarray, gamma, largest_scale_units: float) -> np.ndarray:
+def _add_draws(units: np.ndarray, draws: np.ndarray, gamma) -> np.ndarray:
     """``gamma * (units + draws)`` for integral float ``units`` (overwritten), exact in float64;
-    refused where it could not be (see :meth:`LaplaceLattice.release`)."""
+    the caller has refused, before drawing, ``units`` where it could not be (:func:`_refuse_inexact`)."""
+    units += draws
+    units *= gamma
+    return units
+
+
+def _refuse_inexact(units: np.ndarray, largest_scale_units: float) -> None:
+    """Refuse lattice ``units`` too large for any draw at ``largest_scale_units`` to be added exactly."""
     largest = largest_magnitude(units)
     if not largest + draw_bound(largest_scale_units) < 2.0**53:
         raise InvalidParameter(
             f"values of magnitude 2**{math.log2(largest):.1f} lattice units cannot carry lattice noise exactly in "
             f"float64 (values plus noise must stay below 2**53 units): shift the data closer to 0 (subtract a "
             f"public offset, then pass lower and upper for the shifted values)")
-    units += draws
-    units *= gamma
-    return units

@@ -55,15 +55,19 @@ def count_stream(frame: pl.DataFrame | pl.LazyFrame, order_by: str | None = None
         Bucket width, e.g. ``"5m"``, ``"1h"``, ``"1h30m"``, ``"1d"`` (fixed lengths only).
     start, stop :
         The public time domain ``[start, stop)``: datetimes or ISO strings (UTC).
-    method : {"pegasus", "count_laplace"}
+    method : {"pegasus", "count_laplace", "count_smoothed"}
+        PeGaSus, per-bucket Laplace (the baseline) or per-bucket Laplace then the adaptive
+        smoother (post-processing, same cost).
     partition_by, hierarchy, privacy_unit, contribution_cap : optional
         See above.
     window, alarm_threshold : optional
-        Add ``dp_window_sum`` (sum of the last ``window`` buckets' estimates),
-        ``dp_window_std_error`` and ``dp_alarm`` (``dp_window_sum >= alarm_threshold``):
-        post-processing, free.
+        Add ``dp_window_sum`` (sum of the last ``window`` buckets), ``dp_window_std_error``
+        and ``dp_alarm`` (``dp_window_sum >= alarm_threshold``): post-processing, free.
     **params
-        PeGaSus parameters: ``grouper_share``, ``theta``, ``smoother``.
+        ``window_smoother`` (how window sums are formed: re-smoothed from the noisy counts
+        known at the window's end by default for ``pegasus`` and ``smoothed``;
+        :func:`dpsql.counts.release_event_counts`) and the PeGaSus parameters
+        ``grouper_share``, ``theta``, ``smoother``.
 
     Returns
     -------

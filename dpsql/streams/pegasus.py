@@ -1,4 +1,4 @@
-"""PeGaSus: Perturb, Group, Smooth (Chen et al., CCS 2017; ALGORITHMS.md §2).
+"""PeGaSus: Perturb, Group, Smooth (Chen et al., CCS 2017).
 
 Releases a stream of counts ``c_1, c_2, ...`` online. At each time ``t``:
 
@@ -13,7 +13,10 @@ Releases a stream of counts ``c_1, c_2, ...`` online. At each time ``t``:
   time ``t``: with ``G`` the group containing ``t`` (its rows up to ``t``),
   ``average`` releases ``mean(c~[G])``, ``median`` ``median(c~[G])`` (mean of the two
   middle values for an even size) and ``js`` (James-Stein)
-  ``(c~_t - mean(c~[G])) / |G| + mean(c~[G])``.
+  ``(c~_t - mean(c~[G])) / |G| + mean(c~[G])``; ``adaptive`` (the default) releases the
+  adaptive smoother of :mod:`dpsql.streams.smoothing` restarted at every group's first row
+  (weighted means of the group so far over horizons of 2 to 4096 steps, the horizon and a
+  shrinkage toward ``c~_t`` chosen from the noisy counts already released).
 
 Privacy: ``epsilon = eps_p + eps_g``-DP for add/remove-one-event neighbours, where one
 event changes one count by at most ``s`` (``sensitivity``, 1 for event counts; ``k`` for
@@ -36,91 +39,94 @@ Privacy of the lattice SVT: the query is rounded to the query lattice before int
 noise is added, and the noisy threshold lives on its own lattice; both are calibrated by
 :class:`~dpsql.mechanisms.LaplaceLattice`, whose sensitivity units include the rounding
 step, and only the comparison is used.
+
+Defaults (the paper gives none in the text we follow; these are derived, not fitted)
+------------------------------------------------------------------------------------
+* ``grouper_share = 0.02``. On a stream whose counts change from step to step by more than
+  the noise (hourly traffic with daily cycles), no smoother can beat the released noisy
+  count, so PeGaSus's error there is at least the Perturber's, ``2 s^2 / eps_p^2 = (1 -
+  share)^-2`` times per-step Laplace at the full epsilon. Allowing at most 5 % over Laplace
+  on such streams asks for ``share <= 1 - 1.05^-1/2 = 0.024``; 0.02 (4.1 % over Laplace)
+  leaves the adaptive smoother its own ~1 % on rough streams. (The earlier default
+  0.2 costs 56 % on such streams before any grouping error.)
+* ``theta = b_q ln(3 L / 8)`` with ``b_q`` the scale of the Grouper's query noise (about
+  ``8 s / eps_g``) and ``L = 2^12 = 4096``, the adaptive smoother's longest horizon. On a
+  constant stream ``dev = 0`` and a group with noisy threshold ``theta + nu`` closes at each
+  step with probability ``p = exp(-(theta + nu) / b_q) / 2``; its length is geometric, of mean
+  ``1 / p``, and averaging over ``nu ~ Lap(b_q / 2)`` (``E exp(nu / b_q) = 4 / 3``) gives a mean
+  group length ``(8 / 3) exp(theta / b_q) = L``: false restarts then leave the longest level
+  its whole horizon on average. (The earlier ``theta = 5 s / eps_g`` is ``0.63 b_q``: mean
+  groups of about 5 steps on a constant stream, fewer on real counts.)
+* ``smoother = "adaptive"``: it chooses its horizon (up to 4096 steps) and its shrinkage
+  toward ``c~_t`` from the C_p risk of the noisy counts, so on a rough stream it returns
+  ``c~_t`` (error: the Perturber's alone, the bound above) and on a smooth one averages as
+  far back as the guard allows; the paper's smoothers average the whole group so far, which
+  is right only where the group is constant. Measured in BENCHMARKS.md ("PeGaSus and count
+  smoothing") against the earlier defaults.
+* These two derived defaults assume the adaptive smoother, whose guard follows a change of
+  level inside a group within a few steps, so the Grouper only has to cut where the level
+  moves for long. The paper's smoothers (``median``, ``average``, ``js``) follow nothing
+  inside a group: with them a missed change persists until the group closes, so they keep
+  the paper-era defaults, ``grouper_share = 0.2`` and ``theta = 5 s / eps_g`` (a third-party
+  re-implementation's; mean groups of a few steps) unless given.
+
+Streams registered before these defaults (snapshots without a ``format``) keep the old
+ones (``0.2``, ``5 s / eps_g``, ``median``) for every parameter they did not set.
 """
 
 from __future__ import annotations
 
-import heapq
-from functools import cache
+import math
 
 import numpy as np
 
 from dpsql import _validate
-from dpsql.accounting import Neighbour, largest_share
-from dpsql.error_models import ErrorModel
+from dpsql.accounting import largest_share
 from dpsql.mechanisms import LaplaceLattice
 from dpsql.mechanisms.svt import AboveThreshold
-from dpsql.noise import Draws, Lane
-from dpsql.release import Release, StreamMachine
-from dpsql.streams.laplace import RowNoiseStream
+from dpsql.noise import Draws
+from dpsql.release import StreamMachine
+from dpsql.streams.count_laplace import SMOOTHED_COLUMNS, CountLaplaceStream, count_neighbour, perturb_units
+from dpsql.streams.group_smoothing import GroupPrefixNoise, smooth
+from dpsql.streams.smoothing import LEVELS, AdaptiveNoise, AdaptiveSmoother
+from dpsql.streams.windows import window_alarms, window_sums
 
-SMOOTHERS = ("median", "average", "js")
+# Re-exported: the count front ends and older callers import these from here.
+__all__ = ["CountLaplaceStream", "GroupPrefixNoise", "PegasusStream", "largest_share", "smooth", "window_alarms",
+           "window_sums"]
+
+SMOOTHERS = ("adaptive", "median", "average", "js")
 #: Steps after a group's start for which the first "above" is searched for every possible
 #: start at once; longer groups continue in :func:`_first_above_long`.
 SHORT_GROUP = 20
 #: ... unless a round resolves less than this share of the starts still open.
 MIN_RESOLVED_SHARE = 0.01
-#: Group prefixes up to this size get their medians by batched sorting; longer groups
-#: run a two-heap running median.
-SHORT_MEDIAN = 48
-DEFAULT_GROUPER_SHARE = 0.2
-#: theta = THETA_TIMES_SCALE * sensitivity / eps_g by default [recon, ALGORITHMS.md §2.1].
-THETA_TIMES_SCALE = 5.0
+DEFAULT_GROUPER_SHARE = 0.02
+DEFAULT_SMOOTHER = "adaptive"
+#: Mean length of a constant stream's groups under the default theta: the adaptive
+#: smoother's longest horizon.
+GROUP_LENGTH = 2**LEVELS
+#: The defaults before the derived ones (a third-party re-implementation's), kept for
+#: streams registered with them.
+LEGACY_DEFAULTS = {"grouper_share": 0.2, "theta_times_scale": 5.0, "smoother": "median"}
+#: Snapshot format of PegasusStream (absent: registered under the legacy defaults).
+SNAPSHOT_FORMAT = 2
 
 
-def count_neighbour(sensitivity: float) -> str:
-    """The neighbour relation of a count release in which one count moves by ``sensitivity``."""
-    if sensitivity == 1.0:
-        return Neighbour.ADD_REMOVE_EVENT.value
-    return (f"add/remove one privacy unit's events within one time step (at most {sensitivity:g} counted per "
-            "step; time domain and partition keys public)")
+def default_theta(svt: AboveThreshold, length: float = GROUP_LENGTH) -> float:
+    """The threshold at which a constant stream's groups last ``length`` steps on average:
+    ``b_q ln(3 length / 8)`` for the Grouper's query-noise scale ``b_q`` (module docstring).
 
-
-def perturb_units(counts: np.ndarray, lattice: LaplaceLattice, noise: Draws, start: int) -> np.ndarray:
-    """Noisy counts in lattice units: negative counts are clipped to 0 (a count's public
-    lower bound), then lattice Laplace noise (step ``t``'s draw: index ``t`` of the ``ROWS``
-    lane) is added."""
-    units = lattice.to_units(np.maximum(counts, 0.0))
-    units += lattice.noise_units(noise.lane(Lane.ROWS), start, units.size)
-    return units
-
-
-class CountLaplaceStream(RowNoiseStream):
-    """Per-step Laplace on counts (the PeGaSus Perturber alone, ``eps_p = epsilon``):
-    ``c_t + Lap(sensitivity / epsilon)``, negatives clipped to 0 first.
-
-    Privacy: ``epsilon``-DP for add/remove-one-event neighbours (one count moves by at
-    most ``sensitivity``). The baseline PeGaSus is compared against.
-
-    Examples
-    --------
-    >>> import numpy as np, dpsql
-    >>> with dpsql.testing.seeded(0) as keys:
-    ...     rel = dpsql.methods.run("count_laplace", np.array([3.0, 0.0, 7.0]), noise=keys, epsilon=1.0)
-    >>> len(rel), rel.range_variance(0, 3) > 0
-    (3, True)
+    >>> svt = AboveThreshold(2.0, 0.02)
+    >>> round(default_theta(svt) / svt.query_noise.scale, 3)  # ln(3 * 4096 / 8)
+    7.337
     """
-
-    method = "count_laplace"
-    component = "perturber"
-
-    def __init__(self, n: int | None = None, *, epsilon: float, sensitivity: float = 1.0, noise: Draws):
-        self.epsilon = _validate.epsilon(epsilon)
-        self.sensitivity = _validate.real(sensitivity, "sensitivity", minimum=0.0, strict=True)
-        self.cost = (self.epsilon, 0.0)
-        self.neighbour = count_neighbour(self.sensitivity)
-        self._start(self.sensitivity, self.epsilon, noise)
-
-    def _values_to_release(self, rows: np.ndarray) -> np.ndarray:
-        return np.maximum(rows, 0.0)
-
-    def params(self) -> dict:
-        return {"epsilon": self.epsilon, "sensitivity": self.sensitivity}
+    return svt.query_noise.scale * math.log(3.0 * length / 8.0)
 
 
 class PegasusStream(StreamMachine):
-    """PeGaSus as an online state machine (see the module docstring for the algorithm
-    and its privacy proof).
+    """PeGaSus as an online state machine (see the module docstring for the algorithm,
+    its privacy proof and the derivation of the defaults).
 
     Parameters
     ----------
@@ -129,60 +135,91 @@ class PegasusStream(StreamMachine):
     epsilon : float
         Total budget; ``eps_g = grouper_share * epsilon`` goes to the Grouper and
         ``eps_p = epsilon - eps_g`` to the Perturber.
-    grouper_share : float
-        In (0, 1). Default 0.2 ([recon]: ``eps_p = 0.8 eps``, ``eps_g = 0.2 eps`` come from a
-        third-party re-implementation, not from the paper fragments).
+    grouper_share : float, optional
+        In (0, 1). Default 0.02 with the adaptive smoother (at most 5 % over per-step Laplace
+        where no smoothing helps), 0.2 with the paper's smoothers.
     theta : float, optional
-        Grouper deviation threshold ``theta_g``. Default ``5 * sensitivity / eps_g``
-        ([recon], as above).
-    smoother : {"median", "average", "js"}
-        Default "median" (the paper's Example 3.5).
+        Grouper deviation threshold ``theta_g``. Default with the adaptive smoother
+        ``b_q ln(3 * 4096 / 8)`` (about ``58.7 * sensitivity / eps_g``: a constant stream's
+        groups last 4096 steps on average), with the paper's smoothers ``5 * sensitivity / eps_g``.
+    smoother : {"adaptive", "median", "average", "js"}, optional
+        Default "adaptive"; "median" is the paper's Example 3.5.
     sensitivity : float
         The most one neighbour changes one count (1 for event counts).
 
     Noise addresses: step ``t``'s perturbation is index ``t`` of the ``ROWS`` lane, the
     threshold of a group opening at ``t`` index ``t`` of ``SVT_THRESHOLD`` and the test at
     ``t`` index ``t`` of ``SVT_QUERY``. The state is the open group (its true counts are
-    secret); every released row also carries its group's first step (``public_rows``: the
-    released partition, which the error model needs).
+    secret) and the adaptive smoother's. Every released row also carries public columns:
+    its group's first step (``group``: the released partition), the Perturber's noisy count
+    (``noisy``) and, for the adaptive smoother, its choices (``level``, ``weight``,
+    ``spread``); the error model needs them, re-smoothed window sums the noisy counts
+    (``Release.reports``).
 
-    The Smoother's ``ErrorModel`` (:class:`GroupPrefixNoise`) is exact for ``average``
-    and ``js``, which are linear in the Perturber noise given the released partition;
-    for ``median`` it is a bound (see that class).
+    The ``ErrorModel`` is exact for ``average`` and ``js`` (:class:`GroupPrefixNoise`, linear in
+    the Perturber noise given the released partition), an upper bound for ``median``, and
+    exact given the smoother's choices for ``adaptive``
+    (:class:`~dpsql.streams.smoothing.AdaptiveNoise`, a plug-in).
     """
 
-    public_columns = ("group",)
-
-    def __init__(self, n: int | None = None, *, epsilon: float, grouper_share: float = DEFAULT_GROUPER_SHARE,
-                 theta: float | None = None, smoother: str = "median", sensitivity: float = 1.0,
+    def __init__(self, n: int | None = None, *, epsilon: float, grouper_share: float | None = None,
+                 theta: float | None = None, smoother: str | None = None, sensitivity: float = 1.0,
                  noise: Draws):
         self.epsilon = _validate.epsilon(epsilon)
-        self.grouper_share = _validate.probability(grouper_share, "grouper_share")
-        self.smoother = _validate.choice(smoother, "smoother", SMOOTHERS)
         self.sensitivity = _validate.real(sensitivity, "sensitivity", minimum=0.0, strict=True)
-        self.eps_g = self.grouper_share * self.epsilon
-        self.eps_p = largest_share(self.epsilon, self.epsilon - self.eps_g, rest=self.eps_g)
-        _validate.epsilon(self.eps_g, "grouper_share * epsilon")
-        _validate.epsilon(self.eps_p, "(1 - grouper_share) * epsilon")
-        default_theta = THETA_TIMES_SCALE * self.sensitivity / self.eps_g
-        self.theta = default_theta if theta is None else _validate.real(theta, "theta")
+        self._given = {"grouper_share": grouper_share, "theta": theta, "smoother": smoother}
+        self._configure(legacy=False)
         self.cost = (self.epsilon, 0.0)
         self.neighbour = count_neighbour(self.sensitivity)
-        self._perturber = LaplaceLattice(self.sensitivity, self.eps_p)
-        # dev() has sensitivity 2 s (Lemma 3.3).
-        self._svt = AboveThreshold(2.0 * self.sensitivity, self.eps_g)
         self._noise = noise
         self._rows = 0  # steps fed
         self._offset = 0  # global index of the first row of the open group
         self._open = _OpenGroup.empty()
         self._group_starts: list[np.ndarray] = []
-        self._public: list[np.ndarray] = []
+        self._public: list[dict[str, np.ndarray]] = []  # per row output: group and the smoother's columns
+        self._untaken = 0
+
+    def _configure(self, *, legacy: bool) -> None:
+        """Parameters from those given, the others defaulted (module docstring): the derived
+        defaults with the adaptive smoother, the paper-era ones with the Grouper-driven
+        smoothers or for a stream registered under them (``legacy``)."""
+        given = self._given
+        smoother = given["smoother"]
+        if smoother is None:
+            smoother = LEGACY_DEFAULTS["smoother"] if legacy else DEFAULT_SMOOTHER
+        self.smoother = _validate.choice(smoother, "smoother", SMOOTHERS)
+        paper = legacy or self.smoother != "adaptive"
+        grouper_share, theta = given["grouper_share"], given["theta"]
+        if grouper_share is None:
+            grouper_share = LEGACY_DEFAULTS["grouper_share"] if paper else DEFAULT_GROUPER_SHARE
+        self.grouper_share = _validate.probability(grouper_share, "grouper_share")
+        self.eps_g = self.grouper_share * self.epsilon
+        self.eps_p = largest_share(self.epsilon, self.epsilon - self.eps_g, rest=self.eps_g)
+        _validate.epsilon(self.eps_g, "grouper_share * epsilon")
+        _validate.epsilon(self.eps_p, "(1 - grouper_share) * epsilon")
+        self._perturber = LaplaceLattice(self.sensitivity, self.eps_p)
+        # dev() has sensitivity 2 s (Lemma 3.3).
+        self._svt = AboveThreshold(2.0 * self.sensitivity, self.eps_g)
+        if theta is not None:
+            self.theta = _validate.real(theta, "theta")
+        elif paper:
+            self.theta = LEGACY_DEFAULTS["theta_times_scale"] * self.sensitivity / self.eps_g
+        else:
+            self.theta = default_theta(self._svt)
+        self._smoother = AdaptiveSmoother(self._perturber.variance) if self.smoother == "adaptive" else None
+        if self._smoother is not None:
+            self.public_columns: tuple[str, ...] = ("group", *SMOOTHED_COLUMNS)
+        elif legacy:  # a continual stream's stored rows keep the columns they were registered with
+            self.public_columns = ("group",)
+        else:
+            self.public_columns = ("group", "noisy")
 
     def feed(self, chunk: np.ndarray) -> np.ndarray:
         size = len(chunk)
         if size == 0:
             return np.empty(0)
         carried = self._open
+        old = len(carried.true)
         true = np.concatenate([carried.true, np.maximum(chunk, 0.0)])
         units = np.concatenate([carried.units, perturb_units(chunk, self._perturber, self._noise, self._rows)])
         thresholds = np.concatenate([carried.thresholds,
@@ -190,49 +227,82 @@ class PegasusStream(StreamMachine):
         query_units = np.concatenate([carried.query_units,
                                       self._svt.query_noise_units(self._noise, self._rows, size)])
         self._rows += size
-        starts, open_from = partition(true, thresholds, query_units, self._svt, tested=len(carried.true))
+        starts, open_from = partition(true, thresholds, query_units, self._svt, tested=old)
         group_start = group_start_per_row(starts, len(true))
-        estimates = smooth(units, self._perturber.granularity, group_start, self.smoother)
-        new_starts = starts[1:] if len(carried.true) else starts
+        noisy = units[old:].astype(np.float64) * self._perturber.granularity
+        public = {"group": group_start[old:] + self._offset, "noisy": noisy}
+        if self._smoother is None:
+            estimates = smooth(units, self._perturber.granularity, group_start, self.smoother)[old:]
+        else:
+            restarts = group_start[old:] == np.arange(old, len(true))
+            out = self._smoother.feed(noisy[None], restarts[None])
+            estimates = out.values[0]
+            public.update(level=out.level[0], weight=out.weight[0], spread=out.spread[0])
+        new_starts = starts[1:] if old else starts
         self._group_starts.append(new_starts + self._offset)
-        self._public.append(group_start[len(carried.true):] + self._offset)
+        self._public.append(public)
+        self._untaken += size
         self._offset += open_from
         self._open = _OpenGroup(true[open_from:], units[open_from:], thresholds[open_from:],
                                 query_units[open_from:])
-        return estimates[len(carried.true):]
+        return estimates
 
     def close(self) -> np.ndarray:
         return np.empty(0)
 
+    def _columns(self) -> dict[str, np.ndarray]:
+        if len(self._public) > 1:
+            self._public = [{name: np.concatenate([p[name] for p in self._public]) for name in self._public[0]}]
+        return self._public[0] if self._public else {name: np.empty(0) for name in self.public_columns}
+
     def take_public(self) -> dict[str, np.ndarray]:
-        """Each row output since the last call: the first step of its group (public)."""
-        groups = np.concatenate(self._public) if self._public else np.empty(0, dtype=np.int64)
-        self._public = []
-        return {"group": groups}
+        """Each row output since the last call: its group's first step (public), its noisy
+        count and the adaptive smoother's choices."""
+        columns = {name: values[len(values) - self._untaken:] for name, values in self._columns().items()
+                   if name in self.public_columns}
+        self._untaken = 0
+        return columns
 
     def restore_public(self, public: dict[str, np.ndarray]) -> None:
-        """The released partition of every row output before (a restored stream's error model)."""
-        self._group_starts = [np.unique(np.asarray(public["group"], dtype=np.int64))]
+        """The public columns of every row output before (a restored stream's error model)."""
+        groups = np.asarray(public["group"], dtype=np.int64)
+        self._group_starts = [np.unique(groups)]
+        self._public = [{name: np.asarray(public[name]) for name in self.public_columns if name in public}]
+        self._untaken = 0
 
     def snapshot(self) -> dict:
         o = self._open
-        return {"rows": self._rows, "offset": self._offset, "true": o.true, "units": o.units,
-                "thresholds": o.thresholds, "query_units": o.query_units}
+        state = {"format": SNAPSHOT_FORMAT, "rows": self._rows, "offset": self._offset, "true": o.true,
+                 "units": o.units, "thresholds": o.thresholds, "query_units": o.query_units}
+        if self._smoother is not None:
+            state["smoother"] = self._smoother.snapshot()
+        return state
 
     def restore(self, state: dict) -> None:
+        if "format" not in state:  # registered under the legacy defaults: keep those it did not set
+            self._configure(legacy=True)
         self._rows, self._offset = int(state["rows"]), int(state["offset"])
         self._open = _OpenGroup(state["true"], state["units"], state["thresholds"], state["query_units"])
+        if self._smoother is not None:
+            self._smoother.restore(state["smoother"])
 
     def describe(self) -> dict:
         starts = np.concatenate(self._group_starts) if self._group_starts else np.zeros(1, dtype=np.int64)
         if not len(starts) or starts[0] != 0:
             starts = np.concatenate([[0], starts])
-        error = GroupPrefixNoise(starts, self._rows, self._perturber.variance, self.smoother)
+        columns = self._columns()
+        if self._smoother is None:
+            error = GroupPrefixNoise(starts, self._rows, self._perturber.variance, self.smoother,
+                                     columns.get("noisy"))
+        else:
+            error = AdaptiveNoise(self._perturber.variance, columns["level"], columns["weight"], columns["spread"],
+                                  starts, columns["noisy"])
         params = {"epsilon": self.epsilon, "grouper_share": self.grouper_share, "eps_p": self.eps_p,
                   "eps_g": self.eps_g, "theta": self.theta, "smoother": self.smoother,
                   "sensitivity": self.sensitivity}
         components = {"perturber": (self.eps_p, 0.0), "grouper": (self.eps_g, 0.0), "smoother": (0.0, 0.0)}
-        return dict(method="pegasus", params=params, error=error, components=components)
+        return dict(method="pegasus", params=params, error=error, components=components,
+                    reports=columns.get("noisy"))
 
 
 class _OpenGroup:
@@ -378,206 +448,3 @@ def group_start_per_row(starts: np.ndarray, m: int) -> np.ndarray:
     """
     lengths = np.diff(np.append(starts, m))
     return np.repeat(starts, lengths)
-
-
-# -- Smoother (post-processing: noisy counts and the partition at time t only) ---------------
-
-
-def smooth(units: np.ndarray, granularity: float, group_start: np.ndarray, smoother: str) -> np.ndarray:
-    """Estimate of every row from the noisy counts of its group's rows up to itself, the
-    counts given as integer lattice ``units`` of ``granularity`` (sums of them are exact, so
-    a stream fed in any chunks gets the same estimates).
-
-    Examples
-    --------
-    The paper's Example 3.5 (partition ``{1,2,3}, {4}, {5}``), on a lattice of 0.1:
-
-    >>> units = np.array([56, 44, 67, 95, 102]); starts = np.array([0, 0, 0, 3, 4])
-    >>> smooth(units, 0.1, starts, "median").round(4).tolist()
-    [5.6, 5.0, 5.6, 9.5, 10.2]
-    >>> smooth(units, 0.1, starts, "average").round(4).tolist()
-    [5.6, 5.0, 5.5667, 9.5, 10.2]
-    >>> smooth(units, 0.1, starts, "js").round(4).tolist()
-    [5.6, 4.7, 5.9444, 9.5, 10.2]
-    """
-    noisy = units.astype(np.float64) * granularity
-    size = np.arange(len(noisy)) - group_start + 1
-    if smoother == "median":
-        return _prefix_medians(noisy, group_start, size)
-    cumulative = np.concatenate([[0], np.cumsum(units, dtype=np.int64)])
-    average = (cumulative[1:] - cumulative[group_start]).astype(np.float64) * granularity / size
-    if smoother == "average":
-        return average
-    return (noisy - average) / size + average
-
-
-def _prefix_medians(noisy: np.ndarray, group_start: np.ndarray, size: np.ndarray) -> np.ndarray:
-    out = np.empty(len(noisy))
-    short = np.flatnonzero(size <= SHORT_MEDIAN)
-    by_size = short[np.argsort(size[short], kind="stable")]
-    bounds = np.searchsorted(size[by_size], np.arange(1, SHORT_MEDIAN + 2))
-    for k in range(1, SHORT_MEDIAN + 1):
-        rows = by_size[bounds[k - 1]:bounds[k]]
-        if rows.size:
-            window = np.sort(noisy[rows[:, None] - np.arange(k)], axis=1)
-            out[rows] = (window[:, (k - 1) // 2] + window[:, k // 2]) / 2
-    for start in np.unique(group_start[size > SHORT_MEDIAN]):
-        stop = start + int(np.searchsorted(group_start[start:], start, side="right"))
-        out[start + SHORT_MEDIAN:stop] = _running_median(noisy[start:stop].tolist())[SHORT_MEDIAN:]
-    return out
-
-
-def _running_median(values: list[float]) -> list[float]:
-    """Median of every prefix (two heaps: lower half as a max-heap, upper as a min-heap)."""
-    lower: list[float] = []
-    upper: list[float] = []
-    out = []
-    for x in values:
-        if lower and x > -lower[0]:
-            heapq.heappush(upper, x)
-        else:
-            heapq.heappush(lower, -x)
-        if len(lower) > len(upper) + 1:
-            heapq.heappush(upper, -heapq.heappop(lower))
-        elif len(upper) > len(lower):
-            heapq.heappush(lower, -heapq.heappop(upper))
-        out.append(-lower[0] if len(lower) > len(upper) else (upper[0] - lower[0]) / 2)
-    return out
-
-
-# -- Error model -------------------------------------------------------------------------------
-
-
-class GroupPrefixNoise(ErrorModel):
-    """Noise of a group-prefix smoother given the (public, released) partition.
-
-    Row ``t`` of a group starting at ``s`` is estimated from the perturber noises
-    ``e_s..e_t`` (i.i.d., variance ``variance``); groups share no noise, so range
-    variances add over groups.
-
-    * ``average`` / ``js`` are linear: row ``t`` (prefix size ``j``) carries ``alpha(j)``
-      of every ``e_i`` plus ``beta(j)`` of its own (average ``1/j, 0``; JS
-      ``1/j - 1/j^2, 1/j``). The variance of a range is
-      ``variance * sum_i (coefficient of e_i)^2``, computed in O(1) per group piece
-      from prefix sums over prefix sizes: exact.
-    * ``median`` is not linear. Choice: the model assumes the counts are constant within
-      a group (the case the Grouper aims for), so row ``t``'s noise is the median of ``j``
-      i.i.d. Laplace draws; its variance (order statistic ``ceil(j/2)``, an upper bound
-      for even ``j``) is computed numerically for the continuous Laplace of the same
-      variance, and correlated rows of one group are bounded by Cauchy-Schwarz,
-      ``Var(sum) <= (sum of standard deviations)^2``. The result is an upper bound on
-      the noise variance, not the exact value; the bias of a median on a non-constant
-      group is not included.
-    """
-
-    def __init__(self, group_starts: np.ndarray, n: int, variance: float, smoother: str):
-        self._starts = np.asarray(group_starts, dtype=np.int64)
-        self._lengths = np.diff(np.append(self._starts, n))
-        self._variance = variance
-        self._median = smoother == "median"
-        longest = int(self._lengths.max())
-        size = np.arange(1, longest + 1, dtype=np.float64)
-        if self._median:
-            self._sd = np.concatenate([[0.0], np.cumsum(np.sqrt(_median_variance_ratio(longest)))])
-        else:
-            alpha, beta = (1 / size, 0.0) if smoother == "average" else (1 / size - 1 / size**2, 1 / size)
-            self._alpha = np.concatenate([[0.0], np.cumsum(alpha)])
-            own = beta - self._alpha[:-1]
-            self._own = np.concatenate([[0.0], np.cumsum(own)])
-            self._own_sq = np.concatenate([[0.0], np.cumsum(own**2)])
-        full = self._piece(np.zeros_like(self._lengths), self._lengths)
-        self._full = np.concatenate([[0.0], np.cumsum(full)])
-
-    def _piece(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """Variance of the sum of rows ``a..b-1`` of one group (group-local indices)."""
-        if self._median:
-            return self._variance * (self._sd[b] - self._sd[a]) ** 2
-        total = self._alpha[b]
-        return self._variance * (a * (total - self._alpha[a]) ** 2 + (b - a) * total**2
-                                 + 2 * total * (self._own[b] - self._own[a]) + self._own_sq[b] - self._own_sq[a])
-
-    def range_variance(self, starts, stops):
-        starts = np.asarray(starts, dtype=np.int64)
-        stops = np.asarray(stops, dtype=np.int64)
-        out = np.zeros(starts.shape)
-        hit = stops > starts
-        a, b = starts[hit], stops[hit]
-        first = np.searchsorted(self._starts, a, side="right") - 1
-        last = np.searchsorted(self._starts, b - 1, side="right") - 1
-        s1, s2 = self._starts[first], self._starts[last]
-        same = first == last
-        inner = self._full[last] - self._full[np.minimum(first + 1, last)]
-        split = (self._piece(a - s1, np.where(same, b - s1, self._lengths[first]))
-                 + np.where(same, 0.0, inner + self._piece(np.zeros_like(b), b - s2)))
-        out[hit] = split
-        return out
-
-
-_EXACT_MEDIAN_SIZES = 2048
-
-
-@cache
-def _median_ratio(j: int) -> float:
-    """``Var(order statistic ceil(j/2) of j Laplace(1)) / Var(Laplace(1))``, by quadrature
-    on a grid scaled to the statistic's spread."""
-    rank = (j + 1) // 2
-    x = np.linspace(-40.0, 40.0, 8001) * min(1.0, np.sqrt(2.0 / j))
-    log_cdf = np.where(x < 0, x - np.log(2.0), np.log1p(-0.5 * np.exp(-np.abs(x))))
-    log_sf = log_cdf[::-1]  # the grid is symmetric
-    log_density = (rank - 1) * log_cdf + (j - rank) * log_sf - np.abs(x)
-    weight = np.exp(log_density - log_density.max())
-    weight /= weight.sum()
-    mean = weight @ x
-    return float(weight @ x**2 - mean**2) / 2.0
-
-
-def _median_variance_ratio(longest: int) -> np.ndarray:
-    """Per prefix size ``1..longest``. Beyond 2048, ``j * Var`` is held at its value at
-    2048 (it decreases from 2 at ``j = 1`` toward the asymptote 1), an upper bound."""
-    exact = np.array([_median_ratio(j) for j in range(1, min(longest, _EXACT_MEDIAN_SIZES) + 1)])
-    if longest <= _EXACT_MEDIAN_SIZES:
-        return exact
-    size = np.arange(_EXACT_MEDIAN_SIZES + 1, longest + 1)
-    return np.concatenate([exact, exact[-1] * _EXACT_MEDIAN_SIZES / size])
-
-
-# -- Derived queries (post-processing of any release) ---------------------------------------------
-
-
-def window_sums(release: Release, *, window: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sliding-window sums ``sum(values[t-window+1 .. t])`` of a release and their noise
-    variances, for every row ``t`` (windows shrink at the start of the stream).
-
-    Post-processing of released values: free, no budget.
-
-    Examples
-    --------
-    >>> import numpy as np, dpsql
-    >>> with dpsql.testing.seeded(2) as keys:
-    ...     rel = dpsql.methods.run("pegasus", np.full(100, 10.0), noise=keys, epsilon=1.0, smoother="average")
-    >>> sums, variances = window_sums(rel, window=24)
-    >>> sums.shape, bool(abs(sums[-1] - 240.0) < 4 * variances[-1] ** 0.5)
-    ((100,), True)
-    """
-    window = _validate.integer(window, "window", minimum=1)
-    stop = np.arange(1, len(release) + 1)
-    start = np.maximum(stop - window, 0)
-    return release.range_sum(start, stop), release.range_variance(start, stop)
-
-
-def window_alarms(release: Release, *, window: int, threshold: float) -> np.ndarray:
-    """Event monitoring: ``True`` at row ``t`` when the private window sum ending at ``t``
-    is at least ``threshold`` (ALGORITHMS.md §2.5, post-processing, free).
-
-    Examples
-    --------
-    >>> import numpy as np, dpsql
-    >>> counts = np.r_[np.zeros(50), np.full(50, 40.0)]
-    >>> with dpsql.testing.seeded(4) as keys:
-    ...     rel = dpsql.methods.run("pegasus", counts, noise=keys, epsilon=1.0)
-    >>> alarms = window_alarms(rel, window=5, threshold=100.0)
-    >>> bool(alarms[:45].any()), bool(alarms[60:].all())
-    (False, True)
-    """
-    threshold = _validate.real(threshold, "threshold")
-    return window_sums(release, window=window)[0] >= threshold

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import os
 import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -39,6 +42,7 @@ RANGE_METHODS = [
     ("tops", {"upper": 200.0, "m": 300, "smoother": "recent"}),
     ("tops", {"upper": 200.0, "threshold": 40.0, "r": 1024}),
     ("pak", {"upper": 200.0, "m": 300, "delta": 1e-6}),
+    ("pak", {"upper": 200.0, "threshold": 40.0}),
 ]
 
 
@@ -86,16 +90,16 @@ def test_appends_in_any_chunks_release_the_one_shot_values(method, params):
             at += step
         _same_as_one_shot(pa.concat_tables(pieces), method, params, frame, seed=11)
         assert stream.released().num_rows == sum(p.num_rows for p in pieces)
-        assert budget.spent == (1.0, 1e-6 if method == "pak" else 0.0)
+        assert budget.spent == (1.0, params.get("delta", 0.0))
 
 
-@pytest.mark.parametrize(("method", "params"), [RANGE_METHODS[k] for k in (0, 4, 9, 12)],
-                         ids=lambda p: str(p))
+@pytest.mark.parametrize(("method", "params"), RANGE_METHODS, ids=lambda p: str(p))
 def test_one_row_at_a_time_releases_the_one_shot_values(method, params):
     frame = _readings(600, partitions=2, seed=3)
-    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    budget = dpsql.Budget.in_memory(epsilon=1.0, delta=1e-5)
     stream = _stream(budget, method, {**params, **({"m": 100} if "m" in params else {})}, seed=5)
     pieces = [stream.append(frame.slice(i, 1)) for i in range(frame.height)]
+    assert sum(p.num_rows for p in pieces) >= frame.height * 3 // 4  # open blocks and hold-outs wait, no more
     _same_as_one_shot(pa.concat_tables(pieces), method, {**params, **({"m": 100} if "m" in params else {})}, frame, 5)
 
 
@@ -115,6 +119,7 @@ def test_registration_is_charged_once_and_reopening_from_another_process_is_free
     path = tmp_path / "l.sqlite"
     budget = dpsql.Budget.open(path, epsilon=1.0)
     stream = budget.stream("kwh", method="laplace", epsilon=0.5, order_by="ts", value="kwh", upper=10.0)
+    assert isinstance(stream, dpsql.Stream) and "Stream" in dpsql.__all__
     stream.append(pl.DataFrame({"ts": [1, 2], "kwh": [1.0, 2.0]}))
     code = f"""
         import dpsql, polars as pl
@@ -131,7 +136,10 @@ def test_registration_is_charged_once_and_reopening_from_another_process_is_free
     assert history["kind"].to_list() == ["stream"] and history["stream"].to_list() == ["kwh"]
     listed = budget.streams()
     assert listed.select("name", "method", "rows", "partitions", "watermark").row(0) == ("kwh", "laplace", 3, 1, "3")
-    assert listed["epsilon"][0] == 0.5
+    assert listed["epsilon"][0] == 0.5 and listed["delta"][0] == 0.0
+    assert json.loads(listed["params"][0]) == {"epsilon": 0.5, "upper": 10.0}
+    created = dt.datetime.fromisoformat(listed["created"][0].replace("Z", "+00:00"))
+    assert abs(created - history["time"][0]) < dt.timedelta(seconds=5)  # registered with its charge
 
 
 def test_reopening_with_other_parameters_names_the_parameter():
@@ -250,11 +258,12 @@ def test_stream_intervals_cover_the_truth_at_their_level():
     assert 0.92 <= np.mean(covered) <= 0.995
 
 
-def test_count_streams_close_buckets_with_until_and_release_empty_ones():
+@pytest.mark.parametrize("method", ["count_laplace", "count_smoothed", "pegasus"])
+def test_count_streams_close_buckets_with_until_and_release_empty_ones(method):
     start = dt.datetime(2024, 1, 1)
     budget = dpsql.Budget.in_memory(epsilon=1.0)
     with dpsql.testing.seeded(4):
-        stream = budget.stream("logins", method="count_laplace", epsilon=1.0, order_by="ts", partition_by="ap",
+        stream = budget.stream("logins", method=method, epsilon=1.0, order_by="ts", partition_by="ap",
                                every="1h", start=start)
     events = pl.DataFrame({"ts": [start + dt.timedelta(minutes=m) for m in (5, 70, 75, 300)], "ap": [1, 1, 2, 1]})
     first = stream.append(events.head(3), until=start + dt.timedelta(hours=2))
@@ -268,7 +277,7 @@ def test_count_streams_close_buckets_with_until_and_release_empty_ones():
         counts[0, [0, 1, 5]] = [1, 1, 1]
         counts[1, 1] = 1
         counts[2, 3] = 1
-        whole = dpsql.publish("count_laplace", counts.ravel(), partition_offsets=[0, 6, 12, 18],
+        whole = dpsql.publish(method, counts.ravel(), partition_offsets=[0, 6, 12, 18],
                               partition_keys=[1, 2, 7], epsilon=1.0)
     released = stream.released().sort_by([("ap", "ascending"), ("ts", "ascending")])
     assert np.array_equal(released["count"].to_numpy(), whole.values)
@@ -374,3 +383,375 @@ def test_the_stored_state_is_the_open_part_not_the_history(tmp_path):
     # rows of the open block wait for its last row; the state holds their sum, not them
     assert rows == stream.released().num_rows and 0 <= 200_000 - rows < MAX_FLAT_BLOCK
     assert len(state) < 16_384  # kilobytes, whatever the history
+
+
+def test_more_refused_appends_name_the_problem_and_change_nothing(tmp_path):
+    path = tmp_path / "l.sqlite"
+    budget = dpsql.Budget.open(path, epsilon=1.0)
+    stream = budget.stream("s", method="hierarchy", epsilon=1.0, order_by="ts", value="v", upper=10.0, block=4)
+    stream.append(pl.DataFrame({"ts": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], "v": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]}))
+    before = _ledger_rows(path)
+    refusals = [
+        (pl.DataFrame({"ts": [6.0]}), dpsql.InvalidParameter, "'v' not found"),
+        (pl.DataFrame({"ts": [6.0], "v": [float("inf")]}), dpsql.InvalidData, "infinite"),
+        (pl.DataFrame({"ts": [6.0], "v": [-float("inf")]}), dpsql.InvalidData, "infinite"),
+        # an infinite key would become the watermark, and every later row would be late
+        (pl.DataFrame({"ts": [6.0, float("inf")], "v": [1.0, 1.0]}), dpsql.InvalidTimeKey, "infinite key"),
+        (pl.DataFrame({"ts": [float("nan")], "v": [1.0]}), dpsql.InvalidTimeKey, "NaN"),
+        (pl.DataFrame({"ts": [6.0], "v": ["x"]}), dpsql.InvalidData, "must be numeric"),
+        (pl.DataFrame({"ts": [4.5, 7.0], "v": [1.0, 1.0]}), dpsql.LateRow, r"4\.5.*watermark 5\.0"),
+        (pl.DataFrame({"ts": [5.0], "v": [7.0]}), dpsql.ConflictingRow, r"order key 5\.0"),  # pending, not released
+    ]
+    for data, error, message in refusals:
+        with pytest.raises(error, match=message):
+            stream.append(data)
+        assert _ledger_rows(path) == before
+    with pytest.raises(dpsql.InvalidParameter, match="until closes a count stream's buckets"):
+        stream.append(pl.DataFrame({"ts": [6.0], "v": [1.0]}), until=7.0)
+    assert _ledger_rows(path) == before and budget.spent == (1.0, 0.0)
+    assert stream.append(pl.DataFrame({"ts": [5.0, 6.0, 7.0], "v": [6.0, 7.0, 8.0]}))["ts"].to_pylist() == [
+        4.0, 5.0, 6.0, 7.0]
+
+
+def test_refused_count_appends_change_nothing(tmp_path):
+    path = tmp_path / "l.sqlite"
+    budget = dpsql.Budget.open(path, epsilon=1.0)
+    stream = budget.stream("c", method="count_laplace", epsilon=1.0, order_by="t", partition_by="ap", every=1.0,
+                           start=0.0)
+    stream.append(pl.DataFrame({"t": [0.5, 1.5, 2.5, 3.5], "ap": [1, 2, 1, 2]}), until=3.0)
+    before = _ledger_rows(path)
+    refusals = [
+        (pl.DataFrame({"t": [3.2, 2.9], "ap": [1, 2]}), {}, dpsql.LateRow, "already released"),
+        (pl.DataFrame({"t": [3.2], "ap": [1]}), {"until": 2.0}, dpsql.InvalidParameter, "until=2.0 is earlier"),
+        (pl.DataFrame({"t": [3.2], "ap": [1]}), {"until": float("nan")}, dpsql.InvalidParameter, "until"),
+        (pl.DataFrame({"t": [3.2, float("inf")], "ap": [1, 1]}), {}, dpsql.InvalidTimeKey, "infinite"),
+        (pl.DataFrame({"t": [3.2, None], "ap": [1, 1]}), {}, dpsql.InvalidTimeKey, "null"),
+        (pl.DataFrame({"t": [3.2], "ap": [None]}, schema={"t": pl.Float64, "ap": pl.Int64}), {},
+         dpsql.InvalidTimeKey, "'ap' contains 1 null"),
+        (pl.DataFrame({"time": [3.2], "ap": [1]}), {}, dpsql.InvalidParameter, "'t' not found"),
+    ]
+    for data, options, error, message in refusals:
+        with pytest.raises(error, match=message):
+            stream.append(data, **options)
+        assert _ledger_rows(path) == before
+    assert budget.spent == (1.0, 0.0)
+    closed = stream.append(pl.DataFrame({"t": [3.2], "ap": [1]}), until=4.0)
+    assert closed.num_rows == 2 and closed["t"].to_pylist() == [3.0, 3.0]
+
+
+def test_a_threshold_has_no_online_form_and_a_refused_registration_charges_nothing():
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    with pytest.raises(dpsql.InvalidParameter, match="'threshold' has no online form"):
+        budget.stream("t", method="threshold", epsilon=0.5, order_by="ts", value="v", upper=1.0)
+    with pytest.raises(dpsql.BudgetExhausted):
+        budget.stream("big", method="laplace", epsilon=2.0, order_by="ts", value="v", upper=1.0)
+    with pytest.raises(dpsql.InvalidParameter, match="unknown parameter"):
+        budget.stream("typo", method="laplace", epsilon=0.5, order_by="ts", value="v", upper=1.0, uper=2.0)
+    assert budget.spent == (0.0, 0.0) and budget.streams().height == 0 and budget.history().height == 0
+    for name in ("t", "big", "typo"):
+        with pytest.raises(dpsql.UnknownStream, match=repr(name)):
+            budget.stream(name)
+
+
+def test_appending_to_a_read_only_ledger_is_a_ledger_error_and_changes_nothing():
+    with tempfile.TemporaryDirectory() as directory:  # under /tmp: its parents are open to the unprivileged writer
+        _append_to_a_read_only_ledger(Path(directory))
+
+
+def _append_to_a_read_only_ledger(directory: Path) -> None:
+    path = directory / "l.sqlite"
+    budget = dpsql.Budget.open(path, epsilon=1.0)
+    stream = budget.stream("s", method="laplace", epsilon=0.5, order_by="ts", value="v", upper=1.0)
+    stream.append(pl.DataFrame({"ts": [1], "v": [1.0]}))
+    before = _ledger_rows(path)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a writer that may only read the file: root drops its privileges, anyone else loses write bits
+        os.close(read)
+        try:
+            if os.geteuid() == 0:
+                os.chmod(directory, 0o755)
+                os.setgid(65534)
+                os.setuid(65534)
+            else:
+                for p in directory.iterdir():
+                    os.chmod(p, 0o444)
+                os.chmod(directory, 0o555)
+            dpsql.Budget.open(path).stream("s").append(pl.DataFrame({"ts": [2], "v": [1.0]}))
+            message = "appended"
+        except BaseException as error:
+            message = f"{type(error).__name__}: {error}"
+        os.write(write, message.encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read, "rb") as pipe:
+        message = pipe.read().decode()
+    os.chmod(directory, 0o755)
+    for p in directory.iterdir():
+        os.chmod(p, 0o644)
+    assert message.startswith("LedgerError") and str(path) in message, message
+    # a non-root writer may not even create the -shm file beside a read-only ledger: it cannot open it
+    assert ("read-only" in message and "stream 's'" in message) or (os.geteuid() != 0 and "cannot be opened" in message)
+    assert _ledger_rows(path) == before and stream.released().num_rows == 1 and budget.spent == (0.5, 0.0)
+
+
+def _events(n: int, hours: int, seed: int) -> pl.DataFrame:
+    rng = np.random.default_rng(seed)
+    return pl.DataFrame({"t": np.sort(rng.uniform(0, hours, n)), "ap": rng.integers(0, 3, n)})
+
+
+@pytest.mark.parametrize("method", ["count_laplace", "pegasus"])
+@pytest.mark.parametrize("cut", ["ones", "sevens", "random", "by partition"])
+def test_count_streams_appended_in_any_chunks_release_the_one_shot_counts(method, cut):
+    hours = 48
+    events = _events(600, hours, seed=3)
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    with dpsql.testing.seeded(9):
+        stream = budget.stream("c", method=method, epsilon=1.0, order_by="t", partition_by="ap", every=1.0,
+                               start=0.0)
+    rng = np.random.default_rng(1)
+    if cut == "by partition":  # partitions interleaved: each one's events of a day at a time, closing the day
+        chunks = [(events.filter((pl.col("ap") == ap) & (pl.col("t") // 24 == day)), None if ap < 2 else 24 * day + 24)
+                  for day in range(2) for ap in range(3)]
+    else:
+        chunks, at = [], 0
+        while at < events.height:
+            step = {"ones": 1, "sevens": 7}.get(cut) or int(rng.integers(1, 60))
+            chunk = events.slice(at, step)
+            at += step
+            # close every bucket before the next event's (or, at random, none)
+            nxt = events["t"][at] if at < events.height else hours
+            chunks.append((chunk, None if rng.random() < 0.3 else float(np.floor(nxt))))
+        chunks.append((events.head(0), hours))
+    pieces = [stream.append(chunk, until=until) for chunk, until in chunks]
+    released = pa.concat_tables(pieces).sort_by([("ap", "ascending"), ("t", "ascending")])
+    counts = np.zeros((3, hours))
+    np.add.at(counts, (events["ap"].to_numpy(), events["t"].to_numpy().astype(int)), 1)
+    with dpsql.testing.seeded(9):
+        whole = dpsql.publish(method, counts.ravel(), partition_offsets=np.arange(4) * hours,
+                              partition_keys=[0, 1, 2], epsilon=1.0)
+    assert released["t"].to_pylist() == list(np.tile(np.arange(hours, dtype=float), 3))
+    assert np.array_equal(released["count"].to_numpy(), whole.values)
+    assert stream.released().sort_by([("ap", "ascending"), ("t", "ascending")]).equals(released)
+    assert budget.spent == (1.0, 0.0)
+
+
+@pytest.mark.parametrize(("method", "params"), [("tops", {}), ("pak", {"delta": 1e-6}), ("hierarchy", {})],
+                         ids=lambda p: str(p))
+def test_default_parameters_are_fixed_not_derived_from_the_length(method, params):
+    """ToPS's and PAK's hold-out m (4096 rows) and the hierarchy's range r default without the
+    table's length: a stream with no explicit parameters is the one-shot release with none."""
+    from dpsql.streams.holdout import DEFAULT_HOLDOUT
+
+    rng = np.random.default_rng(2)
+    values = np.round(rng.gamma(2.0, 6.0, 9000), 2)
+    frame = pl.DataFrame({"ts": np.arange(9000), "kwh": values})
+    budget = dpsql.Budget.in_memory(epsilon=1.0, delta=1e-5)
+    with dpsql.testing.seeded(3):
+        stream = budget.stream("d", method=method, epsilon=1.0, order_by="ts", value="kwh", upper=200.0, **params)
+    first = stream.append(frame.slice(0, DEFAULT_HOLDOUT - 1))
+    completing = stream.append(frame.slice(DEFAULT_HOLDOUT - 1, 1000))
+    if method != "hierarchy":  # the hold-out's rows wait for its last row, then come back with it
+        assert first.num_rows == 0 and completing["ts"][0].as_py() == 0
+    rest = stream.append(frame.slice(DEFAULT_HOLDOUT + 999))
+    released = pa.concat_tables([first, completing, rest])
+    with dpsql.testing.seeded(3):
+        whole = dpsql.publish(method, values, epsilon=1.0, upper=200.0, **params)
+    assert released.num_rows > 8000 and stream.params == {"epsilon": 1.0, "upper": 200.0, **params}
+    assert np.array_equal(released["kwh"].to_numpy(), whole.values[:released.num_rows])
+
+
+def test_the_stream_key_is_never_shown(tmp_path):
+    """The key lives only in the ledger file: no view, listing, history, released row, error or
+    CLI output carries it."""
+    import base64
+
+    import duckdb
+
+    path = tmp_path / "l.sqlite"
+    budget = dpsql.Budget.open(path, epsilon=1.0)
+    con = duckdb.connect()
+    dpsql.duckdb.register(con, budget=budget)
+    created = con.sql("SELECT * FROM dp_stream_create('s', 'ts', 'v', method := 'tops', epsilon := 1.0, "
+                      "upper := 10, m := 50)").fetchall()
+    stream = budget.stream("s")
+    shown = [str(created), repr(stream), stream._repr_html_(), str(stream.info()), repr(budget),
+             budget.streams().write_json(), budget.history(full=True).write_json(),
+             str(stream.append(pl.DataFrame({"ts": range(80), "v": np.arange(80) % 9 * 1.0})).to_pylist()),
+             str(stream.released().to_pylist()), str(stream.release().__dict__)]
+    try:
+        stream.append(pl.DataFrame({"ts": [3], "v": [100.0]}))
+    except dpsql.ConflictingRow as error:
+        shown.append(str(error) + repr(error.args))
+    cli = subprocess.run([sys.executable, "-m", "dpsql.cli", "ledger", str(path), "--json", "--history",
+                          "--streams"], capture_output=True, text=True, check=True)
+    shown.append(cli.stdout + cli.stderr)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        secret = bytes(conn.execute("SELECT secret FROM streams").fetchone()[0])
+    key = secret[:-1]
+    assert len(key) >= 16 and len(shown) == 12
+    forms = [key.hex(), key.hex().upper(), base64.b64encode(key).decode(), repr(key)[2:-1], str(list(key))[1:-1]]
+    for text in shown:
+        assert not any(form in text for form in forms)
+
+
+def test_an_append_reads_the_open_state_not_the_released_history(tmp_path, monkeypatch):
+    """O(new rows + state): new rows read no released chunk; a repeated batch reads only the newest
+    chunks back to its first repeated key."""
+    from dpsql.ledger.streams import StreamStore
+
+    budget = dpsql.Budget.open(tmp_path / "l.sqlite", epsilon=1.0)
+    stream = budget.stream("s", method="laplace", epsilon=1.0, order_by="ts", value="v", upper=10.0)
+    frame = pl.DataFrame({"ts": np.arange(20_000), "v": np.arange(20_000) % 7 * 1.0})
+    for at in range(0, 19_000, 1000):
+        stream.append(frame.slice(at, 1000))
+    read = []
+    chunks = StreamStore.chunks
+
+    def counted(self, *args, **kwargs):
+        for chunk in chunks(self, *args, **kwargs):
+            read.append(chunk[2])
+            yield chunk
+
+    monkeypatch.setattr(StreamStore, "chunks", counted)
+    assert stream.append(frame.slice(19_000, 10)).num_rows == 10 and read == []
+    # 10 rows of the newest chunk, 5 of the one before (returned in key order), 5 new
+    again = stream.append(frame.slice(18_995, 20))
+    assert again["ts"].to_pylist() == list(range(18_995, 19_015)) and read == [10, 1000]
+
+
+@pytest.mark.parametrize("epsilon", [0.5, 0.75])  # the loser's charge fits the budget, or would not
+def test_a_registration_that_loses_a_race_reopens_the_winners_stream_free(tmp_path, monkeypatch, epsilon):
+    """Two processes registering one name at once: the one that commits second finds the name
+    taken inside its charge's transaction; it reopens the stream, charging nothing."""
+    from dpsql.ledger.streams import StreamStore
+
+    path = tmp_path / "l.sqlite"
+    options = dict(method="laplace", epsilon=epsilon, order_by="ts", value="v", upper=1.0)
+    winner = dpsql.Budget.open(path, epsilon=1.0).stream("s", **options)
+    find = StreamStore.find
+    calls = []
+
+    def not_yet(self, scope, name):  # the loser looked before the winner committed
+        calls.append(name)
+        return None if len(calls) == 1 else find(self, scope, name)
+
+    monkeypatch.setattr(StreamStore, "find", not_yet)
+    budget = dpsql.Budget.open(path)
+    loser = budget.stream("s", **options)
+    assert len(calls) == 2 and loser.release_id == winner.release_id
+    assert budget.spent == (epsilon, 0.0) and budget.history()["kind"].to_list() == ["stream"]
+    calls.clear()
+    with pytest.raises(dpsql.InvalidParameter, match=r"upper=1\.0; reopening it with upper=2\.0"):
+        budget.stream("s", **{**options, "upper": 2.0})
+    assert budget.spent == (epsilon, 0.0)
+
+
+def test_an_append_with_no_rows_releases_nothing_and_is_no_error(tmp_path):
+    """A quiet day (or a filter that keeps nothing) is an ordinary append, from Python or SQL."""
+    import duckdb
+
+    path = tmp_path / "l.sqlite"
+    budget = dpsql.Budget.open(path, epsilon=1.0)
+    stream = budget.stream("s", method="laplace", epsilon=0.5, order_by="ts", value="v", partition_by="g", upper=1.0)
+    stream.append(pl.DataFrame({"g": [1, 2], "ts": [1, 1], "v": [0.5, 0.5]}))
+    before = _ledger_rows(path)
+    schema = {"g": pl.Int64, "ts": pl.Int64, "v": pl.Float64}
+    empty = stream.append(pl.DataFrame(schema=schema))
+    assert empty.num_rows == 0 and empty.column_names == ["g", "ts", "v", "dp_row"]
+    assert empty.schema.field("ts").type == pa.int64()
+    assert stream.append(pl.LazyFrame({"g": [1], "ts": [9], "v": [1.0]}).filter(pl.col("ts") < 0)).num_rows == 0
+    con = duckdb.connect()
+    dpsql.duckdb.register(con, budget=budget)
+    con.execute("CREATE TABLE quiet (g BIGINT, ts BIGINT, v DOUBLE)")
+    assert con.sql("SELECT * FROM dp_stream_append('s', 'quiet')").fetchall() == []
+    assert _ledger_rows(path) == before
+    assert stream.append(pl.DataFrame({"g": [1], "ts": [2], "v": [0.5]})).num_rows == 1
+
+
+def test_a_persistent_ledger_refuses_a_seeded_stream_and_keeps_nothing(tmp_path):
+    budget = dpsql.Budget.open(tmp_path / "l.sqlite", epsilon=1.0)
+    with dpsql.testing.seeded(1), pytest.raises(dpsql.NonPrivateRelease, match="seeded"):
+        budget.stream("s", method="laplace", epsilon=0.5, order_by="ts", value="v", upper=1.0)
+    assert budget.spent == (0.0, 0.0) and budget.streams().height == 0 and budget.history().height == 0
+    with pytest.raises(dpsql.UnknownStream, match="'s'"):
+        budget.stream("s")
+
+
+def test_partition_keys_keep_the_streams_type_and_one_of_another_kind_is_refused(tmp_path):
+    path = tmp_path / "l.sqlite"
+    budget = dpsql.Budget.open(path, epsilon=1.0)
+    stream = budget.stream("s", method="laplace", epsilon=0.5, order_by="ts", value="v", partition_by="g", upper=1.0)
+    stream.append(pl.DataFrame({"g": [1], "ts": [1], "v": [0.5]}))
+    before = _ledger_rows(path)
+    for key, kind in ((["a"], "large_string"), ([2.5], "double"), ([True], "bool")):
+        with pytest.raises(dpsql.InvalidData, match=f"partition column 'g' holds .* \\({kind}\\); the stream's "
+                                                    "partition keys are int64"):
+            stream.append(pl.DataFrame({"g": key, "ts": [1], "v": [0.5]}))
+        assert _ledger_rows(path) == before
+    # keys of the same kind join in the stream's type; the stream stays readable whole
+    stream.append(pl.DataFrame({"g": pl.Series([2], dtype=pl.Int32), "ts": [1], "v": [0.5]}))
+    stream.append(pl.DataFrame({"g": [3.0], "ts": [1], "v": [0.5]}))
+    released = stream.released()
+    assert released.schema.field("g").type == pa.int64() and released["g"].to_pylist() == [1, 2, 3]
+
+
+def test_date_and_time_partition_keys_come_back_as_they_went_in():
+    budget = dpsql.Budget.in_memory(epsilon=2.0)
+    day, hour = dt.date(2024, 1, 2), dt.datetime(2024, 1, 2, 5, tzinfo=dt.UTC)
+    values = budget.stream("v", method="laplace", epsilon=0.5, order_by="ts", value="x", partition_by=["d", "h"],
+                           upper=1.0)
+    out = values.append(pl.DataFrame({"d": [day], "h": [hour], "ts": [1], "x": [0.5]}))
+    assert out.select(["d", "h"]).to_pylist() == [{"d": day, "h": hour}]
+    assert values.released(partition=(day, hour)).num_rows == 1
+    counts = budget.stream("c", method="count_laplace", epsilon=0.5, order_by="t", partition_by="d", every=1.0,
+                           start=0.0)
+    out = counts.append(pl.DataFrame({"t": [0.5, 1.5], "d": [day, dt.date(2024, 1, 3)]}), until=2.0)
+    assert out["d"].to_pylist() == [day, day, dt.date(2024, 1, 3), dt.date(2024, 1, 3)]
+    assert counts.released(partition=day)["t"].to_pylist() == [0.0, 1.0]
+    with pytest.raises(dpsql.InvalidData, match="partition column 'd' holds 'x'"):
+        counts.append(pl.DataFrame({"t": [2.5], "d": ["x"]}), until=3.0)
+    assert counts.released().num_rows == 4
+
+
+def test_categorical_partition_keys_are_kept_by_value():
+    budget = dpsql.Budget.in_memory(epsilon=2.0)
+    stream = budget.stream("s", method="laplace", epsilon=0.5, order_by="ts", value="v", partition_by="g", upper=1.0)
+    stream.append(pl.DataFrame({"g": pl.Series(["a"], dtype=pl.Categorical), "ts": [1], "v": [0.5]}))
+    stream.append(pa.table({"g": pa.array(["b"]).dictionary_encode(), "ts": [1], "v": [0.5]}))
+    stream.append(pl.DataFrame({"g": ["a"], "ts": [2], "v": [0.5]}))  # the same partition, as a plain string
+    released = stream.released()
+    assert released["g"].to_pylist() == ["a", "a", "b"] and released["ts"].to_pylist() == [1, 2, 1]
+    counts = budget.stream("c", method="count_laplace", epsilon=0.5, order_by="t", partition_by="g", every=1.0,
+                           start=0.0)
+    out = counts.append(pl.DataFrame({"g": pl.Series(["a", "b"], dtype=pl.Categorical), "t": [0.5, 0.7]}), until=1.0)
+    assert out["g"].to_pylist() == ["a", "b"]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_refusal_in_a_later_partition_keeps_nothing_of_the_earlier_ones(tmp_path, persistent):
+    budget = dpsql.Budget.open(tmp_path / "l.sqlite", epsilon=1.0) if persistent else dpsql.Budget.in_memory(
+        epsilon=1.0)
+    stream = budget.stream("s", method="laplace", epsilon=1.0, order_by="ts", value="v", partition_by="g", upper=1.0)
+    first = stream.append(pl.DataFrame({"g": [0, 1], "ts": [5, 5], "v": [0.5, 0.5]}))
+    before = stream.info()
+    with pytest.raises(dpsql.LateRow, match="order key 4"):  # partition 0's new row is fine, partition 1's late
+        stream.append(pl.DataFrame({"g": [0, 1, 2], "ts": [6, 4, 1], "v": [0.5, 0.5, 0.5]}))
+    assert stream.info() == before and stream.released().equals(first)
+    again = stream.append(pl.DataFrame({"g": [0, 2], "ts": [6, 1], "v": [0.5, 0.5]}))
+    assert again["dp_row"].to_pylist()[0] == first["dp_row"][0].as_py() + 1  # partition 0 continues at its row 1
+    assert stream.info()["partitions"] == 3
+
+
+def test_a_count_stream_reopens_only_with_its_own_time_grid():
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    start = dt.datetime(2024, 1, 1)
+    budget.stream("c", method="count_laplace", epsilon=0.5, order_by="ts", every="1h", start=start)
+    assert budget.stream("c", every="60m", start="2024-01-01").name == "c"  # the same grid, spelt otherwise
+    for other in ({"every": "2h"}, {"start": start + dt.timedelta(minutes=30)}, {"every": 3600.0}):
+        with pytest.raises(dpsql.InvalidParameter, match=r"another time grid|every must be a duration"):
+            budget.stream("c", **other)
+    with pytest.raises(dpsql.InvalidParameter, match="order_by='ts'; reopening it with order_by='t'"):
+        budget.stream("c", order_by="t")
+    assert budget.spent == (0.5, 0.0)

@@ -162,7 +162,7 @@ def test_sql_window_functions_with_exact_error_bars(con, partition_by):
     with testing.seeded(7):
         con.execute("CREATE TABLE rel AS SELECT * FROM dp_count_stream('ev', 'ts', every := INTERVAL '10 minutes', "
                     "start := '2024-05-01', stop := '2024-05-01 04:00', epsilon := 0.5, \"window\" := 6, "
-                    f"alarm_threshold := 60, partition_by := {partition_by})")
+                    f"window_smoother := 'none', alarm_threshold := 60, partition_by := {partition_by})")
     within = "PARTITION BY building" if partition_by != "NULL" else ""
     got = con.sql("SELECT dp_window_sum, dp_window_std_error, dp_alarm, "
                   "sum(dp_count) OVER w AS s, sqrt(dp_range_variance(min(dp_row) OVER w, max(dp_row) OVER w + 1)) "
@@ -189,9 +189,6 @@ def test_sql_hierarchy_and_time_zone(con, budget, events):
     np.testing.assert_array_equal(out["dp_count"].to_numpy(), want["dp_count"])
 
 
-@pytest.mark.xfail(strict=True, raises=duckdb.Error,
-                   reason="library bug (dpsql/streams/pegasus.py, reported): a count release of sensitivity != 1 "
-                          "names a neighbour that is not a dpsql.accounting.Neighbour, so publish() refuses it")
 def test_sql_contribution_caps(con, budget):
     with testing.seeded(8):
         out = con.sql("SELECT * FROM dp_count_stream('ev', 'ts', every := INTERVAL '1 hour', "

@@ -101,7 +101,7 @@ def test_the_estimators_old_name_is_a_typed_error_naming_method(con, budget):
 
 
 def test_count_methods_are_the_registry_names_everywhere(con, budget):
-    assert methods.COUNT_METHODS == ("pegasus", "count_laplace")
+    assert methods.COUNT_METHODS == ("pegasus", "count_laplace", "count_smoothed")
     with dpsql.testing.seeded(2):
         sql = con.sql("SELECT dp_count FROM dp_count_stream('ev', 'ts', every := INTERVAL '1 hour', "
                       "start := '2024-05-01', stop := '2024-05-02', epsilon := 1, method := 'count_laplace')").pl()
@@ -116,6 +116,9 @@ def test_count_methods_are_the_registry_names_everywhere(con, budget):
 
 
 def test_the_old_count_method_name_is_a_typed_error_naming_the_new_one(con, budget):
+    with pytest.raises(dpsql.RenamedParameter, match="count method 'smoothed' is now called 'count_smoothed'"):
+        dpsql.count_stream(events(), "ts", every="1h", start="2024-05-01", stop="2024-05-02", epsilon=1.0,
+                           method="smoothed", budget=budget)
     message = "count method 'laplace' is now called 'count_laplace'"
     with pytest.raises(dpsql.RenamedParameter, match=message):
         dpsql.count_stream(events(), "ts", every="1h", start="2024-05-01", stop="2024-05-02", epsilon=1.0,

@@ -12,6 +12,7 @@ CASES = [
     ("tops", {"epsilon": 1.0, "upper": 10.0}),
     ("pak", {"epsilon": 1.0, "upper": 10.0, "delta": 1e-8}),
     ("count_laplace", {"epsilon": 0.5}),
+    ("count_smoothed", {"epsilon": 0.5}),
     ("pegasus", {"epsilon": 1.0}),
     ("ipp", {"epsilon": 1.0, "w": 10, "lower": 0.0, "upper": 1.0}),
 ]
@@ -58,7 +59,7 @@ def test_a_preview_is_an_upper_bound_for_data_dependent_methods():
     actual = np.sqrt(np.mean(release.range_variance(starts, starts + 4096)))
     assert release.threshold < 100.0 and actual < preview.sd[4096]
     groups = dpsql.preview("pegasus", n=10_000, epsilon=1.0, lengths=(1,))
-    assert groups.sd[1] ** 2 == pytest.approx(2 / 0.8**2, rel=2e-3)  # every count smoothed alone
+    assert groups.sd[1] ** 2 == pytest.approx(2 / 0.98**2, rel=2e-3)  # every count alone, at eps_p = 0.98 eps
 
 
 def test_preview_shows_in_a_notebook():

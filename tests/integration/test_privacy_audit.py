@@ -12,7 +12,7 @@ import dpsql
 from dpsql import testing
 from dpsql.errors import NonPrivateRelease
 from dpsql.mechanisms.svt import AboveThreshold
-from dpsql.methods import METHODS, machine_for
+from dpsql.methods import COUNT_METHODS, METHODS, machine_for
 from dpsql.noise import Lane
 
 # 0.599853515625 / 2**-11 = 1228.5: a sensitivity that is not a whole number of query units.
@@ -155,7 +155,7 @@ def _minimal_params(method):
         if method != "pm_direct":
             params.update(lower=0.0, upper=10.0)
         return params, notion, 4
-    if method in ("pegasus", "count_laplace"):
+    if method in COUNT_METHODS:
         return {"epsilon": 1.0}, notion, None
     return {"epsilon": 1.0, "upper": 10.0}, notion, None
 

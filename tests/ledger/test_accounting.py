@@ -10,6 +10,7 @@ import signal
 import sqlite3
 from fractions import Fraction
 
+import duckdb
 import numpy as np
 import polars as pl
 import pytest
@@ -217,6 +218,12 @@ def test_a_private_release_without_a_budget_is_refused_and_use_budget_sets_one()
     finally:
         dpsql.use_budget(None)
     assert budget.spent == (0.75, 0.0)
+    frame = pl.DataFrame({"ts": range(100), "v": values})
+    with pytest.raises(dpsql.InvalidParameter, match="use_budget"):
+        frame.select(pl.col("v").dpsql.range_sum(order_by="ts", method="laplace", epsilon=0.1, upper=1.0))
+    with pytest.raises(dpsql.InvalidParameter, match=r"register\(con, budget=dpsql.Budget.open"):
+        dpsql.register(duckdb.connect(), budget=None)
+    assert budget.spent == (0.75, 0.0)
 
 
 def test_a_version_one_ledger_is_upgraded_with_its_totals(tmp_path):
@@ -242,3 +249,53 @@ def test_a_version_one_ledger_is_upgraded_with_its_totals(tmp_path):
     _charge(budget, 1.7)
     with pytest.raises(dpsql.BudgetExhausted):
         _charge(budget, 1e-9)
+
+
+def test_a_charge_reads_the_running_total_not_the_history(tmp_path):
+    """On a ledger of 200k charges a charge reads its scope's running total (no statement reads
+    the charges table) and takes milliseconds, not a pass over the history (0.48 s before)."""
+    import statistics
+    import time
+
+    path = tmp_path / "l.sqlite"
+    budget = dpsql.Budget.open(path, epsilon=1e6)
+    _charge(budget, 0.5)
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        row = conn.execute("SELECT scope, time, method, params, epsilon, delta, rows, partitions, neighbour, private "
+                           "FROM charges").fetchone()
+        conn.executemany("INSERT INTO charges (release_id, scope, time, method, params, epsilon, delta, rows, "
+                         "partitions, neighbour, private) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                         ((f"bulk-{k}", *row) for k in range(200_000)))
+        conn.execute("UPDATE scopes SET spent_epsilon = '200001/2', charges = 200001")
+    statements: list[str] = []
+    budget.ledger._conn.set_trace_callback(statements.append)
+    try:
+        _charge(budget, 0.5)
+    finally:
+        budget.ledger._conn.set_trace_callback(None)
+    reads = [s for s in statements if s.lstrip().upper().startswith("SELECT")]
+    assert any("FROM scopes" in s for s in reads)
+    assert not [s for s in reads if "charges" in s.split("FROM", 1)[-1]], reads
+    took = []
+    for _ in range(15):
+        started = time.perf_counter()
+        _charge(budget, 0.5)
+        took.append(time.perf_counter() - started)
+    assert statistics.median(took) < 0.1, took
+    recorded, running = _recorded_totals(path)
+    assert recorded == running == (Fraction(200_017, 2), 0)
+
+
+@pytest.mark.parametrize("location", [None, "", 3, b"ledger.sqlite"])
+def test_a_ledger_location_must_be_a_path_or_url(location, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(dpsql.InvalidParameter, match="location must be a file path or a postgresql:// URL"):
+        dpsql.Budget.open(location, epsilon=1.0)
+    assert list(tmp_path.iterdir()) == []  # no file named "None" (or anything) was created
+
+
+def test_a_row_handle_beyond_64_bits_is_an_unknown_release():
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    for handle in (2**63, 2**70):
+        with pytest.raises(dpsql.UnknownRelease, match=f"dp_row {handle}"):
+            budget.release(dp_row=handle)

@@ -16,6 +16,7 @@ import time
 from fractions import Fraction
 
 import numpy as np
+import polars as pl
 import pytest
 
 import dpsql
@@ -302,5 +303,103 @@ def _assert_nothing_noisy(error: BaseException, data) -> None:
         for name, value in traceback.tb_frame.f_locals.items():
             assert not isinstance(value, (Release, PartitionedRelease, StreamMachine, Keystream, Draws)), name
             if isinstance(value, np.ndarray) and value.dtype == np.float64 and data is not None:
+                assert value.shape != data.shape or np.array_equal(value, data), f"{name} holds released values"
+        traceback = traceback.tb_next
+
+
+def test_a_release_whose_charge_fails_to_commit_leaves_nothing_noisy_reachable(tmp_path, monkeypatch):
+    """The disk fills while the charge commits: a typed LedgerError naming the file, rolled back,
+    and neither the exception nor anything it leads to holds the computed release."""
+    path = tmp_path / "l.sqlite"
+    budget = dpsql.Budget.open(path, epsilon=1.0)
+    values = np.arange(5000) % 17.0
+
+    def full_disk(conn):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(budget.ledger.backend, "commit", full_disk)
+    with pytest.raises(dpsql.LedgerError, match="disk is full") as failed:
+        dpsql.laplace(values, epsilon=0.5, upper=20.0, budget=budget)
+    assert str(path) in str(failed.value)
+    _assert_nothing_noisy(failed.value, values)
+    monkeypatch.undo()
+    assert _consistent(path) == (0, 0) and budget.spent == (0.0, 0.0)
+    assert not budget.ledger._conn.in_transaction
+    dpsql.laplace(values, epsilon=0.5, upper=20.0, budget=budget)  # the ledger is usable as before
+    assert _consistent(path)[0] == 1
+
+
+@pytest.mark.parametrize("method", ["laplace", "tops", "pegasus", "count_laplace"])
+def test_integers_beyond_exact_float_range_are_refused_before_any_noise(method, monkeypatch):
+    """2**53 + 1 would silently become 2**53 in float64: refused, naming the column, nothing drawn
+    or charged. Counts of 2**51 and more cannot carry exact lattice noise: refused too."""
+    drawn = []
+    original = dpsql.noise.LaneDraws.discrete_laplace
+    monkeypatch.setattr(dpsql.noise.LaneDraws, "discrete_laplace",
+                        lambda self, *a, **k: drawn.append(a) or original(self, *a, **k))
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
+    params = {"upper": 2.0**60} if method in ("laplace", "tops") else {}
+    for big, error in ((2**53 + 1, dpsql.InvalidData), (-(2**53) - 1, dpsql.InvalidData), (2**62, dpsql.InvalidData),
+                       (2**51, dpsql.DPError)):
+        if big == 2**51 and method not in ("pegasus", "count_laplace"):
+            continue
+        values = np.full(200, big, dtype=np.int64)
+        with pytest.raises(error) as refused, dpsql.testing.seeded(0):
+            dpsql.publish(method, values, budget=budget, epsilon=1.0, **params)
+        if error is dpsql.InvalidData:
+            assert "beyond 2**53" in str(refused.value) and "'values'" in str(refused.value)
+        _assert_nothing_noisy(refused.value, None)
+    frame = pl.DataFrame({"ts": np.arange(200), "v": np.full(200, 2**53 + 1, dtype=np.int64)})
+    if method in ("laplace", "tops"):
+        with pytest.raises(dpsql.InvalidData, match="'v' holds integers beyond 2\\*\\*53"):
+            frame.select(pl.col("v").dpsql.range_sum(order_by="ts", method=method, epsilon=1.0, budget=budget,
+                                                     **params))
+    assert drawn == [] and budget.spent == (0.0, 0.0) and budget.history().height == 0
+
+
+@pytest.mark.parametrize("front_end", ["polars", "duckdb"])
+def test_a_front_end_release_refused_at_its_charge_leaves_nothing_noisy_reachable(front_end):
+    import duckdb
+
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    values = np.arange(5000) % 17.0
+    real_charge = budget.charge
+
+    def racing_charge(charge, **kwargs):  # another release spends the budget between check and charge
+        real_charge(CHARGE.__class__(**{**CHARGE.__dict__, "epsilon": 0.9}))
+        return real_charge(charge, **kwargs)
+
+    budget.charge = racing_charge
+    frame = pl.DataFrame({"ts": np.arange(5000), "v": values})
+    with pytest.raises(dpsql.BudgetExhausted) as refused:
+        if front_end == "polars":
+            frame.select(pl.col("v").dpsql.range_sum(order_by="ts", method="laplace", epsilon=0.5, upper=20.0,
+                                                     budget=budget))
+        else:
+            con = duckdb.connect()
+            dpsql.register(con, budget=budget)
+            con.register("frame", frame.to_arrow())
+            with dpsql.duckdb.typed_errors():
+                con.sql("SELECT * FROM dp_range_sum('frame', 'ts', 'v', method := 'laplace', epsilon := 0.5, "
+                        "upper := 20)").fetchall()
+    error = refused.value
+    for linked in (error, error.__cause__, error.__context__):
+        if linked is not None:
+            _assert_frames_hold_nothing_noisy(linked, values)
+    assert budget.spent == (0.9, 0.0)
+
+
+def _assert_frames_hold_nothing_noisy(error: BaseException, data) -> None:
+    """:func:`_assert_nothing_noisy` for an exception a front end re-raised (which may chain the
+    engine's own exception): its arguments and every frame of its traceback."""
+    from dpsql.noise import Draws, Keystream
+    from dpsql.release import PartitionedRelease, Release, StreamMachine
+
+    assert all(isinstance(a, (str, int, float, tuple)) for a in error.args)
+    traceback = error.__traceback__
+    while traceback is not None:
+        for name, value in traceback.tb_frame.f_locals.items():
+            assert not isinstance(value, (Release, PartitionedRelease, StreamMachine, Keystream, Draws)), name
+            if isinstance(value, np.ndarray) and value.dtype == np.float64:
                 assert value.shape != data.shape or np.array_equal(value, data), f"{name} holds released values"
         traceback = traceback.tb_next

@@ -129,3 +129,152 @@ def test_unreachable_and_wrong_servers_are_typed_errors_without_the_password(pos
     with pytest.raises(dpsql.LedgerError) as missing:
         dpsql.Budget.open(postgres.url_of("no_such_database"), epsilon=1.0)
     assert "no_such_database" in str(missing.value)
+
+
+def test_a_server_going_away_mid_charge_releases_nothing_and_charges_nothing(postgres, postgres_url, monkeypatch):
+    budget = dpsql.Budget.open(postgres_url, epsilon=1.0)
+    budget.charge(CHARGE)
+    values = np.arange(4000) % 11.0
+    backend = budget.ledger.backend
+    commit = backend.commit
+
+    def server_stops_then_commit(conn):  # the charge's rows are written, the server dies before COMMIT
+        postgres.stop("immediate")
+        commit(conn)
+
+    monkeypatch.setattr(backend, "commit", server_stops_then_commit)
+    try:
+        with pytest.raises(dpsql.LedgerError, match="cannot be reached or went away") as lost:
+            dpsql.laplace(values, epsilon=0.5, upper=20.0, budget=budget)
+    finally:
+        monkeypatch.undo()
+        postgres.start()
+    assert "check history() before retrying" in str(lost.value)  # the commit's fate is unknown to the client
+    assert lost.value.__context__ is None and all(isinstance(a, str) for a in lost.value.args)
+    assert _totals(postgres_url) == (1, Fraction(1, 100))  # the server rolled the transaction back
+    release = dpsql.laplace(values, epsilon=0.5, upper=20.0, budget=budget)  # reconnects; charged once
+    assert _totals(postgres_url) == (2, Fraction(51, 100)) and budget.spent == (0.51, 0.0)
+    assert budget.history(full=True)["release_id"].to_list()[-1] == release.release_id
+
+
+def test_the_password_never_appears_in_history_errors_logs_or_the_cli(postgres, postgres_url, caplog):
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    secret = "pa55-Sesame"
+    database = postgres_url.rsplit("/", 1)[1]
+    urls = [f"postgresql://postgres:{secret}@127.0.0.1:{postgres.port}/{database}",  # trust: any password works
+            f"postgresql://127.0.0.1:{postgres.port}/{database}?user=postgres&password={secret}"]
+    budget = dpsql.Budget.open(urls[0], epsilon=1.0, delta=1e-6)
+    release = dpsql.laplace(np.arange(100) % 3.0, epsilon=0.25, upper=3.0, budget=budget, note="with a password")
+    dpsql.laplace(np.arange(100) % 3.0, epsilon=0.25, upper=3.0, budget=budget)  # a cache hit
+    shown = [budget.location, repr(budget), repr(budget.history(full=True).rows()),
+             repr(budget.release(release.release_id)), repr(budget.streams().rows())]
+    errors, locations = [], []
+    for url in urls:
+        other = dpsql.Budget.open(url)
+        locations.append(other.location)
+        too_much = Charge(method="laplace", epsilon=5.0, delta=0.0, neighbour=Neighbour.REPLACE_ONE)
+        for attempt, argument in ((lambda u: dpsql.Budget.open(u, epsilon=2.0), url),  # a different total
+                                  (lambda u: dpsql.Budget.open(u, scope="missing"), url),
+                                  (other.charge, too_much), (other.release, "no-such-release")):
+            with pytest.raises(dpsql.DPError) as refused:
+                attempt(argument)
+            errors.append(refused.value)
+    postgres.restart()
+    with pytest.raises(dpsql.LedgerError, match="went away") as lost:
+        budget.charge(CHARGE)
+    errors.append(lost.value)
+    malformed = f"postgresql://postgres:{secret}@[127.0.0.1/{database}"
+    with pytest.raises(dpsql.LedgerError, match="not a valid PostgreSQL connection URL") as invalid:
+        dpsql.Budget.open(malformed, epsilon=1.0)
+    errors.append(invalid.value)
+    for error in errors:
+        chain = [error, error.__cause__, error.__context__]
+        shown += [repr(e) for e in chain if e is not None] + [str(e) for e in chain if e is not None]
+    for args in (["--history", "--streams"], ["--scope", "missing"], ["--json", "--history"]):
+        for url in [*urls, malformed]:
+            out = subprocess.run([sys.executable, "-m", "dpsql.cli", "ledger", url, *args], capture_output=True,
+                                 text=True)
+            shown += [out.stdout, out.stderr]
+    leaked = [text for text in shown + locations + [caplog.text] if secret in text]
+    assert not leaked
+    assert "postgres@127.0.0.1" in locations[0] and "password=***" in locations[1]
+    assert any("no scope named 'missing'" in text for text in shown)
+
+
+def test_a_lock_held_too_long_is_a_typed_error_and_charges_nothing(postgres_url, monkeypatch):
+    from dpsql.ledger import postgres as postgres_backend
+
+    dpsql.Budget.open(postgres_url, epsilon=1.0)
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import psycopg, time
+        with psycopg.connect({postgres_url!r}) as conn:  # a transaction holding the scope's row
+            conn.execute("SELECT 1 FROM scopes WHERE scope = 'default' FOR UPDATE")
+            print("locked", flush=True)
+            time.sleep(60)
+    """)], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == b"locked"
+        monkeypatch.setattr(postgres_backend, "LOCK_TIMEOUT_MS", 300)
+        budget = dpsql.Budget.open(postgres_url)
+        with pytest.raises(dpsql.LedgerError, match=r"held the ledger's lock for more than 0\.3 s") as refused:
+            dpsql.laplace(np.ones(100), epsilon=0.5, upper=1.0, budget=budget)
+        assert "postgres@127.0.0.1" in str(refused.value) and "Nothing was charged" in str(refused.value)
+    finally:
+        holder.kill()
+        holder.wait()
+    dpsql.laplace(np.ones(100), epsilon=0.5, upper=1.0, budget=budget)
+    assert _totals(postgres_url) == (1, Fraction(1, 2))
+
+
+def test_a_forked_child_charges_through_its_own_connection(postgres_url):
+    """The parent's connection is never used (nor closed) by a forked child: both keep charging."""
+    import os
+
+    budget = dpsql.Budget.open(postgres_url, epsilon=1.0)
+    budget.charge(CHARGE)
+    parent_backend = budget.ledger._conn.info.backend_pid
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            budget.charge(CHARGE)
+            budget.charge(CHARGE)
+            message = str(budget.ledger._conn.info.backend_pid)
+        except BaseException as error:
+            message = f"{type(error).__name__}: {error}"
+        os.write(write, message.encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read, "rb") as pipe:
+        child_backend = pipe.read().decode()
+    assert child_backend.isdigit() and int(child_backend) != parent_backend, child_backend
+    budget.charge(CHARGE)  # the parent's connection still works
+    assert budget.ledger._conn.info.backend_pid == parent_backend
+    assert _totals(postgres_url) == (4, Fraction(4, 100))
+
+
+def test_a_role_without_write_rights_is_a_typed_error_and_charges_nothing(postgres, postgres_url):
+    import psycopg
+
+    budget = dpsql.Budget.open(postgres_url, epsilon=1.0)
+    budget.charge(CHARGE)
+    database = postgres_url.rsplit("/", 1)[1]
+    role = f"reader_{time.time_ns()}"  # roles are the server's, shared by every test database
+    with psycopg.connect(postgres_url, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN")
+        conn.execute(f"GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}")
+    reader = f"postgresql://{role}@127.0.0.1:{postgres.port}/{database}"
+    read_only = dpsql.Budget.open(reader)  # reading needs no write rights
+    assert read_only.spent == (0.01, 0.0)
+    with pytest.raises(dpsql.LedgerError, match="may not write the ledger's tables") as refused:
+        dpsql.laplace(np.ones(100), epsilon=0.5, upper=1.0, budget=read_only)
+    assert f"{role}@127.0.0.1" in str(refused.value) and "Nothing was charged" in str(refused.value)
+    empty = postgres.url(f"t_empty_{time.time_ns()}").rsplit("/", 1)[1]
+    other = f"postgresql://{role}@127.0.0.1:{postgres.port}/{empty}"
+    with pytest.raises(dpsql.LedgerError, match="may not write"):  # cannot create a new ledger's tables
+        dpsql.Budget.open(other, epsilon=1.0)
+    assert _totals(postgres_url) == (1, Fraction(1, 100))

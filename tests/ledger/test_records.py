@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -179,3 +180,83 @@ def test_the_same_release_asked_in_sql_and_in_polars_is_one_charge():
     assert budget.history()["kind"].to_list() == ["release", "cache hit"] and budget.spent == (1.0, 0.0)
     con.sql("SELECT v FROM dp_range_sum('t', 'ts', 'v', epsilon := 1, upper := 21)").fetchall()
     assert budget.spent == (2.0, 0.0)  # another bound is another release
+
+
+def test_the_fingerprint_covers_the_order_key_partition_and_value_columns():
+    """The same rows in another row order are the identical release (a cache hit); another order
+    key, another partition key or another value is new data (charged)."""
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
+    n = 3000
+    frame = pl.DataFrame({"meter": np.arange(n) % 3, "ts": np.arange(n), "v": (np.arange(n) % 11) * 1.0})
+
+    def release(data):
+        return data.select("meter", "ts", pl.col("v").dpsql.range_sum(
+            order_by="ts", partition_by="meter", method="laplace", epsilon=0.5, upper=20.0, budget=budget)).sort(
+            "meter", "ts")
+
+    first = release(frame)
+    shuffled = release(frame.sample(fraction=1.0, shuffle=True, seed=5))
+    assert shuffled.equals(first) and budget.spent == (0.5, 0.0)
+    changed = {
+        "order key": frame.with_columns(pl.when(pl.col("ts") == 0).then(-1).otherwise(pl.col("ts")).alias("ts")),
+        "partition key": frame.with_columns(pl.when(pl.col("ts") == 5).then(1).otherwise(pl.col("meter"))
+                                            .alias("meter")),
+        "value": frame.with_columns(pl.when(pl.col("ts") == 7).then(3.0).otherwise(pl.col("v")).alias("v")),
+    }
+    for k, (what, data) in enumerate(changed.items()):
+        release(data)
+        assert budget.spent == (0.5 * (k + 2), 0.0), f"another {what} was answered from the cache"
+    assert budget.history()["kind"].to_list() == ["release", "cache hit", "release", "release", "release"]
+
+
+def test_stored_answers_are_compressed(ledger):
+    import sqlite3
+
+    budget = dpsql.Budget.open(ledger, epsilon=10.0)
+    values = np.arange(100_000) % 17.0
+    releases = {method: dpsql.publish(method, values, budget=budget, epsilon=1.0, upper=20.0, **params)
+                for method, params in (("laplace", {}), ("tops", {"m": 1000}), ("hierarchy", {}))}
+    with sqlite3.connect(ledger) as conn:
+        stored = dict(conn.execute("SELECT release_id, length(answer) FROM answers").fetchall())
+    raw = values.nbytes
+    # lattice noise leaves the low bits of every value zero; ToPS and the hierarchy repeat values
+    assert stored[releases["laplace"].release_id] < 0.75 * raw
+    assert stored[releases["tops"].release_id] < 0.05 * raw and stored[releases["hierarchy"].release_id] < 0.05 * raw
+    for method, release in releases.items():  # and come back exactly
+        again = dpsql.publish(method, values, budget=budget, epsilon=1.0, upper=20.0,
+                              **({"m": 1000} if method == "tops" else {}))
+        assert again.release_id == release.release_id and np.array_equal(again.values, release.values)
+    assert budget.spent == (3.0, 0.0)
+
+
+def test_a_reordered_release_table_is_restored_in_order_and_bad_tables_are_refused(ledger, tmp_path):
+    import pyarrow as pa
+
+    budget = dpsql.Budget.open(ledger, epsilon=2.0)
+    values = np.arange(6000) % 13.0
+    release = dpsql.publish("hierarchy", values, budget=budget, partition_offsets=[0, 2500, 6000],
+                            partition_keys=["north", "south"], epsilon=1.0, upper=20.0, r=4096)
+    table = release.to_arrow()
+    shuffled = table.take(np.random.default_rng(0).permutation(table.num_rows))  # e.g. sorted by a query
+    pq.write_table(shuffled, tmp_path / "shuffled.parquet")
+    restored = dpsql.Release.from_arrow(pq.read_table(tmp_path / "shuffled.parquet"), budget=budget)
+    assert np.array_equal(restored.values, release.values)
+    assert restored.part(1).range_ci(10, 3000) == release.part(1).range_ci(10, 3000)
+    with dpsql.use_budget(budget):  # the default budget's ledger
+        assert np.array_equal(dpsql.Release.from_arrow(table, budget=None).values, release.values)
+    value_at = table.schema.get_field_index("value")
+    bad = {
+        "pyarrow.Table": table.to_pandas(),
+        "lacks its 'row' or 'value'": table.drop_columns(["row"]),
+        "1 null value": table.set_column(value_at, "value", pa.array([None, *values[1:].tolist()], pa.float64())),
+        "has 6000 values; the table has 5999": table.slice(1),
+        "do not name each of its rows once": table.set_column(table.schema.get_field_index("row"), "row",
+                                                              pa.array(np.zeros(6000, dtype=np.int64))),
+        "outside 0 .. 1": table.set_column(0, "partition", pa.array(np.full(6000, 2, dtype=np.int64))),
+    }
+    for message, data in bad.items():
+        with pytest.raises(dpsql.DPError, match=re.escape(message)):
+            dpsql.Release.from_arrow(data, budget=budget)
+    with pytest.raises(dpsql.InvalidParameter, match=r"pass budget=dpsql\.Budget\.open"):
+        dpsql.Release.from_arrow(table, budget=None)
+    assert budget.spent == (1.0, 0.0)

@@ -101,3 +101,91 @@ def test_refused_calls_charge_nothing(spark):
         spark_dp.range_sum(df, order_by="ts", value="kwh", partition_by="meter", method="pak", epsilon=0.5,
                            upper=1.0, budget=budget)
     assert budget.spent == (0.0, 0.0)
+
+
+def test_bad_rows_and_types_are_refused_on_the_driver_before_the_charge(spark):
+    """What a task would refuse (a repeated time key within a partition, a null, NaN or infinite
+    value, a null order key) and unusable count-stream columns are refused before anything is
+    charged: a charged release never fails on its data."""
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    n = 300
+    df = spark.createDataFrame(pl.DataFrame({"meter": np.arange(n) % 3, "ts": np.arange(n) // 3,
+                                             "kwh": (np.arange(n) % 7) * 1.0}).to_pandas())
+    release = dict(order_by="ts", value="kwh", partition_by="meter", method="laplace", epsilon=0.5, upper=10.0,
+                   budget=budget)
+    refused = [
+        (dpsql.InvalidTimeKey, "'ts' has a duplicate value within a partition \\(1 repeated",
+         df.selectExpr("meter", "CASE WHEN ts = 5 AND meter = 1 THEN 6 ELSE ts END AS ts", "kwh")),
+        (dpsql.InvalidTimeKey, "order column 'ts' contains 1 NULL value",
+         df.selectExpr("meter", "IF(ts = 7 AND meter = 0, NULL, ts) AS ts", "kwh")),
+        (dpsql.InvalidData, "'kwh' contains 2 null", df.selectExpr("meter", "ts", "IF(ts = 9, NULL, kwh) AS kwh")
+         .where("meter < 2 OR ts != 9")),
+        (dpsql.InvalidData, "'kwh' contains 4 NaN or infinite",
+         df.selectExpr("meter", "ts", "CASE WHEN ts = 1 THEN double('NaN') WHEN ts = 2 AND meter = 0 THEN "
+                       "double('-Infinity') ELSE kwh END AS kwh")),
+        (dpsql.InvalidData, "'kwh' contains 1 integers beyond 2\\*\\*53",
+         df.selectExpr("meter", "ts", "IF(ts = 4 AND meter = 2, 9007199254740993, bigint(kwh)) AS kwh")),
+    ]
+    for error, message, frame in refused:
+        with pytest.raises(error, match=message):
+            spark_dp.range_sum(frame, **release)
+    with pytest.raises(dpsql.InvalidParameter, match=r"must be a pyspark\.sql\.DataFrame, got DataFrame"):
+        spark_dp.range_sum(pl.DataFrame({"meter": [1], "ts": [1], "kwh": [1.0]}), **release)
+    with pytest.raises(dpsql.InvalidParameter, match="non-empty strings"):
+        spark_dp.range_sum(df, **release | {"order_by": ["ts"]})
+    with pytest.raises(dpsql.InvalidParameter, match="two roles"):
+        spark_dp.range_sum(df, **release | {"value": "ts"})
+    events = spark.createDataFrame(pl.DataFrame({"ap": np.arange(n) % 3, "t": np.arange(n) * 60.0}).to_pandas())
+    counts = dict(every=600.0, start=0.0, stop=n * 60.0, epsilon=0.5, budget=budget)
+    with pytest.raises(dpsql.InvalidParameter, match="'when' not found"):
+        spark_dp.count_stream(events, order_by="when", partition_by="ap", **counts)
+    with pytest.raises(dpsql.InvalidData, match="'t' must hold numbers"):
+        spark_dp.count_stream(events.selectExpr("ap", "string(t) AS t"), order_by="t", partition_by="ap",
+                              **counts)
+    with pytest.raises(dpsql.InvalidData, match="'t' must hold timestamps"):
+        spark_dp.count_stream(events, order_by="t", partition_by="ap", **counts | dict(
+            every="1h", start=dt.datetime(2024, 1, 1), stop=dt.datetime(2024, 1, 2)))
+    with pytest.raises(dpsql.InvalidTimeKey, match="partition column 'ap' contains 1 NULL value"):
+        spark_dp.count_stream(events.selectExpr("IF(t = 0, NULL, ap) AS ap", "t"), order_by="t",
+                              partition_by="ap", **counts)
+    with pytest.raises(dpsql.InvalidData, match="map<string,bigint>"):
+        spark_dp.count_stream(events.selectExpr("map('a', ap) AS ap", "t"), order_by="t", partition_by="ap",
+                              **counts)
+    assert budget.spent == (0.0, 0.0) and budget.history().height == 0
+    # a time key repeated across partitions (not within one) is a valid release, charged once
+    out = spark_dp.range_sum(df, **release).toPandas()
+    assert len(out) == n and budget.spent == (0.5, 0.0)
+
+
+def test_the_release_key_never_appears_in_the_plan(spark, monkeypatch):
+    keys = []
+    fresh = dpsql.noise.Keystream.fresh
+
+    def recorded():
+        keystream = fresh()
+        keys.append(keystream.key)
+        return keystream
+
+    monkeypatch.setattr(dpsql.noise.Keystream, "fresh", staticmethod(recorded))
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    out = spark_dp.range_sum(spark.createDataFrame(_readings(300).to_pandas()), order_by="ts", value="kwh",
+                             partition_by="meter", method="laplace", epsilon=0.5, upper=60.0, budget=budget)
+    plan = out._jdf.queryExecution().toString() + out._jdf.queryExecution().executedPlan().toString()
+    assert len(keys) == 1 and len(keys[0]) == 32 and out.count() == 300
+    for shown in (keys[0].hex(), repr(keys[0]), keys[0].hex().upper()):
+        assert shown not in plan
+
+
+def test_a_release_over_two_key_columns_equals_the_local_one(spark):
+    frame = _readings(3000, meters=4, seed=7).with_columns(
+        pl.when(pl.col("ts") % 2 == 0).then(pl.lit("north")).otherwise(pl.lit("south")).alias("site"))
+    params = dict(method="hierarchy", epsilon=1.0, upper=60.0, r=256)
+    with dpsql.testing.seeded(11):
+        local = frame.with_columns(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by=["site", "meter"],
+                                                                 **params).alias("dp"))
+    with dpsql.testing.seeded(11):
+        out = spark_dp.range_sum(spark.createDataFrame(frame.to_pandas()), order_by="ts", value="kwh",
+                                 partition_by=["site", "meter"], **params)
+    got = pl.from_pandas(out.toPandas()).sort("site", "meter", "ts")
+    expected = local.sort("site", "meter", "ts")
+    assert got["kwh"].to_list() == expected["dp"].to_list() and got.height == 3000

@@ -12,6 +12,7 @@ from dpsql import testing
 from dpsql.accounting import Neighbour
 from dpsql.counts import bucket_events, release_event_counts, time_domain
 from dpsql.methods import run
+from dpsql.streams.windows import window_sums
 
 T0 = np.datetime64("2024-03-01T00:00", "ns")
 
@@ -130,7 +131,7 @@ def test_partitioned_release_charges_epsilon_once():
     assert np.all(cols["dp_std_error"] > 0) and np.all(cols["dp_window_std_error"] >= cols["dp_std_error"])
     np.testing.assert_array_equal(cols["dp_alarm"], cols["dp_window_sum"] >= 600)
     part = out.parts()[1]
-    assert cols["dp_window_sum"][12 + 5] == pytest.approx(part.values[2:6].sum())
+    assert cols["dp_window_sum"][12 + 5] == pytest.approx(window_sums(part, window=4)[0][5])
 
 
 def test_hierarchy_levels_share_epsilon_and_ledger_equals_epsilon():
@@ -181,12 +182,9 @@ def test_a_cap_of_k_is_sensitivity_k_for_the_count_machines():
         three = run(method, counts, noise=testing.keys(3), epsilon=1.0, sensitivity=3)
         assert three.params["sensitivity"] == 3.0 and "privacy unit" in three.neighbour
         assert three.range_variance(0, 1) == pytest.approx(9 * one.range_variance(0, 1), rel=1e-3)
-    assert three.params["theta"] == 3 * one.params["theta"]
+    assert three.params["theta"] == pytest.approx(3 * one.params["theta"], rel=1e-3)  # up to lattice rounding
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="library bug (dpsql/streams/pegasus.py, reported): a count release of sensitivity != 1 "
-                          "names a neighbour that is not a dpsql.accounting.Neighbour, so publish() refuses it")
 def test_laplace_method_and_cap_sensitivity():
     times = events(n=500)[0]
     units = np.arange(500) % 50

@@ -14,7 +14,7 @@ from dpsql.accounting import Neighbour
 from dpsql.mechanisms.svt import AboveThreshold
 from dpsql.methods import machine_for, run
 from dpsql.release import chunks_of, release_from
-from dpsql.streams.pegasus import GroupPrefixNoise, partition, smooth, window_alarms, window_sums
+from dpsql.streams.pegasus import GroupPrefixNoise, default_theta, partition, smooth, window_alarms, window_sums
 
 EXAMPLE = np.array([5.0, 5.0, 6.0, 9.0, 10.0])
 NOISY_UNITS, TENTH = np.array([56, 44, 67, 95, 102]), 0.1  # the paper's noisy counts, on a lattice of 0.1
@@ -254,7 +254,7 @@ def run_groups(counts_per_group, repeats, smoother, seed, eps=1.0):
     offsets = np.arange(repeats + 1) * len(counts_per_group)
     with testing.seeded(seed):
         return dpsql.publish("pegasus", values, partition_offsets=offsets, epsilon=eps, theta=1e9,
-                             smoother=smoother)
+                             smoother=smoother, grouper_share=0.2)
 
 
 def test_theorem_3_6_average_smoother_mse_is_2_over_k_eps_p_squared():
@@ -311,18 +311,12 @@ def test_budget_split_recorded_and_ledger_equals_epsilon():
         assert Decimal(eps_p) + Decimal(eps_g) <= Decimal(eps) and math.isclose(eps_p + eps_g, eps)
         assert rel.components["grouper"][0] == share * eps
         assert rel.components["smoother"] == (0.0, 0.0)
-        assert rel.params["theta"] == 5 / (share * eps)
+        assert rel.params["theta"] == default_theta(AboveThreshold(2.0, share * eps))
         assert rel.neighbour == Neighbour.ADD_REMOVE_EVENT
         assert len(budget.history()) == 1
         assert budget.history(full=True)["neighbour"].to_list() == [Neighbour.ADD_REMOVE_EVENT.value]
 
 
-COUNT_NEIGHBOUR_BUG = ("library bug (dpsql/streams/pegasus.py, reported): count_neighbour() returns a free-text "
-                       "neighbour for sensitivity != 1 that is not a member of dpsql.accounting.Neighbour, so "
-                       "publish() fails with 'is not a valid Neighbour' instead of charging under ADD_REMOVE_UNIT")
-
-
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=COUNT_NEIGHBOUR_BUG)
 def test_a_count_release_of_sensitivity_above_one_is_charged_under_the_unit_neighbour():
     budget = dpsql.Budget.in_memory(epsilon=1.0)
     with testing.seeded(17):
@@ -334,7 +328,8 @@ def test_a_count_release_of_sensitivity_above_one_is_charged_under_the_unit_neig
 def test_sensitivity_scales_noise_and_names_the_unit_neighbour():
     one = run("pegasus", np.full(10, 5.0), noise=testing.keys(17), epsilon=1.0, smoother="average")
     three = run("pegasus", np.full(10, 5.0), noise=testing.keys(17), epsilon=1.0, smoother="average", sensitivity=3)
-    assert three.params["theta"] == 3 * one.params["theta"]
+    # theta is proportional to the Grouper's query-noise scale, 3 times larger up to its lattice rounding
+    assert three.params["theta"] == pytest.approx(3 * one.params["theta"], rel=1e-3)
     ratio = three.error._variance / one.error._variance
     assert abs(ratio - 9) < 0.01
     assert "privacy unit" in three.neighbour
@@ -386,12 +381,12 @@ def test_window_sums_and_alarms_are_post_processing_of_the_release():
     counts = np.r_[np.full(100, 2.0), np.full(100, 30.0)]
     with testing.seeded(20):
         rel = dpsql.pegasus(counts, epsilon=1.0, smoother="js")
-    sums, variances = window_sums(rel, window=24)
+    sums, variances = window_sums(rel, window=24, smoother="none")
     t = 150
     assert sums[t] == pytest.approx(rel.values[t - 23:t + 1].sum())
     assert variances[t] == pytest.approx(rel.range_variance(t - 23, t + 1))
     assert sums[0] == rel.values[0] and variances[0] == rel.range_variance(0, 1)
-    alarms = window_alarms(rel, window=24, threshold=24 * 16)
+    alarms = window_alarms(rel, window=24, threshold=24 * 16, smoother="none")
     np.testing.assert_array_equal(alarms, sums >= 24 * 16)
     assert not alarms[:100].any() and alarms[140:].all()
     with pytest.raises(dpsql.InvalidParameter, match="window"):
