@@ -277,7 +277,7 @@ def test_count_smoothed_through_publish_python_polars_and_sql():
                            "room": ["a", "b"] * 100})
     with testing.seeded(15):
         out = dpsql.count_stream(events, "ts", every="10m", start=start, stop=start + dt.timedelta(hours=10),
-                                 epsilon=0.5, method="smoothed", partition_by="room", window=6, budget=budget)
+                                 epsilon=0.5, method="count_smoothed", partition_by="room", window=6, budget=budget)
     assert out.height == 2 * 60 and {"dp_window_sum", "dp_window_std_error"} <= set(out.columns)
     con = duckdb.connect()
     dpsql.duckdb.register(con, budget=budget)
@@ -286,7 +286,7 @@ def test_count_smoothed_through_publish_python_polars_and_sql():
     with testing.seeded(15), dpsql.duckdb.typed_errors():
         sql = con.sql("SELECT * FROM dp_count_stream('ev', 'ts', every := INTERVAL '10 minutes', "
                       "start := TIMESTAMP '2024-05-01', stop := TIMESTAMP '2024-05-01 10:00', epsilon := 0.5, "
-                      "method := 'smoothed', partition_by := 'room', window_size := 6)").pl()
+                      "method := 'count_smoothed', partition_by := 'room', \"window\" := 6)").pl()
     np.testing.assert_array_equal(sql["dp_count"].to_numpy(), out["dp_count"].to_numpy())
     np.testing.assert_allclose(sql["dp_window_sum"].to_numpy(), out["dp_window_sum"].to_numpy(), rtol=1e-12)
     # The SQL query asks the Polars release again: a free answer-cache hit, rebuilt from the ledger,
@@ -333,7 +333,7 @@ def test_bad_window_smoothers_are_refused_before_any_charge():
     budget = dpsql.Budget.in_memory(epsilon=1.0)
     events = pl.DataFrame({"t": [0.5, 1.5, 2.5]})
     for options, match in [({"window": 2, "window_smoother": "kalman"}, "window_smoother"),
-                           ({"window": 2, "window_smoother": "group", "method": "smoothed"}, "window_smoother"),
+                           ({"window": 2, "window_smoother": "group", "method": "count_smoothed"}, "window_smoother"),
                            ({"window_smoother": "none"}, "window_smoother")]:
         with pytest.raises(dpsql.InvalidParameter, match=match):
             dpsql.count_stream(events, "t", every=1.0, start=0, stop=4, epsilon=0.5, budget=budget, **options)
