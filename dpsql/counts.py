@@ -50,7 +50,6 @@ from dpsql.timegrid import TimeDomain, ticks, time_domain
 RENAMED_METHODS = {"laplace": "count_laplace", "smoothed": "count_smoothed"}
 
 
-
 def pegasus(counts, *, epsilon: float, grouper_share: float | None = None, theta: float | None = None,
             smoother: str | None = None, sensitivity: float = 1.0, budget: Budget | None = None,
             note: str | None = None) -> Release:

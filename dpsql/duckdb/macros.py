@@ -65,7 +65,6 @@ def params_struct(names: Iterable[str]) -> str:
     return "to_json({" + ", ".join(f"{quote_literal(n)}: {quote_ident(n)}" for n in names) + "})"
 
 
-
 def parse_params(params_json: str | None) -> dict:
     """Macro parameters (``to_json`` of a struct) -> publish keyword arguments, NULLs dropped."""
     params = json.loads(params_json) if params_json else {}

@@ -51,7 +51,6 @@ class Plan:
     numpy_order: bool = False
 
 
-
 def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedArray | pa.Array],
                                                           Release | PartitionedRelease]:
     """Read ``plan.source``, put its rows in stream order (partition, then order key) and
