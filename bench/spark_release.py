@@ -56,6 +56,7 @@ def task_costs(table: pa.Table, per: int, params: dict) -> list:
     """Milliseconds of one group's Python work: the plain job's function and dpsql's task
     (tops, laplace), on 300 groups taken from ``table``, outside Spark."""
     from dpsql.noise import Keystream
+    from dpsql.publishing import PartitionTask
 
     groups = [table.slice(k * per, per) for k in range(300)]
     key = Keystream.fresh().key
@@ -65,8 +66,9 @@ def task_costs(table: pa.Table, per: int, params: dict) -> list:
         return lambda: [work(g) for g in groups]
 
     def release(method, extra):
-        return run(lambda g: dpsql.spark._release_partition(g, key=key, private=True, method=method, params=extra,
-                                                             partition_by=["g"], order_by="ts", value="v"))
+        task = PartitionTask(method=method, params=extra, private=True, key=key)
+        return run(lambda g: dpsql.spark._release_partition(g, release=task, partition_by=["g"], order_by="ts",
+                                                             value="v"))
 
     times = interleaved({"plain: sort by time, cumulative sum": run(sorted_sums),
                          "dpsql task, tops": release("tops", tops),

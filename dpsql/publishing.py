@@ -4,8 +4,9 @@
 release to a caller. It validates everything, gives the release a fresh secret key
 (:class:`dpsql.noise.Keystream`), runs the pure algorithm, charges the ledger once (one
 transaction, durable, recording the release's public description and, for identical repeats,
-its answer) and only then returns the release. Python functions, the DuckDB, Polars and Spark
-front ends all call it; none of them charges or draws noise by itself.
+its answer) and only then returns the release. Python functions, the DuckDB and Polars front
+ends all call it; Spark, whose partitions are released on other machines, plans and charges its
+release through :class:`DistributedRelease`. No front end charges or draws noise by itself.
 
 Identical repeats cost nothing: the fingerprint of the request (method, parameters, scope and
 the exact data consumed, :mod:`dpsql._fingerprint`) finds the recorded answer of an earlier
@@ -19,6 +20,7 @@ message, with no traceback into them, no ``__context__`` and no ``__cause__``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import overload
@@ -185,6 +187,65 @@ class _Request:
                   "params": _canonical(self.params), "levels": self.levels, "partitioned": self.partitioned}
         addresses = np.frombuffer(b"".join(len(a).to_bytes(4, "big") + a for a in self.addresses), dtype=np.uint8)
         return fingerprint(header, [self.data, self.offsets, addresses, *self.order_keys])
+
+
+class DistributedRelease:
+    """A partitioned release whose partitions are released elsewhere, one task each (Spark's
+    executors): the core's side of it, so that a front end that ships work to other machines
+    still never charges or draws noise by itself.
+
+    Construction validates the method's parameters (drawing nothing) and gives the release a
+    fresh secret key; :meth:`charge` charges the ledger once, for all partitions (they are
+    disjoint, so the cost is one partition's: the maximum over them), and only then hands out
+    the :class:`PartitionTask` that releases a partition from the key and the partition's
+    address. Privacy cost: that of ``method`` with ``params`` (see :mod:`dpsql.methods`).
+    """
+
+    def __init__(self, method: str, params: dict, *, budget: Budget | None, note: str | None = None):
+        if budget is None:
+            budget = default_budget()
+        elif not isinstance(budget, Budget):
+            raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
+        keystream = Keystream.fresh()
+        if budget is None and keystream.private:
+            raise InvalidParameter("a private release needs a budget to be charged to: pass budget=dpsql.Budget."
+                                   "open(...), or set a default with dpsql.use_budget(budget)")
+        machine = machine_for(method, None, keystream.partition(b""), params)  # validates; draws nothing
+        self._charge = Charge(method=method, epsilon=machine.cost[0], delta=machine.cost[1],
+                              neighbour=Neighbour(machine.neighbour), notion=Notion(machine.notion), w=machine.w,
+                              rows=0, partitions=0, params=_public(params), private=keystream.private, note=note)
+        self._budget = budget
+        self._task = PartitionTask(method=method, params=dict(params), private=keystream.private,
+                                   key=keystream.key)
+
+    def check(self) -> None:
+        """Refuse now (:class:`dpsql.BudgetExhausted`) what :meth:`charge` would refuse."""
+        if self._budget is not None:
+            self._budget.check(self._charge)
+
+    def charge(self) -> PartitionTask:
+        """Charge the release (once, durably) and return the task that releases its partitions."""
+        if self._budget is not None:
+            self._budget.charge(self._charge)
+        return self._task
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionTask:
+    """What a task needs to release one partition of a charged :class:`DistributedRelease`:
+    the method, its parameters and the release's secret key (never shown in a repr). Every
+    draw is addressed by the partition's key, so a retried or re-executed task releases the
+    same values."""
+
+    method: str
+    params: dict
+    private: bool
+    key: bytes = dataclasses.field(repr=False)
+
+    def release(self, partition, values: np.ndarray) -> np.ndarray:
+        """The private values of the partition keyed ``partition`` (its rows in order)."""
+        draws = Keystream(self.key, private=self.private).partition(partition_address(partition))
+        return run_machine(machine_for(self.method, len(values), draws, self.params), chunks_of(values), len(values))
 
 
 def _canonical(params: Mapping) -> dict:

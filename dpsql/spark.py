@@ -38,13 +38,11 @@ from dpsql._frontend import (
     refuse_null_keys,
     refuse_renamed,
 )
-from dpsql.accounting import Charge, Kind, Neighbour, Notion
-from dpsql.budget import Budget, default_budget
+from dpsql.budget import Budget
 from dpsql.counts import check_count_method
 from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
-from dpsql.methods import COUNT_METHODS, check_method, machine_for
-from dpsql.noise import Keystream, partition_address
-from dpsql.release import chunks_of, run_machine
+from dpsql.methods import COUNT_METHODS, check_method
+from dpsql.publishing import DistributedRelease, PartitionTask
 from dpsql.timegrid import time_domain
 
 COUNT = "dp_count"
@@ -76,13 +74,14 @@ def range_sum(df, *, order_by: str, value: str, partition_by, method: str = RANG
     _require_numeric(fields[value], value)
     for column in [*partition_by, order_by]:
         _require_key_type(fields[column], column)
-    release = _Release(method, {"epsilon": epsilon, **params}, budget, note)
+    check_budget(budget)
+    release = DistributedRelease(method, {"epsilon": epsilon, **params}, budget=budget, note=note)
     _refuse_bad_rows(df, partition_by, order_by, value, fields[value].dataType)
-    release.charge(rows=0)
+    partition_task = release.charge()
     schema = ", ".join(f"`{c}` {fields[c].dataType.simpleString()}" for c in [*partition_by, order_by]) \
         + f", `{value}` double"
-    task = _task(_release_partition, key=release.key, private=release.private, method=method, params=release.params,
-                 partition_by=partition_by, order_by=order_by, value=value)
+    task = _task(_release_partition, release=partition_task, partition_by=partition_by, order_by=order_by,
+                 value=value)
     return df.select(*partition_by, order_by, value).groupBy(*partition_by).applyInArrow(task, schema)
 
 
@@ -110,11 +109,12 @@ def count_stream(df, *, order_by: str | None = None, every, start, stop, partiti
     from pyspark.sql import functions as F
 
     ticks = _spark_ticks(F.col(order_by), fields[order_by], domain.datetime, order_by)
-    release = _Release(method, {"epsilon": epsilon, **params}, budget, note)
+    check_budget(budget)
+    release = DistributedRelease(method, {"epsilon": epsilon, **params}, budget=budget, note=note)
     nulls = _null_counts(df, [*partition_by, order_by])
     refuse_null_keys(nulls, order_label=None, partition_labels=partition_by)
     refuse_null_event_times(order_by, nulls[order_by])
-    release.charge(rows=0)
+    partition_task = release.charge()
     bucket = F.floor((ticks - F.lit(domain.start)) / F.lit(domain.every)).cast("long")
     counted = (df.select(*partition_by, bucket.alias("__bucket"))
                .where((F.col("__bucket") >= 0) & (F.col("__bucket") < domain.n_buckets))
@@ -122,46 +122,17 @@ def count_stream(df, *, order_by: str | None = None, every, start, stop, partiti
     time_type = "timestamp_ntz" if domain.datetime else "double"
     schema = ", ".join(f"`{c}` {fields[c].dataType.simpleString()}" for c in partition_by) \
         + f", `{order_by}` {time_type}, `{COUNT}` double"
-    task = _task(_release_counts, key=release.key, private=release.private, method=method, params=release.params,
-                 partition_by=partition_by, time_column=order_by, domain=domain)
+    task = _task(_release_counts, release=partition_task, partition_by=partition_by, time_column=order_by,
+                 domain=domain)
     return counted.groupBy(*partition_by).applyInArrow(task, schema)
 
 
-def _task(release, **arguments):
+def _task(function, **arguments):
     """The function Spark runs per group (``pyarrow.Table`` in and out, as its type hints say)."""
     def task(table: pa.Table) -> pa.Table:
-        return release(table, **arguments)
+        return function(table, **arguments)
 
     return task
-
-
-class _Release:
-    """The driver's side: the method's parameters validated, the cost, the key, the charge."""
-
-    def __init__(self, method: str, params: dict, budget: Budget | None, note: str | None):
-        check_budget(budget)
-        budget = default_budget() if budget is None else budget
-        keystream = Keystream.fresh()
-        if budget is None and keystream.private:
-            raise InvalidParameter("a private release needs a budget to be charged to: pass budget=dpsql.Budget."
-                                   "open(...), or set a default with dpsql.use_budget(budget)")
-        machine = machine_for(method, None, keystream.partition(b""), params)  # validates; draws nothing
-        self.method, self.params, self.budget, self.note = method, params, budget, note
-        self.key, self.private = keystream.key, keystream.private
-        self.cost, self.neighbour, self.notion, self.w = machine.cost, machine.neighbour, machine.notion, machine.w
-
-    def charge(self, *, rows: int) -> None:
-        if self.budget is None:
-            return
-        charge = Charge(method=self.method, epsilon=self.cost[0], delta=self.cost[1],
-                        neighbour=Neighbour(self.neighbour), notion=Notion(self.notion), w=self.w, rows=rows,
-                        partitions=0, params=_plain(self.params), private=self.private, note=self.note,
-                        kind=Kind.RELEASE)
-        self.budget.charge(charge)
-
-
-def _plain(params: dict) -> dict:
-    return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in params.items()}
 
 
 def _columns(partition_by) -> list[str]:
@@ -278,8 +249,8 @@ def _partition_key(table: pa.Table, partition_by: list[str]):
     return values[0] if len(values) == 1 else tuple(values)
 
 
-def _release_partition(table: pa.Table, *, key: bytes, private: bool, method: str, params: dict,
-                       partition_by: list[str], order_by: str, value: str) -> pa.Table:
+def _release_partition(table: pa.Table, *, release: PartitionTask, partition_by: list[str], order_by: str,
+                       value: str) -> pa.Table:
     """One partition's release (a task): in time order, from the partition's addressed draws."""
     table = table.sort_by(order_by)
     times = table.column(order_by)
@@ -287,21 +258,17 @@ def _release_partition(table: pa.Table, *, key: bytes, private: bool, method: st
         raise InvalidTimeKey(f"order column {order_by!r} has a duplicate value within a partition; time keys must "
                              "be unique within a partition")
     values = _validate.values(table.column(value), value)
-    partition = _partition_key(table, partition_by)
-    draws = Keystream(key, private=private).partition(partition_address(partition))
-    released = run_machine(machine_for(method, len(values), draws, params), chunks_of(values), len(values))
+    released = release.release(_partition_key(table, partition_by), values)
     return pa.table({**{c: table.column(c) for c in partition_by}, order_by: times,
                      value: pa.array(released, pa.float64())})
 
 
-def _release_counts(table: pa.Table, *, key: bytes, private: bool, method: str, params: dict,
-                    partition_by: list[str], time_column: str, domain) -> pa.Table:
+def _release_counts(table: pa.Table, *, release: PartitionTask, partition_by: list[str], time_column: str,
+                    domain) -> pa.Table:
     """One partition's count stream: every bucket of the domain (empty ones count 0)."""
     counts = np.zeros(domain.n_buckets)
     counts[table.column("__bucket").to_numpy()] = table.column("count").to_numpy()
-    partition = _partition_key(table, partition_by)
-    draws = Keystream(key, private=private).partition(partition_address(partition))
-    released = run_machine(machine_for(method, len(counts), draws, params), chunks_of(counts), len(counts))
+    released = release.release(_partition_key(table, partition_by), counts)
     starts = pa.array(domain.bucket_starts()).cast(pa.timestamp("us")) if domain.datetime else pa.array(
         domain.bucket_starts(), pa.float64())
     return pa.table({**{c: pa.repeat(table.column(c)[0], len(counts)) for c in partition_by},

@@ -347,3 +347,30 @@ def test_partitioned_thresholds_have_one_output_per_partition():
     np.testing.assert_array_equal(charged.values, release.values)  # the same key: the same thresholds
     assert budget.history(full=True)["partitions"].to_list() == [2]
     assert charged.part(1).release_id == charged.release_id
+
+
+def test_a_distributed_release_is_charged_once_before_its_tasks_and_releases_like_publish():
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    rng = np.random.default_rng(5)
+    parts = {b"north": rng.uniform(0, 60, 700), b"south": rng.uniform(0, 60, 300)}
+    with dpsql.testing.seeded(3):
+        planned = publishing.DistributedRelease("hierarchy", {"epsilon": 0.75, "upper": 60.0, "r": 256},
+                                                budget=budget)
+        assert budget.spent == (0.0, 0.0)  # planning validates and draws nothing
+        task = planned.charge()
+    assert budget.spent == (0.75, 0.0) and budget.history().height == 1  # once, for every partition
+    assert task.key.hex() not in repr(task) and repr(task.key) not in repr(task)
+    values = np.concatenate(list(parts.values()))
+    with dpsql.testing.seeded(3):
+        local = dpsql.publish("hierarchy", values, partition_offsets=[0, 700, 1000], partition_keys=list(parts),
+                              epsilon=0.75, upper=60.0, r=256)
+    released = np.concatenate([task.release(key, rows) for key, rows in parts.items()])
+    np.testing.assert_array_equal(released, local.values)
+    # a retried task releases the same values
+    np.testing.assert_array_equal(task.release(b"south", parts[b"south"]), released[700:])
+    # a second release that no longer fits is refused at its charge, charging nothing
+    with pytest.raises(BudgetExhausted):
+        publishing.DistributedRelease("laplace", {"epsilon": 0.5, "upper": 60.0}, budget=budget).charge()
+    assert budget.spent == (0.75, 0.0)
+    with pytest.raises(InvalidParameter, match="upper"):
+        publishing.DistributedRelease("laplace", {"epsilon": 0.5, "upper": -1.0}, budget=budget)
