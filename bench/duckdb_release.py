@@ -172,6 +172,20 @@ def main() -> None:
     kernel_median = {name: float(np.median(k[1:])) for name, k in kernel.items()}  # without the warm-up
     rows = [[label, best[name], best[name] / best[base], median[name] / median[base], kernel_median[name]]
             for name, (label, base) in labels.items()]
+    verdicts, causes = [], []
+    for name, core_name, base, what in (("tops", "core_tops", "baseline", "one stream, tops"),
+                                        ("laplace", "core", "baseline", "one stream, laplace"),
+                                        ("tops_1000", "core_1000", "baseline_1000", "1,000 partitions, tops"),
+                                        ("laplace_1000", "core_laplace_1000", "baseline_1000",
+                                         "1,000 partitions, laplace")):
+        ratio = best[name] / best[base]
+        verdicts.append(f"{what} {ratio:.2f}x ({'met' if ratio <= 1.5 else 'NOT met'})")
+        if ratio > 1.5:
+            causes.append(f"{what}: the core `publish` alone takes {best[core_name]:.2f} s of the release's "
+                          f"{best[name]:.2f} s (best times), the front end (reading, ordering, returning rows) "
+                          f"the rest")
+    verdict = ("\n\nTarget, best over best: " + "; ".join(verdicts) + "."
+               + (" Where the time of a missed one goes: " + "; ".join(causes) + "." if causes else ""))
     body = (f"{args.rows:,} rows in random physical order (traffic volumes tiled), fetched with "
             f"`to_arrow_table()` in this process; {args.repeat} interleaved runs after one warm-up round. Target: "
             f"`SELECT * FROM dp_range_sum(...)` at most 1.5x the baseline sort, for one stream and for 1,000 "
@@ -180,6 +194,7 @@ def main() -> None:
             f"(1 min) before / after: {load_before:.1f} / {load_after:.1f} on {os.cpu_count()} cores.\n\n"
             + markdown_table(["query", "best s", "x baseline (best)", "x baseline (median)", "kernel s (median)"],
                              rows)
+            + verdict
             + "\n\nWith integer-like keys (integers, dates, timestamps) the front end reads the source's key and "
             "value columns unsorted, in DuckDB's parallel scan, and puts them in stream order in numpy "
             "(`dpsql.ordering`): keys on a regular grid, with or without gaps, are placed by counting, with no "
