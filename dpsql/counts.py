@@ -121,7 +121,7 @@ class Buckets:
 
 
 def bucket_events(times, *, domain: TimeDomain, keys: Mapping[str, object] | None = None, units=None,
-                  cap: int | None = None, time_column: str = "time") -> Buckets:
+                  cap: int | None = None, order_by: str = "time") -> Buckets:
     """Count events per bucket of ``domain`` and per combination of ``keys`` columns.
 
     Events outside ``[start, stop)`` are dropped. With ``units`` and ``cap``, at most
@@ -137,7 +137,7 @@ def bucket_events(times, *, domain: TimeDomain, keys: Mapping[str, object] | Non
     >>> b.counts.tolist()
     [[2, 1]]
     """
-    times = ticks(times, time_column, domain.datetime)
+    times = ticks(times, order_by, domain.datetime)
     bucket = domain.buckets(times)
     keys = dict(keys or {})
     columns = {name: _key_column(values, name, len(times)) for name, values in keys.items()}
@@ -218,7 +218,7 @@ class CountRelease:
     domain: TimeDomain
     keys: dict[str, np.ndarray]
     levels: np.ndarray | None
-    time_column: str
+    order_by: str
     window: int | None = None
     alarm_threshold: float | None = None
     window_smoother: str | None = None
@@ -237,7 +237,7 @@ class CountRelease:
         n_buckets = self.domain.n_buckets
         parts = self.parts()
         rows = np.arange(n_buckets)
-        out: dict[str, np.ndarray] = {self.time_column: np.tile(self.domain.bucket_starts(), len(parts))}
+        out: dict[str, np.ndarray] = {self.order_by: np.tile(self.domain.bucket_starts(), len(parts))}
         for name, values in self.keys.items():
             out[name] = np.repeat(values, n_buckets)
         if self.levels is not None:
@@ -273,7 +273,7 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
                          keys: Mapping[str, object] | None = None, hierarchy: bool = False, units=None,
                          cap: int | None = None, window: int | None = None, alarm_threshold: float | None = None,
                          window_smoother: str | None = None,
-                         budget: Budget | None = None, note: str | None = None, time_column: str = "time",
+                         budget: Budget | None = None, note: str | None = None, order_by: str = "time",
                          **params) -> CountRelease:
     """Bucket events over the public domain and release every count stream.
 
@@ -351,7 +351,7 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
     blocks, key_rows, levels = [], {name: [] for name in names}, []
     for level, columns in enumerate(level_columns, start=1):
         b = bucket_events(times, domain=domain, keys={c: keys[c] for c in columns}, units=units, cap=cap,
-                          time_column=time_column)
+                          order_by=order_by)
         if b.counts.shape[0] == 0:
             raise InvalidData(f"no event falls in [{start}, {stop}) : the partition keys are taken from the events, "
                               "so there is no stream to release")
@@ -377,5 +377,5 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
                       partition_offsets=offsets, partition_keys=partition_keys,
                       partition_levels=levels if partitioned else None, note=note,
                       epsilon=level_epsilon, sensitivity=sensitivity, **params)
-    return CountRelease(release, domain, key_values, np.asarray(levels) if hierarchy else None, time_column,
+    return CountRelease(release, domain, key_values, np.asarray(levels) if hierarchy else None, order_by,
                         window, alarm_threshold, window_smoother)

@@ -122,7 +122,7 @@ def count_stream(df, *, order_by: str | None = None, every, start, stop, partiti
     time_type = "timestamp_ntz" if domain.datetime else "double"
     schema = ", ".join(f"`{c}` {fields[c].dataType.simpleString()}" for c in partition_by) \
         + f", `{order_by}` {time_type}, `{COUNT}` double"
-    task = _task(_release_counts, release=partition_task, partition_by=partition_by, time_column=order_by,
+    task = _task(_release_counts, release=partition_task, partition_by=partition_by, order_by=order_by,
                  domain=domain)
     return counted.groupBy(*partition_by).applyInArrow(task, schema)
 
@@ -263,7 +263,7 @@ def _release_partition(table: pa.Table, *, release: PartitionTask, partition_by:
                      value: pa.array(released, pa.float64())})
 
 
-def _release_counts(table: pa.Table, *, release: PartitionTask, partition_by: list[str], time_column: str,
+def _release_counts(table: pa.Table, *, release: PartitionTask, partition_by: list[str], order_by: str,
                     domain) -> pa.Table:
     """One partition's count stream: every bucket of the domain (empty ones count 0)."""
     counts = np.zeros(domain.n_buckets)
@@ -272,4 +272,4 @@ def _release_counts(table: pa.Table, *, release: PartitionTask, partition_by: li
     starts = pa.array(domain.bucket_starts()).cast(pa.timestamp("us")) if domain.datetime else pa.array(
         domain.bucket_starts(), pa.float64())
     return pa.table({**{c: pa.repeat(table.column(c)[0], len(counts)) for c in partition_by},
-                     time_column: starts, COUNT: pa.array(released, pa.float64())})
+                     order_by: starts, COUNT: pa.array(released, pa.float64())})

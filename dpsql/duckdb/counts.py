@@ -137,7 +137,7 @@ def install(con, context: Context) -> None:
             keys=keys, hierarchy=bool(options.pop("hierarchy", False)), units=units,
             cap=options.pop("contribution_cap", None), window=options.pop("window", None),
             alarm_threshold=options.pop("alarm_threshold", None), budget=context.budget, note=count_plan.note,
-            time_column=count_plan.order_by, **options)
+            order_by=count_plan.order_by, **options)
         columns = result.columns()
         # The core's per-stream bucket and stream indices give way to row handles: its
         # rows are in the release's order (stream, then bucket).

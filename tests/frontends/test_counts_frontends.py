@@ -36,7 +36,7 @@ def core(events, **options):
     keys = options.pop("keys", [])
     with testing.seeded(5):
         return release_event_counts(frame["ts"].to_numpy(), start=START, stop=STOP,
-                                    keys={k: frame[k].to_numpy() for k in keys}, time_column="ts",
+                                    keys={k: frame[k].to_numpy() for k in keys}, order_by="ts",
                                     **options).columns()
 
 
@@ -185,7 +185,7 @@ def test_sql_hierarchy_and_time_zone(con, budget, events):
     with testing.seeded(8):  # the same release as the core's on the naive UTC times
         want = release_event_counts(events["ts"].to_numpy(), start=START, stop=STOP, every="1h", epsilon=0.6,
                                     keys={k: events[k].to_numpy() for k in ("building", "room")}, hierarchy=True,
-                                    time_column="ts").columns()
+                                    order_by="ts").columns()
     np.testing.assert_array_equal(out["dp_count"].to_numpy(), want["dp_count"])
 
 

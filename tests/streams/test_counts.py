@@ -91,14 +91,14 @@ def test_bucketing_errors(kwargs, error, match):
         bucket_events([1, 2], domain=time_domain(start=0, stop=4, every=1), **kwargs)
 
 
-def test_time_column_errors():
+def test_order_column_errors():
     d = time_domain(start=T0, stop="2024-03-02", every="1h")
     with pytest.raises(dpsql.InvalidTimeKey, match="'ts' contains 1 null"):
-        bucket_events(np.array([T0, np.datetime64("NaT")]), domain=d, time_column="ts")
+        bucket_events(np.array([T0, np.datetime64("NaT")]), domain=d, order_by="ts")
     with pytest.raises(dpsql.InvalidData, match="must hold datetimes"):
-        bucket_events(np.array([1, 2]), domain=d, time_column="ts")
+        bucket_events(np.array([1, 2]), domain=d, order_by="ts")
     with pytest.raises(dpsql.InvalidData, match="NaN"):
-        bucket_events(np.array([1.0, np.nan]), domain=time_domain(start=0, stop=4, every=1), time_column="ts")
+        bucket_events(np.array([1.0, np.nan]), domain=time_domain(start=0, stop=4, every=1), order_by="ts")
 
 
 # -- release and ledger ----------------------------------------------------------------------------------
@@ -119,7 +119,7 @@ def test_partitioned_release_charges_epsilon_once():
     with testing.seeded(1):
         out = release_event_counts(times, start=T0, stop="2024-03-01T06:00", every="30m", epsilon=0.7,
                                    keys={"building": building}, budget=budget, smoother="average", window=4,
-                                   alarm_threshold=600, time_column="ts")
+                                   alarm_threshold=600, order_by="ts")
     assert budget.spent == (0.7, 0.0) and len(budget.history()) == 1
     cols = out.columns()
     assert len(cols["dp_count"]) == 2 * 12 and "dp_level" not in cols
