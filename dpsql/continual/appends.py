@@ -94,7 +94,9 @@ class RangeAppend:
         watermark = None if part.watermark is None else stored_keys(part.watermark)
         keys = same_type(keys, watermark, stream)
         tags = draws.tags(values)
-        old = 0 if watermark is None else int(pc.sum(pc.less_equal(keys, watermark[0])).as_py() or 0)
+        # keys are in order: none is old when the first is above the watermark (the usual append)
+        old = 0 if watermark is None or pc.greater(keys[0], watermark[0]).as_py() else int(
+            pc.sum(pc.less_equal(keys, watermark[0])).as_py() or 0)
         if old and part.watermark != since:
             again = keys[:old] if since is None else keys[:old].filter(
                 pc.greater(keys[:old], stored_keys(since)[0]))

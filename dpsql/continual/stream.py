@@ -343,7 +343,8 @@ class Stream:
         """Released rows as returned: partition columns, order key, value, dp_row (the rows
         ``first_row ..`` of the partition, or ``first_row + rows``)."""
         n = chunk.num_rows
-        positions = first_row + (np.arange(n) if rows is None else rows)
+        start = part.first_handle + first_row
+        handles = np.arange(start, start + n, dtype=np.int64) if rows is None else start + rows
         columns, names = [], []
         if self.spec.partition_by:
             key = json.loads(part.key_text)
@@ -351,7 +352,7 @@ class Stream:
                 # dates and times are kept as text (JSON): Arrow parses them back
                 columns.append(pa.array([value] * n).cast(arrow_type(kind)))
                 names.append(column)
-        columns += [chunk["key"], chunk["value"], pa.array(part.first_handle + positions, pa.int64())]
+        columns += [chunk["key"], chunk["value"], pa.array(handles, pa.int64())]
         names += [self.spec.order_by, self._value_column(), ROW_COLUMN]
         return pa.Table.from_arrays(columns, names=names)
 
