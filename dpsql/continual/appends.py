@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
@@ -45,13 +45,20 @@ class RangeAppend:
         self.stream = stream
         self.spec = stream.spec
         self.batches = batches
+        self.open: dict[bytes, _Open] = {}
 
     def run(self) -> pa.Table:
         spec, stream = self.spec, self.stream
         keystream = stream._keystream()
         outputs, released, like = [], 0, None
+        # The partitions this object's last append left open, if no append has committed since
+        # (the stream's version says so): their state as committed, and their machines as they
+        # were when it was packed. Taken now and kept again only once this append commits, so a
+        # failed append leaves nothing half-fed behind: the next one restores from the ledger.
+        kept, stream._open = stream._open, None
         with stream._store.appending(stream.budget.scope, stream.name) as (conn, row):
-            known: dict[bytes, PartitionRow] = {}
+            self.open = kept[2] if kept is not None and kept[:2] == (row.release_id, row.version) else {}
+            known: dict[bytes, PartitionRow] = {address: o.part for address, o in self.open.items()}
             since: dict[bytes, bytes | None] = {}  # each partition's watermark before this append
             for table in self.batches:  # one batch, or a lazy frame's sorted batches: one transaction
                 like = like or table
@@ -72,6 +79,8 @@ class RangeAppend:
                     outputs.append(output)
                     released += count
             stream._store.finish(conn, row, released)
+        if len(self.open) <= _KEEP_OPEN:  # committed: the next append of this object may start from here
+            stream._open = (row.release_id, row.version + 1, self.open)
         return sorted_output(outputs, stream, like)
 
     def _ordered(self, table: pa.Table) -> pl.DataFrame:
@@ -90,7 +99,10 @@ class RangeAppend:
         """Release a partition's rows of one batch; ``since`` is its watermark before this append
         (a lazy frame's later batch may repeat a key of an earlier one: a duplicate, not a repeat)."""
         stream = self.stream
-        state = PartitionState.unpack(part.state)
+        opened = self.open.get(part.address)
+        if opened is None or opened.part is not part:
+            opened = self.open[part.address] = _Open(part, PartitionState.unpack(part.state))
+        state = opened.state
         watermark = None if part.watermark is None else stored_keys(part.watermark)
         keys = same_type(keys, watermark, stream)
         tags = draws.tags(values)
@@ -106,7 +118,7 @@ class RangeAppend:
         recorded = self._repeats(conn, row, part, state, keys[:old], tags[:old], watermark)
         if old == len(keys):
             return recorded, 0
-        machine = stream._machine(draws, state.machine)
+        machine, opened.machine = opened.machine or stream._machine(draws, state.machine), None
         out = machine.feed(values[old:])
         waiting = stored_keys(state.pending_keys).cast(keys.type) if state.pending_keys else keys.slice(0, 0)
         waiting = pa.concat_arrays([waiting, keys[old:]])
@@ -126,6 +138,8 @@ class RangeAppend:
         part.watermark = table_bytes(pa.table({"key": keys[len(keys) - 1:]}))
         part.state = state.pack()
         stream._store.save_partition(conn, row, part)
+        if not getattr(machine, "public_columns", ()):  # (those keep every row's public columns: restored afresh)
+            opened.machine = machine
         fresh = stream._output(pa.table(chunk), part, first_row)
         return pa.concat_tables([recorded, fresh]) if recorded.num_rows else fresh, count
 
@@ -293,6 +307,20 @@ def _closed_buckets(partitions: dict[bytes, PartitionRow]) -> int:
     """Buckets released by every partition: all partitions are closed together."""
     fed = [PartitionState.unpack(p.state).fed for p in partitions.values()]
     return max(fed) if fed else 0
+
+
+#: Partitions whose open machines a stream object keeps between its appends (more: none kept).
+_KEEP_OPEN = 16
+
+
+@dataclass
+class _Open:
+    """A partition as this append leaves it: its row, its unpacked state and the machine whose
+    snapshot that state holds (None: restore it from the state)."""
+
+    part: PartitionRow
+    state: PartitionState
+    machine: Any = None
 
 
 @dataclass

@@ -150,6 +150,9 @@ class Stream:
         self.created = row.created
         self._secret = row.secret
         self._store = StreamStore(budget.ledger)
+        # what this object's last append committed (see RangeAppend): (release id, stream version
+        # after it, open partitions), reused while no other append has changed the stream
+        self._open: tuple[str, int, dict] | None = None
 
     # -- what it is -----------------------------------------------------------------------
 
