@@ -103,7 +103,9 @@ class RangeAppend:
         if opened is None or opened.part is not part:
             opened = self.open[part.address] = _Open(part, PartitionState.unpack(part.state))
         state = opened.state
-        watermark = None if part.watermark is None else stored_keys(part.watermark)
+        if opened.watermark is None and part.watermark is not None:
+            opened.watermark = stored_keys(part.watermark)
+        watermark = opened.watermark
         keys = same_type(keys, watermark, stream)
         tags = draws.tags(values)
         # keys are in order: none is old when the first is above the watermark (the usual append)
@@ -120,7 +122,9 @@ class RangeAppend:
             return recorded, 0
         machine, opened.machine = opened.machine or stream._machine(draws, state.machine), None
         out = machine.feed(values[old:])
-        waiting = stored_keys(state.pending_keys).cast(keys.type) if state.pending_keys else keys.slice(0, 0)
+        if opened.pending is None:
+            opened.pending = stored_keys(state.pending_keys) if state.pending_keys else keys.slice(0, 0)
+        waiting = opened.pending.cast(keys.type)
         waiting = pa.concat_arrays([waiting, keys[old:]])
         waiting_tags = np.concatenate([state.pending_tags, tags[old:]])
         count = len(out)
@@ -135,7 +139,9 @@ class RangeAppend:
         if count:
             stream._store.add_rows(conn, row, part.ordinal, first_row, count, table_bytes(pa.table(chunk)))
         part.rows += count
+        opened.pending = waiting[count:]  # the keys state.pending_keys stores (None: not decoded yet)
         part.watermark = table_bytes(pa.table({"key": keys[len(keys) - 1:]}))
+        opened.watermark = keys[len(keys) - 1:]  # what part.watermark stores
         part.state = state.pack()
         stream._store.save_partition(conn, row, part)
         if not getattr(machine, "public_columns", ()):  # (those keep every row's public columns: restored afresh)
@@ -315,12 +321,15 @@ _KEEP_OPEN = 16
 
 @dataclass
 class _Open:
-    """A partition as this append leaves it: its row, its unpacked state and the machine whose
-    snapshot that state holds (None: restore it from the state)."""
+    """A partition as this append leaves it: its row, its unpacked state, the machine whose
+    snapshot that state holds (None: restore it from the state), and its watermark and pending
+    keys as arrays (None: decode them from the row and the state)."""
 
     part: PartitionRow
     state: PartitionState
     machine: Any = None
+    watermark: pa.Array | None = None
+    pending: pa.Array | None = None
 
 
 @dataclass
