@@ -117,8 +117,8 @@ class RangeAppend:
             if len(again):
                 raise InvalidTimeKey(f"stream {stream.name!r}: order key {again[0].as_py()!r} appears twice in one "
                                      "partition of this append; time keys must be unique within a partition")
-        recorded = self._repeats(conn, row, part, state, keys[:old], tags[:old], watermark)
-        if old == len(keys):
+        recorded = self._repeats(conn, row, part, state, keys[:old], tags[:old], watermark) if old else None
+        if recorded is not None and old == len(keys):
             return recorded, 0
         machine, opened.machine = opened.machine or stream._machine(draws, state.machine), None
         out = machine.feed(values[old:])
@@ -147,7 +147,7 @@ class RangeAppend:
         if not getattr(machine, "public_columns", ()):  # (those keep every row's public columns: restored afresh)
             opened.machine = machine
         fresh = stream._output(pa.table(chunk), part, first_row)
-        return pa.concat_tables([recorded, fresh]) if recorded.num_rows else fresh, count
+        return pa.concat_tables([recorded, fresh]) if recorded is not None and recorded.num_rows else fresh, count
 
     def _repeats(self, conn, row: StreamRow, part: PartitionRow, state: PartitionState, keys: pa.Array,
                  tags: np.ndarray, watermark) -> pa.Table:
@@ -356,7 +356,8 @@ def _groups(frame: pl.DataFrame, spec: StreamSpec, label: str, *, order: str | N
         new[1:] |= c.slice(1).ne_missing(c.slice(0, n - 1)).to_numpy()
     if unique_keys:
         key = frame.get_column(order)
-        repeated = np.flatnonzero(~new[1:] & key.slice(1).eq_missing(key.slice(0, n - 1)).to_numpy())
+        same = key.slice(1).eq_missing(key.slice(0, n - 1))
+        repeated = np.flatnonzero(~new[1:] & same.to_numpy()) if same.any() else np.empty(0, np.int64)
         if repeated.size:
             raise InvalidTimeKey(f"{label}: order key {key[int(repeated[0]) + 1]!r} appears twice in one partition of "
                                  "this append; time keys must be unique within a partition")
