@@ -51,14 +51,14 @@ class RangeAppend:
         spec, stream = self.spec, self.stream
         keystream = stream._keystream()
         outputs, released, like = [], 0, None
-        # The partitions this object's last append left open, if no append has committed since
-        # (the stream's version says so): their state as committed, and their machines as they
-        # were when it was packed. Taken now and kept again only once this append commits, so a
-        # failed append leaves nothing half-fed behind: the next one restores from the ledger.
+        # The partitions this object's last appends left open: their state as committed, and their
+        # machines as they were when it was packed, used for a partition whose row in the ledger
+        # still holds exactly that state (no other append has changed it). Taken now and kept again
+        # only once this append commits, so a failed append leaves nothing half-fed behind.
         kept, stream._open = stream._open, None
         with stream._store.appending(stream.budget.scope, stream.name) as (conn, row):
-            self.open = kept[2] if kept is not None and kept[:2] == (row.release_id, row.version) else {}
-            known: dict[bytes, PartitionRow] = {address: o.part for address, o in self.open.items()}
+            self.open = kept[1] if kept is not None and kept[0] == row.release_id else {}
+            known: dict[bytes, PartitionRow] = {}
             since: dict[bytes, bytes | None] = {}  # each partition's watermark before this append
             for table in self.batches:  # one batch, or a lazy frame's sorted batches: one transaction
                 like = like or table
@@ -80,7 +80,7 @@ class RangeAppend:
                     released += count
             stream._store.finish(conn, row, released)
         if len(self.open) <= _KEEP_OPEN:  # committed: the next append of this object may start from here
-            stream._open = (row.release_id, row.version + 1, self.open)
+            stream._open = (row.release_id, self.open)
         return sorted_output(outputs, stream, like)
 
     def _ordered(self, table: pa.Table) -> pl.DataFrame:
@@ -100,8 +100,9 @@ class RangeAppend:
         (a lazy frame's later batch may repeat a key of an earlier one: a duplicate, not a repeat)."""
         stream = self.stream
         opened = self.open.get(part.address)
-        if opened is None or opened.part is not part:
+        if opened is None or not opened.holds(part):
             opened = self.open[part.address] = _Open(part, PartitionState.unpack(part.state))
+        opened.part = part
         state = opened.state
         if opened.watermark is None and part.watermark is not None:
             opened.watermark = stored_keys(part.watermark)
@@ -330,6 +331,13 @@ class _Open:
     machine: Any = None
     watermark: pa.Array | None = None
     pending: pa.Array | None = None
+
+    def holds(self, part: PartitionRow) -> bool:
+        """Is ``part`` (as read from the ledger) the partition as this one left it?"""
+        mine = self.part
+        return mine is part or (mine.state == part.state and mine.watermark == part.watermark
+                                and (mine.ordinal, mine.first_handle, mine.rows) == (part.ordinal, part.first_handle,
+                                                                                     part.rows))
 
 
 @dataclass

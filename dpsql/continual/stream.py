@@ -16,10 +16,10 @@ any instant leaves it complete or absent. Noise is addressed by the stream's sec
 (stored with it, never released), partition and position, so a retried append recomputes
 the same values and a row's value never depends on how the table was cut into appends: a
 stream appended in any chunks releases exactly what one release of the whole table gives.
-A :class:`Stream` object continues from the machines its own last append committed while the
-stream's version in the ledger shows that no other append came since (its first append, one
-after a failed append or after another process's, restores them from the ledger): the ledger
-stays the record, the object only saves redrawing the noise of the open chunk.
+A :class:`Stream` object continues from the machines its own last appends committed for each
+partition whose row in the ledger still holds exactly the state they left (its first append,
+one after a failed append, or after another process changed the partition, restores them from
+the ledger): the ledger stays the record, the object only saves redrawing the open chunk's noise.
 
 Rows are identified by (partition, order key). A row whose key is at or below its
 partition's watermark is refused (:class:`~dpsql.LateRow`) unless it repeats, with the same
@@ -154,9 +154,9 @@ class Stream:
         self.created = row.created
         self._secret = row.secret
         self._store = StreamStore(budget.ledger)
-        # what this object's last append committed (see RangeAppend): (release id, stream version
-        # after it, open partitions), reused while no other append has changed the stream
-        self._open: tuple[str, int, dict] | None = None
+        # what this object's last appends committed (see RangeAppend): (release id, open partitions),
+        # each reused while its row in the ledger still holds the state it left
+        self._open: tuple[str, dict] | None = None
 
     # -- what it is -----------------------------------------------------------------------
 

@@ -106,8 +106,8 @@ def test_one_row_at_a_time_releases_the_one_shot_values(method, params):
 @pytest.mark.parametrize(("method", "params"), [("tops", {"upper": 200.0, "m": 300, "r": 1024}),
                                                  ("hierarchy", {"upper": 60.0, "r": 256, "smoother": "median"})])
 def test_two_stream_objects_and_refused_appends_between_release_the_one_shot_values(method, params):
-    """An object's appends continue from the machines its last append left (unless another append
-    committed since, or its own failed after feeding some partitions): the values never change."""
+    """An object's appends continue from the machines its last append left (unless another append changed
+    the partition since, or its own failed after feeding some partitions): the values never change."""
     frame = _readings(3000, partitions=3, seed=4)
     budget = dpsql.Budget.in_memory(epsilon=2.0)
     first = _stream(budget, method, params, seed=6)
