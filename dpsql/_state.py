@@ -31,6 +31,8 @@ _MAGIC_V1 = b"DPS1"
 _MAGIC = b"DPS2"
 _DTYPES = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float32",
            "float64"}
+#: The storable dtypes already in little-endian order (stored as they are), with their names.
+_LITTLE = {np.dtype(name).newbyteorder("<"): name for name in _DTYPES}
 _FRAME = 1 << 22
 _RAW, _LZ4 = 0, 1
 _FRAME_HEADER = struct.Struct("<BQQ")  # codec, stored size, raw size
@@ -151,12 +153,16 @@ def _encode(value, buffers: list, end: list[int]):
         return {"blob": end[0] - len(value), "size": len(value)}
     if isinstance(value, np.ndarray):
         array = np.ascontiguousarray(value)
-        if array.dtype.name not in _DTYPES:
-            raise TypeError(f"cannot store arrays of dtype {array.dtype}")
-        data = memoryview(array.astype(array.dtype.newbyteorder("<"), copy=False).reshape(-1)).cast("B")
+        name = _LITTLE.get(array.dtype)
+        if name is None:  # another byte order (or a dtype that cannot be stored)
+            if array.dtype.name not in _DTYPES:
+                raise TypeError(f"cannot store arrays of dtype {array.dtype}")
+            name = array.dtype.name
+            array = array.astype(array.dtype.newbyteorder("<"))
+        data = memoryview(array.reshape(-1)).cast("B")
         buffers.append(data)
         end[0] += len(data)
-        return {"array": array.dtype.name, "shape": list(array.shape), "at": end[0] - len(data), "size": len(data)}
+        return {"array": name, "shape": list(array.shape), "at": end[0] - len(data), "size": len(data)}
     if isinstance(value, (list, tuple)):
         return {"list" if isinstance(value, list) else "tuple": [_encode(v, buffers, end) for v in value]}
     if isinstance(value, dict):

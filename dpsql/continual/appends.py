@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
@@ -45,12 +45,19 @@ class RangeAppend:
         self.stream = stream
         self.spec = stream.spec
         self.batches = batches
+        self.open: dict[bytes, _Open] = {}
 
     def run(self) -> pa.Table:
         spec, stream = self.spec, self.stream
         keystream = stream._keystream()
         outputs, released, like = [], 0, None
+        # The partitions this object's last appends left open: their state as committed, and their
+        # machines as they were when it was packed, used for a partition whose row in the ledger
+        # still holds exactly that state (no other append has changed it). Taken now and kept again
+        # only once this append commits, so a failed append leaves nothing half-fed behind.
+        kept, stream._open = stream._open, None
         with stream._store.appending(stream.budget.scope, stream.name) as (conn, row):
+            self.open = kept[1] if kept is not None and kept[0] == row.release_id else {}
             known: dict[bytes, PartitionRow] = {}
             since: dict[bytes, bytes | None] = {}  # each partition's watermark before this append
             for table in self.batches:  # one batch, or a lazy frame's sorted batches: one transaction
@@ -72,6 +79,8 @@ class RangeAppend:
                     outputs.append(output)
                     released += count
             stream._store.finish(conn, row, released)
+        if len(self.open) <= _KEEP_OPEN:  # committed: the next append of this object may start from here
+            stream._open = (row.release_id, self.open)
         return sorted_output(outputs, stream, like)
 
     def _ordered(self, table: pa.Table) -> pl.DataFrame:
@@ -90,23 +99,33 @@ class RangeAppend:
         """Release a partition's rows of one batch; ``since`` is its watermark before this append
         (a lazy frame's later batch may repeat a key of an earlier one: a duplicate, not a repeat)."""
         stream = self.stream
-        state = PartitionState.unpack(part.state)
-        watermark = None if part.watermark is None else stored_keys(part.watermark)
+        opened = self.open.get(part.address)
+        if opened is None or not opened.holds(part):
+            opened = self.open[part.address] = _Open(part, PartitionState.unpack(part.state))
+        opened.part = part
+        state = opened.state
+        if opened.watermark is None and part.watermark is not None:
+            opened.watermark = stored_keys(part.watermark)
+        watermark = opened.watermark
         keys = same_type(keys, watermark, stream)
         tags = draws.tags(values)
-        old = 0 if watermark is None else int(pc.sum(pc.less_equal(keys, watermark[0])).as_py() or 0)
+        # keys are in order: none is old when the first is above the watermark (the usual append)
+        old = 0 if watermark is None or pc.greater(keys[0], watermark[0]).as_py() else int(
+            pc.sum(pc.less_equal(keys, watermark[0])).as_py() or 0)
         if old and part.watermark != since:
             again = keys[:old] if since is None else keys[:old].filter(
                 pc.greater(keys[:old], stored_keys(since)[0]))
             if len(again):
                 raise InvalidTimeKey(f"stream {stream.name!r}: order key {again[0].as_py()!r} appears twice in one "
                                      "partition of this append; time keys must be unique within a partition")
-        recorded = self._repeats(conn, row, part, state, keys[:old], tags[:old], watermark)
-        if old == len(keys):
+        recorded = self._repeats(conn, row, part, state, keys[:old], tags[:old], watermark) if old else None
+        if recorded is not None and old == len(keys):
             return recorded, 0
-        machine = stream._machine(draws, state.machine)
+        machine, opened.machine = opened.machine or stream._machine(draws, state.machine), None
         out = machine.feed(values[old:])
-        waiting = stored_keys(state.pending_keys).cast(keys.type) if state.pending_keys else keys.slice(0, 0)
+        if opened.pending is None:
+            opened.pending = stored_keys(state.pending_keys) if state.pending_keys else keys.slice(0, 0)
+        waiting = opened.pending.cast(keys.type)
         waiting = pa.concat_arrays([waiting, keys[old:]])
         waiting_tags = np.concatenate([state.pending_tags, tags[old:]])
         count = len(out)
@@ -121,11 +140,15 @@ class RangeAppend:
         if count:
             stream._store.add_rows(conn, row, part.ordinal, first_row, count, table_bytes(pa.table(chunk)))
         part.rows += count
+        opened.pending = waiting[count:]  # the keys state.pending_keys stores (None: not decoded yet)
         part.watermark = table_bytes(pa.table({"key": keys[len(keys) - 1:]}))
+        opened.watermark = keys[len(keys) - 1:]  # what part.watermark stores
         part.state = state.pack()
         stream._store.save_partition(conn, row, part)
+        if not getattr(machine, "public_columns", ()):  # (those keep every row's public columns: restored afresh)
+            opened.machine = machine
         fresh = stream._output(pa.table(chunk), part, first_row)
-        return pa.concat_tables([recorded, fresh]) if recorded.num_rows else fresh, count
+        return pa.concat_tables([recorded, fresh]) if recorded is not None and recorded.num_rows else fresh, count
 
     def _repeats(self, conn, row: StreamRow, part: PartitionRow, state: PartitionState, keys: pa.Array,
                  tags: np.ndarray, watermark) -> pa.Table:
@@ -293,6 +316,30 @@ def _closed_buckets(partitions: dict[bytes, PartitionRow]) -> int:
     return max(fed) if fed else 0
 
 
+#: Partitions whose open machines a stream object keeps between its appends (more: none kept).
+_KEEP_OPEN = 16
+
+
+@dataclass
+class _Open:
+    """A partition as this append leaves it: its row, its unpacked state, the machine whose
+    snapshot that state holds (None: restore it from the state), and its watermark and pending
+    keys as arrays (None: decode them from the row and the state)."""
+
+    part: PartitionRow
+    state: PartitionState
+    machine: Any = None
+    watermark: pa.Array | None = None
+    pending: pa.Array | None = None
+
+    def holds(self, part: PartitionRow) -> bool:
+        """Is ``part`` (as read from the ledger) the partition as this one left it?"""
+        mine = self.part
+        return mine is part or (mine.state == part.state and mine.watermark == part.watermark
+                                and (mine.ordinal, mine.first_handle, mine.rows) == (part.ordinal, part.first_handle,
+                                                                                     part.rows))
+
+
 @dataclass
 class _Group:
     address: bytes
@@ -317,7 +364,8 @@ def _groups(frame: pl.DataFrame, spec: StreamSpec, label: str, *, order: str | N
         new[1:] |= c.slice(1).ne_missing(c.slice(0, n - 1)).to_numpy()
     if unique_keys:
         key = frame.get_column(order)
-        repeated = np.flatnonzero(~new[1:] & key.slice(1).eq_missing(key.slice(0, n - 1)).to_numpy())
+        same = key.slice(1).eq_missing(key.slice(0, n - 1))
+        repeated = np.flatnonzero(~new[1:] & same.to_numpy()) if same.any() else np.empty(0, np.int64)
         if repeated.size:
             raise InvalidTimeKey(f"{label}: order key {key[int(repeated[0]) + 1]!r} appears twice in one partition of "
                                  "this append; time keys must be unique within a partition")

@@ -16,6 +16,10 @@ any instant leaves it complete or absent. Noise is addressed by the stream's sec
 (stored with it, never released), partition and position, so a retried append recomputes
 the same values and a row's value never depends on how the table was cut into appends: a
 stream appended in any chunks releases exactly what one release of the whole table gives.
+A :class:`Stream` object continues from the machines its own last appends committed for each
+partition whose row in the ledger still holds exactly the state they left (its first append,
+one after a failed append, or after another process changed the partition, restores them from
+the ledger): the ledger stays the record, the object only saves redrawing the open chunk's noise.
 
 Rows are identified by (partition, order key). A row whose key is at or below its
 partition's watermark is refused (:class:`~dpsql.LateRow`) unless it repeats, with the same
@@ -150,6 +154,9 @@ class Stream:
         self.created = row.created
         self._secret = row.secret
         self._store = StreamStore(budget.ledger)
+        # what this object's last appends committed (see RangeAppend): (release id, open partitions),
+        # each reused while its row in the ledger still holds the state it left
+        self._open: tuple[str, dict] | None = None
 
     # -- what it is -----------------------------------------------------------------------
 
@@ -343,7 +350,8 @@ class Stream:
         """Released rows as returned: partition columns, order key, value, dp_row (the rows
         ``first_row ..`` of the partition, or ``first_row + rows``)."""
         n = chunk.num_rows
-        positions = first_row + (np.arange(n) if rows is None else rows)
+        start = part.first_handle + first_row
+        handles = np.arange(start, start + n, dtype=np.int64) if rows is None else start + rows
         columns, names = [], []
         if self.spec.partition_by:
             key = json.loads(part.key_text)
@@ -351,7 +359,7 @@ class Stream:
                 # dates and times are kept as text (JSON): Arrow parses them back
                 columns.append(pa.array([value] * n).cast(arrow_type(kind)))
                 names.append(column)
-        columns += [chunk["key"], chunk["value"], pa.array(part.first_handle + positions, pa.int64())]
+        columns += [chunk["key"], chunk["value"], pa.array(handles, pa.int64())]
         names += [self.spec.order_by, self._value_column(), ROW_COLUMN]
         return pa.Table.from_arrays(columns, names=names)
 

@@ -144,6 +144,7 @@ class StreamStore:
                       "VALUES (?, ?, ?, ?, ?)",
                 (_partition_release_id(stream.release_id, ordinal), stream.scope, first_handle, PARTITION_HANDLES,
                  self.ledger.backend.blob(_state.pack({"stream": stream.release_id, "ordinal": ordinal}))))
+        stream.partitions = ordinal + 1  # counted inside this transaction: what finish records
         return PartitionRow(address, ordinal, key_text, first_handle, 0, None, state)
 
     def save_partition(self, conn, stream: StreamRow, partition: PartitionRow) -> None:
@@ -158,11 +159,10 @@ class StreamStore:
                 (stream.release_id, ordinal, first_row, rows, self.ledger.backend.blob(data)))
 
     def finish(self, conn, stream: StreamRow, rows: int) -> None:
-        """Count the append's released rows and bump the stream's version."""
-        partitions = int(self._q(conn, "SELECT COUNT(*) FROM stream_partitions WHERE release_id = ?",
-                                 (stream.release_id,)).fetchone()[0])
+        """Count the append's released rows and partitions (``stream.partitions``, kept by
+        :meth:`new_partition` in this transaction) and bump the stream's version."""
         self._q(conn, "UPDATE streams SET version = version + 1, rows = rows + ?, partitions = ? "
-                      "WHERE release_id = ?", (rows, partitions, stream.release_id))
+                      "WHERE release_id = ?", (rows, stream.partitions, stream.release_id))
 
     def chunks(self, conn, release_id: str, ordinal: int | None = None, *, newest_first: bool = False):
         """The released-row chunks of the stream (of one partition), in row order (or newest first):

@@ -103,6 +103,31 @@ def test_one_row_at_a_time_releases_the_one_shot_values(method, params):
     _same_as_one_shot(pa.concat_tables(pieces), method, {**params, **({"m": 100} if "m" in params else {})}, frame, 5)
 
 
+@pytest.mark.parametrize(("method", "params"), [("tops", {"upper": 200.0, "m": 300, "r": 1024}),
+                                                 ("hierarchy", {"upper": 60.0, "r": 256, "smoother": "median"})])
+def test_two_stream_objects_and_refused_appends_between_release_the_one_shot_values(method, params):
+    """An object's appends continue from the machines its last append left (unless another append changed
+    the partition since, or its own failed after feeding some partitions): the values never change."""
+    frame = _readings(3000, partitions=3, seed=4)
+    budget = dpsql.Budget.in_memory(epsilon=2.0)
+    first = _stream(budget, method, params, seed=6)
+    second = budget.stream("s")
+    rng = np.random.default_rng(1)
+    at, pieces, turn = 0, [], 0
+    while at < frame.height:
+        step = int(rng.integers(1, 300))
+        piece = frame.slice(at, step)
+        stream = first if turn % 3 else second
+        if turn % 4 == 1 and at:
+            # meter 0's new rows are fed before another meter's late row refuses the whole append
+            late = pl.DataFrame({"meter": [1, 2], "ts": [-1, -1], "kwh": [1.0, 1.0]})
+            with pytest.raises((dpsql.LateRow, dpsql.InvalidTimeKey)):
+                stream.append(pl.concat([piece, late]))
+        pieces.append(stream.append(piece))
+        at, turn = at + step, turn + 1
+    _same_as_one_shot(pa.concat_tables(pieces), method, params, frame, seed=6)
+
+
 def test_partitions_interleaved_and_appearing_later(tmp_path):
     frame = _readings(2000, partitions=4, seed=9)
     budget = dpsql.Budget.in_memory(epsilon=1.0)

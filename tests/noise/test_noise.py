@@ -354,3 +354,17 @@ def test_report_noisy_max_tracks_a_clear_leader_and_is_random_on_ties():
     assert 0.45 < np.mean(ties) < 0.55
     # the same draws give the same answer: a retried call releases nothing new
     assert [report_noisy_max(np.zeros(2), epsilon=1.0, noise=lane(k)) for k in range(50)] == ties[:50]
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 10_000])
+def test_value_tags_are_the_addressed_blocks_of_the_values_bits(n):
+    """A value's tag is the first word of AES of (VALUE_TAG lane, its bits), whatever the batch size."""
+    draws = Keystream(bytes(range(32)), private=False).partition(b"p")
+    values = np.random.default_rng(n).normal(size=n)
+    values[::7] = 1.5  # equal values, equal tags
+    tags = draws.tags(values)
+    assert tags.dtype == np.uint64 and tags.shape == (n,)
+    assert np.array_equal(tags, draws._blocks_at(int(Lane.VALUE_TAG) << 48, values.view(np.uint64))[:, 0])
+    assert len(set(tags[::7].tolist())) <= 1
+    if n > 1:
+        assert np.array_equal(draws.tags(values[1:]), tags[1:])
