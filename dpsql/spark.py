@@ -61,9 +61,10 @@ def range_sum(df, *, order_by: str, value: str, partition_by, method: str = RANG
 
     Examples
     --------
-    >>> import dpsql, dpsql.spark  # doctest: +SKIP
-    >>> out = dpsql.spark.range_sum(readings, order_by="ts", value="kwh", partition_by="meter",
-    ...                             epsilon=1.0, upper=50.0, budget=budget)  # doctest: +SKIP
+    On a Spark DataFrame ``readings`` (tests/spark runs this on ``local[2]``)::
+
+        out = dpsql.spark.range_sum(readings, order_by="ts", value="kwh", partition_by="meter",
+                                    epsilon=1.0, upper=50.0, budget=budget)
     """
     refuse_renamed("dpsql.spark.range_sum()", params)
     partition_by = _columns(partition_by)
