@@ -142,8 +142,7 @@ library: SMA window 3 (trailing) for IPP/APP/CAPP, none for the others; APP/CAPP
 segment means with qlen = w and n_s by Eq. 12/13 with the sigma^4 correction, which picks n_s = {chosen}
 (when n_s = w, PP-S is CAPP with memory w and sampling is SW-direct). Queries: length w, stride w/2. Values
 averaged over {args.repeat} runs; all metrics in units normalised by the public bounds. "paper" rows use the
-paper's per-report budget eps/w, which is NOT w-event private (ALGORITHMS.md §6.8); they exist to compare with
-the publication.
+paper's per-report budget eps/w, which is NOT w-event private; they exist to compare with the publication.
 
 The column "sw_direct debiased" is not in the paper: the collector's unbiased inverse of each SW-direct report
 (`dpsql.ldp.debiased_slot_values`, P8), same reports, free post-processing. It removes the pull of raw SW

@@ -190,7 +190,7 @@ used as they are (not extended to 2^20 + m as in the paper). "MSE / SW" is relat
 
 {chr(10).join('- ' + note for note in notes)}
 
-Reading the table: EM without a smoothing step (as SW-W prescribes, ALGORITHMS.md §5.4.6) returns a spiky
+Reading the table: EM without a smoothing step (as SW-W prescribes, ToPL §5) returns a spiky
 density with long runs of bins below 0.01 %, even inside the data's support (integer-valued data put mass on
 every eighth bin for retail's 1024 bins over [0, 128]). Wherever SW-W loses to plain SW above, its run-of-5 rule
 has fired at the first such run after the median (dpsql's reading of "first", see `sw_w_prune`) and clipped the

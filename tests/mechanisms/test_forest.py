@@ -3,6 +3,7 @@ online consistency, the closed-form inverse normal matrix and interval variances
 
 import numpy as np
 import pytest
+from oracles import design_matrix
 
 from dpsql.mechanisms import LaplaceLattice
 from dpsql.mechanisms.hierarchy import Forest, leaf_interval_variance
@@ -13,16 +14,6 @@ from dpsql.testing import keys
 FORESTS = [Forest(2, 4, 1), Forest(4, 3, 1), Forest(16, 2, 1), Forest(4, 3, 3)]
 
 
-def design_matrix(forest: Forest) -> np.ndarray:
-    """Rows: every node, level by level from the leaves; columns: leaves."""
-    rows = []
-    for level in range(forest.levels):
-        size = forest.fanout**level
-        for node in range(forest.n_leaves // size):
-            row = np.zeros(forest.n_leaves)
-            row[node * size:(node + 1) * size] = 1.0
-            rows.append(row)
-    return np.array(rows)
 
 
 def averaging(forest: Forest, level: int) -> np.ndarray:

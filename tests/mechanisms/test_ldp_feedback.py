@@ -1,4 +1,4 @@
-"""Deviation feedback around Square Wave (ALGORITHMS.md §6.3-6.5, 6.11): the papers' arithmetic with
+"""Deviation feedback around Square Wave (Du et al., APP and CAPP): the papers' arithmetic with
 scripted randomisers, CAPP's frames, the memory the strict accounting relies on, and the plain-float
 loop against the numpy step."""
 

@@ -1,4 +1,4 @@
-"""The collector's linear post-processing (ALGORITHMS.md P13) and its noise model: the moving
+"""The collector's linear post-processing (the sequence smoothers of docs/algorithms.md) and its noise model: the moving
 average by pieces against the whole stream, and range variances against dense matrices."""
 
 import itertools

@@ -1,5 +1,6 @@
-"""Local-DP randomisers (ALGORITHMS.md P8-P11): constants, exact distributions, the lattice,
-the LDP ratio bound cell by cell, moments, and reports as functions of their addresses."""
+"""Local-DP randomisers (Square Wave, Piecewise, Stochastic Rounding, Hybrid; ToPS App. E): constants,
+exact distributions, the lattice, the LDP ratio bound cell by cell, moments, and reports as functions of
+their addresses."""
 
 import math
 

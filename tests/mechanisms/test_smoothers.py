@@ -1,30 +1,10 @@
-"""Block smoothers (ALGORITHMS.md P7, ToPS App. D): predictions from released block sums."""
+"""Block smoothers (ToPS App. D): predictions from released block sums."""
 
 import numpy as np
 import pytest
+from oracles import reference_predictions
 
 from dpsql.mechanisms.smoothers import MIN_ALPHA, SMOOTHERS, make_smoother
-
-
-def reference_predictions(name, sums, g, initial, window=3, alpha=0.6):
-    """P7 literally: per-value prediction of every block t = 0..T from u_0..u_{t-1}."""
-    preds = [initial / g]
-    level = None
-    for t in range(1, len(sums) + 1):
-        past = sums[:t]
-        if name == "recent":
-            preds.append(past[-1] / g)
-        elif name == "mean":
-            preds.append(np.mean(past) / g)
-        elif name == "median":
-            preds.append(np.median(past) / g)
-        elif name == "moving":
-            preds.append(np.mean(past[-window:]) / g)
-        else:
-            level = past[-1] if level is None else alpha * past[-1] + (1 - alpha) * level
-            preds.append(level / g)
-    return np.array(preds)
-
 
 PREDICTIVE = ["recent", "mean", "median", "moving", "exponential"]
 

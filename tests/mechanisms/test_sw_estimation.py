@@ -1,4 +1,4 @@
-"""Square Wave density estimation (ALGORITHMS.md P8, ToPL §5): the exact transition matrix,
+"""Square Wave density estimation (ToPL §5): the exact transition matrix,
 the fast kernel, EM / EMS and SW-W pruning."""
 
 import numpy as np

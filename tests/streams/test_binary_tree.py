@@ -1,4 +1,4 @@
-"""The binary-tree continual counter (ALGORITHMS.md P5): the horizon tree and, by default, the
+"""The binary-tree continual counter (Chan, Shi, Song 2011): the horizon tree and, by default, the
 unbounded hybrid counter (Chan, Shi and Song) with its epoch totals."""
 
 import math

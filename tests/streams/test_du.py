@@ -1,4 +1,4 @@
-"""Du et al.'s IPP / APP / CAPP / PP-S family and its baselines as releases (ALGORITHMS.md §6):
+"""Du et al.'s IPP / APP / CAPP / PP-S family and its baselines as releases (Du et al.):
 the papers' choices, the privacy counterexample, accounting, BA-SW, error models, devices and
 the collector."""
 

@@ -1,7 +1,7 @@
 """Du et al.'s releases against a sequential reference, and reports as functions of (key, user, slot).
 
 The reference below is deliberately slow and plain: one user, one report at a time, straight from
-ALGORITHMS.md §6, each uniform drawn by its own address through the noise API. The library's paths
+Du et al.'s algorithms, each uniform drawn by its own address through the noise API. The library's paths
 (all reports at once without feedback, a plain-float loop per user, numpy across many users, any
 chunking, batches of users in one release, the device encoder) must give exactly its outputs.
 """

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from oracles import reference_outputs
 
 import dpsql
 from dpsql.accounting import largest_share
@@ -48,30 +49,6 @@ def fed_whole(machine, values):
     return np.concatenate([machine.feed(values), machine.close()])
 
 
-def reference_outputs(name, sums, g, n, initial):
-    """P7: rows of block t get pred_t (from u_0..u_{t-1}), its last row u_t - (g - 1) pred_t."""
-    preds, level, out = [initial / g], None, np.empty(n)
-    for t in range(1, len(sums) + 1):
-        past = sums[:t]
-        if name == "recent":
-            preds.append(past[-1] / g)
-        elif name == "mean":
-            preds.append(np.mean(past) / g)
-        elif name == "median":
-            preds.append(np.median(past) / g)
-        elif name == "moving":
-            preds.append(np.mean(past[-3:]) / g)
-        else:
-            level = past[-1] if level is None else 0.6 * past[-1] + 0.4 * level
-            preds.append(level / g)
-    for t in range(-(-n // g)):
-        lo, hi = t * g, min(n, (t + 1) * g)
-        if t < len(sums):
-            out[lo:hi - 1] = preds[t]
-            out[hi - 1] = sums[t] - (hi - lo - 1) * preds[t]
-        else:
-            out[lo:hi] = preds[t]
-    return out
 
 
 # --- the flat spread ---------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""PAK (ALGORITHMS.md §3): accounting, the threshold, the hold-out released through the flat
+"""PAK (Perrier, Asghar, Kaafar, NDSS 2019): accounting, the threshold, the hold-out released through the flat
 hierarchy at ``holdout_share * epsilon``, the binary-tree stream phase, and bad input."""
 
 import math
@@ -73,7 +73,7 @@ def test_threshold_holdout_release_and_binary_tree_stream_phase():
     model = DyadicPrefixNoise(LaplaceLattice(tau, 1.0 / 19).variance, 19)
     starts, stops = np.array([m, m + 5, m + 1000]), np.array([m + 7, n, m + 77_777])
     np.testing.assert_allclose(rel.range_variance(starts, stops), model.range_variance(starts - m, stops - m))
-    # ALGORITHMS.md §3.6: Var(c(i) - c_hat(i)) = popcount(i - m) node variances + the hold-out's.
+    # the binary tree's error: Var(c(i) - c_hat(i)) = popcount(i - m) node variances + the hold-out's.
     node = model.range_variance(np.array([0]), np.array([1]))[0]
     for k in (1, 2, 7, 1000, 65_535, n - m):
         assert rel.range_variance(0, m + k) == pytest.approx(holdout_variance + bin(k).count("1") * node)

@@ -1,4 +1,4 @@
-"""ToPL (ALGORITHMS.md §5) and the pm_direct baseline: threshold, estimates, error model, accounting."""
+"""ToPL (Wang et al., CCS 2021) and the pm_direct baseline: threshold, estimates, error model, accounting."""
 
 import math
 
