@@ -20,6 +20,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+from processes import in_forked_child
 
 import dpsql
 from dpsql.mechanisms.hierarchy import MAX_FLAT_BLOCK, flat_block
@@ -379,21 +380,8 @@ def test_two_processes_appending_at_once_are_serialised(tmp_path):
 def test_an_in_memory_stream_refuses_appends_from_a_forked_child():
     budget = dpsql.Budget.in_memory(epsilon=1.0)
     stream = budget.stream("s", method="laplace", epsilon=1.0, order_by="ts", value="v", upper=5.0)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        try:
-            stream.append(pl.DataFrame({"ts": [1], "v": [1.0]}))
-            message = b"appended"
-        except dpsql.LedgerError as error:
-            message = str(error).encode()
-        os.write(write, message)
-        os._exit(0)
-    os.close(write)
-    os.waitpid(pid, 0)
-    with os.fdopen(read, "rb") as pipe:
-        assert b"forked child" in pipe.read()
+    message = in_forked_child(lambda: stream.append(pl.DataFrame({"ts": [1], "v": [1.0]})) and "appended")
+    assert message.startswith("LedgerError") and "forked child" in message
     assert stream.released().num_rows == 0
 
 
@@ -489,29 +477,19 @@ def _append_to_a_read_only_ledger(directory: Path) -> None:
     stream = budget.stream("s", method="laplace", epsilon=0.5, order_by="ts", value="v", upper=1.0)
     stream.append(pl.DataFrame({"ts": [1], "v": [1.0]}))
     before = _ledger_rows(path)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # a writer that may only read the file: root drops its privileges, anyone else loses write bits
-        os.close(read)
-        try:
-            if os.geteuid() == 0:
-                os.chmod(directory, 0o755)
-                os.setgid(65534)
-                os.setuid(65534)
-            else:
-                for p in directory.iterdir():
-                    os.chmod(p, 0o444)
-                os.chmod(directory, 0o555)
-            dpsql.Budget.open(path).stream("s").append(pl.DataFrame({"ts": [2], "v": [1.0]}))
-            message = "appended"
-        except BaseException as error:
-            message = f"{type(error).__name__}: {error}"
-        os.write(write, message.encode())
-        os._exit(0)
-    os.close(write)
-    os.waitpid(pid, 0)
-    with os.fdopen(read, "rb") as pipe:
-        message = pipe.read().decode()
+    def read_only_writer():  # root drops its privileges, anyone else loses the write bits
+        if os.geteuid() == 0:
+            os.chmod(directory, 0o755)
+            os.setgid(65534)
+            os.setuid(65534)
+        else:
+            for p in directory.iterdir():
+                os.chmod(p, 0o444)
+            os.chmod(directory, 0o555)
+        dpsql.Budget.open(path).stream("s").append(pl.DataFrame({"ts": [2], "v": [1.0]}))
+        return "appended"
+
+    message = in_forked_child(read_only_writer)
     os.chmod(directory, 0o755)
     for p in directory.iterdir():
         os.chmod(p, 0o644)

@@ -18,6 +18,7 @@ from fractions import Fraction
 import numpy as np
 import polars as pl
 import pytest
+from processes import in_forked_child
 
 import dpsql
 from dpsql.accounting import Charge, Neighbour, exact
@@ -114,14 +115,8 @@ def test_kill_9_mid_charges_loses_nothing_and_charges_nothing_twice(tmp_path):
 def test_a_forked_child_charges_through_its_own_connection(tmp_path):
     budget = dpsql.Budget.open(tmp_path / "l.sqlite", epsilon=1.0)
     budget.charge(CHARGE)
-    pid = os.fork()
-    if pid == 0:  # the child: its charge must reach the same file
-        try:
-            budget.charge(CHARGE)
-            os._exit(0)
-        except BaseException:
-            os._exit(1)
-    assert os.waitpid(pid, 0)[1] == 0
+    # the child's charge must reach the same file
+    assert in_forked_child(lambda: budget.charge(CHARGE) and "charged") == "charged"
     budget.charge(CHARGE)
     assert _consistent(tmp_path / "l.sqlite")[0] == 3
 
@@ -129,46 +124,20 @@ def test_a_forked_child_charges_through_its_own_connection(tmp_path):
 def test_an_in_memory_budget_refuses_in_a_forked_child():
     budget = dpsql.Budget.in_memory(epsilon=1.0)
     budget.charge(CHARGE)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        try:
-            budget.charge(CHARGE)
-            message = b"charged"
-        except dpsql.LedgerError as error:
-            message = str(error).encode()
-        os.write(write, message)
-        os._exit(0)
-    os.close(write)
-    os.waitpid(pid, 0)
-    with os.fdopen(read, "rb") as pipe:
-        message = pipe.read().decode()
-    assert "forked child" in message and "Budget.open" in message
+    message = in_forked_child(lambda: budget.charge(CHARGE) and "charged")
+    assert message.startswith("LedgerError") and "forked child" in message and "Budget.open" in message
     assert budget.spent == (1e-4, 0.0)
 
 
 def _in_child_as_nobody(action) -> str:
-    """Run ``action()`` in a forked child without root's privileges; its LedgerError message."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        try:
-            os.setgid(65534)
-            os.setuid(65534)
-            action()
-            message = "no error"
-        except dpsql.LedgerError as error:
-            message = "LedgerError: " + str(error)
-        except BaseException as error:
-            message = f"{type(error).__name__}: {error}"
-        os.write(write, message.encode())
-        os._exit(0)
-    os.close(write)
-    os.waitpid(pid, 0)
-    with os.fdopen(read, "rb") as pipe:
-        return pipe.read().decode()
+    """Run ``action()`` in a forked child without root's privileges; its error, if any."""
+    def as_nobody():
+        os.setgid(65534)
+        os.setuid(65534)
+        action()
+        return "no error"
+
+    return in_forked_child(as_nobody)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="drops root's privileges to make the file read-only for the writer")

@@ -12,6 +12,7 @@ from fractions import Fraction
 import numpy as np
 import polars as pl
 import pytest
+from processes import in_forked_child
 
 import dpsql
 from dpsql.accounting import Charge, Neighbour, exact
@@ -230,27 +231,15 @@ def test_a_lock_held_too_long_is_a_typed_error_and_charges_nothing(postgres_url,
 
 def test_a_forked_child_charges_through_its_own_connection(postgres_url):
     """The parent's connection is never used (nor closed) by a forked child: both keep charging."""
-    import os
-
     budget = dpsql.Budget.open(postgres_url, epsilon=1.0)
     budget.charge(CHARGE)
     parent_backend = budget.ledger._conn.info.backend_pid
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        try:
-            budget.charge(CHARGE)
-            budget.charge(CHARGE)
-            message = str(budget.ledger._conn.info.backend_pid)
-        except BaseException as error:
-            message = f"{type(error).__name__}: {error}"
-        os.write(write, message.encode())
-        os._exit(0)
-    os.close(write)
-    os.waitpid(pid, 0)
-    with os.fdopen(read, "rb") as pipe:
-        child_backend = pipe.read().decode()
+    def charge_twice():
+        budget.charge(CHARGE)
+        budget.charge(CHARGE)
+        return budget.ledger._conn.info.backend_pid
+
+    child_backend = in_forked_child(charge_twice)
     assert child_backend.isdigit() and int(child_backend) != parent_backend, child_backend
     budget.charge(CHARGE)  # the parent's connection still works
     assert budget.ledger._conn.info.backend_pid == parent_backend
