@@ -4,25 +4,12 @@ loop against the numpy step."""
 
 import numpy as np
 import pytest
+from doubles import Scripted
 from scipy import optimize
 
 from dpsql.mechanisms.ldp import SQUARE_WAVE, UNIT, FeedbackEncoder, capp_ranges, capp_threshold, report_uniforms
 from dpsql.mechanisms.ldp.feedback import PLAIN_LOOP_USERS
 from dpsql.testing import keys
-
-
-class Scripted:
-    """A randomiser stub: returns scripted outputs and records the inputs it saw."""
-
-    uniforms = 1
-
-    def __init__(self, outputs):
-        self.outputs = list(outputs)
-        self.inputs = []
-
-    def perturb(self, z, eps, u):
-        self.inputs.append(np.array(z, dtype=float))
-        return np.full(np.shape(z), self.outputs.pop(0), dtype=float)
 
 
 class Echo:

@@ -7,6 +7,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from doubles import Scripted
 from scipy import integrate, stats
 
 import dpsql
@@ -27,18 +28,6 @@ from dpsql.testing import keys, seeded
 METHODS = ["sw_direct", "sampling", "ba_sw", "ipp", "app", "capp", "pp_s"]
 
 
-class Scripted:
-    """A randomiser stub: returns scripted outputs and records the inputs it saw."""
-
-    uniforms = 1
-
-    def __init__(self, outputs):
-        self.outputs = list(outputs)
-        self.inputs = []
-
-    def perturb(self, z, eps, u):
-        self.inputs.append(np.array(z, dtype=float))
-        return np.full(np.shape(z), self.outputs.pop(0), dtype=float)
 
 
 # -- PP-S: n_s and segments ------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from decimal import Decimal
 
 import numpy as np
 import pytest
+from doubles import Noiseless
 
 import dpsql
 from dpsql import noise, testing
@@ -20,20 +21,6 @@ EXAMPLE = np.array([5.0, 5.0, 6.0, 9.0, 10.0])
 NOISY_UNITS, TENTH = np.array([56, 44, 67, 95, 102]), 0.1  # the paper's noisy counts, on a lattice of 0.1
 
 
-class Noiseless(noise.Draws):
-    """Draws whose every keystream block is the uniform 1: every discrete Laplace draw is exactly 0.
-    Runs a machine noise-free, to compare it with the paper's worked examples."""
-
-    def __init__(self):
-        self.private = False
-
-    def _blocks(self, header, start, count, out=None):
-        out = np.empty((count, 2), dtype=np.uint64) if out is None else out
-        out[:, 0], out[:, 1] = (1 << 53) - 1, 0
-        return out
-
-    def _blocks_at(self, header, indices):
-        return self._blocks(header, 0, len(indices))
 
 
 def noise_free(method, values, *, chunk=1 << 20, **params):

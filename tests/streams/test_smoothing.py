@@ -10,9 +10,10 @@ import duckdb
 import numpy as np
 import polars as pl
 import pytest
+from doubles import Noiseless
 
 import dpsql
-from dpsql import noise, testing
+from dpsql import testing
 from dpsql.mechanisms import LaplaceLattice
 from dpsql.methods import machine_for, run
 from dpsql.release import chunks_of, release_from
@@ -88,19 +89,6 @@ def test_pegasus_adaptive_is_the_smoother_of_its_noisy_counts_restarted_at_its_g
     np.testing.assert_array_equal(rel.values, again)
 
 
-class Noiseless(noise.Draws):
-    """Draws that are all exactly 0 (as in test_pegasus): a release is its clipped counts."""
-
-    def __init__(self):
-        self.private = False
-
-    def _blocks(self, header, start, count, out=None):
-        out = np.empty((count, 2), dtype=np.uint64) if out is None else out
-        out[:, 0], out[:, 1] = (1 << 53) - 1, 0
-        return out
-
-    def _blocks_at(self, header, indices):
-        return self._blocks(header, 0, len(indices))
 
 
 def noise_free(method, values, **params):
