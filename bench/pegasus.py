@@ -34,15 +34,10 @@ from dpsql.mechanisms import LaplaceLattice
 from dpsql.mechanisms.svt import AboveThreshold
 from dpsql.methods import run
 from dpsql.noise import Keystream
-from dpsql.streams.pegasus import (
-    GroupPrefixNoise,
-    _first_above_short,
-    group_start_per_row,
-    partition,
-    perturb_units,
-    smooth,
-    window_sums,
-)
+from dpsql.streams.count_laplace import perturb_units
+from dpsql.streams.group_smoothing import GroupPrefixNoise, smooth
+from dpsql.streams.pegasus import _first_above_short, group_start_per_row, partition
+from dpsql.streams.windows import window_sums
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "traffic_volume_hourly.csv"
 if not DATA.exists():

@@ -37,11 +37,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpsql import _validate, methods
+from dpsql.accounting import largest_share
 from dpsql.budget import Budget
 from dpsql.errors import InvalidData, InvalidParameter, RenamedParameter
 from dpsql.publishing import publish
 from dpsql.release import PartitionedRelease, Release
-from dpsql.streams.pegasus import largest_share
 from dpsql.streams.windows import WINDOW_SMOOTHERS, window_sums
 from dpsql.timegrid import TimeDomain, ticks, time_domain
 

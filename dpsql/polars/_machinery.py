@@ -120,7 +120,7 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
     2**62 (beyond one int64 key), take Polars' multi-column sort.
     """
     order = frame.get_column(order_name)
-    _refuse_unusable_keys(frame, order_name, partition_names, labels)
+    _refuse_unusable_keys(frame, order_name, labels)
     physical = order.to_physical()
     if physical.dtype in _NUMPY_INTEGERS:
         def refuse(time: int, _partition: int | None):
@@ -139,8 +139,7 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
     return rows, rows.gather(values)
 
 
-def _refuse_unusable_keys(frame: pl.DataFrame, order_name: str, partition_names: Sequence[str],
-                          labels: Sequence[str]) -> None:
+def _refuse_unusable_keys(frame: pl.DataFrame, order_name: str, labels: Sequence[str]) -> None:
     """NULL and NaN time keys, refused with every front end's messages. (NULL partition keys
     form one partition of their own: a Polars group has a NULL key like any other.)"""
     order = frame.get_column(order_name)

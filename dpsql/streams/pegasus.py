@@ -86,14 +86,9 @@ from dpsql.mechanisms import LaplaceLattice
 from dpsql.mechanisms.svt import AboveThreshold
 from dpsql.noise import Draws
 from dpsql.release import StreamMachine
-from dpsql.streams.count_laplace import SMOOTHED_COLUMNS, CountLaplaceStream, count_neighbour, perturb_units
+from dpsql.streams.count_laplace import SMOOTHED_COLUMNS, count_neighbour, perturb_units
 from dpsql.streams.group_smoothing import GroupPrefixNoise, smooth
 from dpsql.streams.smoothing import LEVELS, AdaptiveNoise, AdaptiveSmoother
-from dpsql.streams.windows import window_alarms, window_sums
-
-# Re-exported: the count front ends and older callers import these from here.
-__all__ = ["CountLaplaceStream", "GroupPrefixNoise", "PegasusStream", "largest_share", "smooth", "window_alarms",
-           "window_sums"]
 
 SMOOTHERS = ("adaptive", "median", "average", "js")
 #: Steps after a group's start for which the first "above" is searched for every possible

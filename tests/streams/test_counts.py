@@ -146,7 +146,7 @@ def test_hierarchy_levels_share_epsilon_and_ledger_equals_epsilon():
         assert budget.history()["note"][0] == "hierarchy of 3 levels at epsilon / 3 each"
         assert out.release.epsilon == epsilon
         parts = out.parts()
-        assert {p.epsilon for p in parts} == {dpsql.streams.pegasus.largest_share(epsilon, epsilon / 3, count=3)}
+        assert {p.epsilon for p in parts} == {dpsql.accounting.largest_share(epsilon, epsilon / 3, count=3)}
         assert abs(parts[0].epsilon - epsilon / 3) < 1e-15
     cols = out.columns()
     levels = cols["dp_level"]

@@ -15,7 +15,9 @@ from dpsql.accounting import Neighbour
 from dpsql.mechanisms.svt import AboveThreshold
 from dpsql.methods import machine_for, run
 from dpsql.release import chunks_of, release_from
-from dpsql.streams.pegasus import GroupPrefixNoise, default_theta, partition, smooth, window_alarms, window_sums
+from dpsql.streams.group_smoothing import GroupPrefixNoise, smooth
+from dpsql.streams.pegasus import default_theta, partition
+from dpsql.streams.windows import window_alarms, window_sums
 
 EXAMPLE = np.array([5.0, 5.0, 6.0, 9.0, 10.0])
 NOISY_UNITS, TENTH = np.array([56, 44, 67, 95, 102]), 0.1  # the paper's noisy counts, on a lattice of 0.1
