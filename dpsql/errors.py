@@ -72,3 +72,19 @@ class LedgerError(DPError):
     """The ledger cannot be used: a read-only or full disk, a corrupt file, a lock held too
     long, a server gone away, an in-memory ledger used from a forked process. The message
     names the ledger and the cause; nothing was charged or released by the failing call."""
+
+
+def scrubbed(error: BaseException) -> BaseException:
+    """A fresh exception like ``error`` (type, message; a budget refusal's amounts) carrying
+    nothing else: no traceback into the frames that held noisy values, no context, no cause.
+    Every call that computes noisy values before it may fail (a release refused at its charge,
+    an append refused or failed before its commit) raises this instead of ``error``."""
+    kind = type(error)
+    if isinstance(error, BudgetExhausted):
+        return BudgetExhausted(str(error), remaining=error.remaining, requested=error.requested)
+    if isinstance(error, (DPError, KeyboardInterrupt, SystemExit, MemoryError)):
+        try:
+            return kind(*[a if isinstance(a, (str, int, float)) else str(a) for a in error.args])
+        except TypeError:
+            pass
+    return RuntimeError(f"{kind.__name__}: {error}")

@@ -33,7 +33,7 @@ from dpsql._fingerprint import fingerprint
 from dpsql._memory import pooled_array
 from dpsql.accounting import Charge, Neighbour, Notion, compose
 from dpsql.budget import Budget, default_budget
-from dpsql.errors import BudgetExhausted, DPError, InvalidParameter
+from dpsql.errors import InvalidParameter, scrubbed
 from dpsql.methods import machine_for
 from dpsql.noise import DrawsBatch, Keystream, partition_address
 from dpsql.records import describe
@@ -117,7 +117,7 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
         with _progress.shown(progress):
             return request.release(budget, fresh=fresh)
     except BaseException as error:
-        failure = _scrubbed(error)
+        failure = scrubbed(error)
     raise failure
 
 
@@ -276,19 +276,6 @@ def _unpacked_values(answer: bytes) -> np.ndarray:
     raw = pa.Codec(stored["codec"]).decompress(stored["values"], decompressed_size=stored["size"])
     return np.frombuffer(raw, dtype=np.float64).copy()
 
-
-def _scrubbed(error: BaseException) -> BaseException:
-    """A fresh exception like ``error`` (type, message; a budget refusal's amounts) carrying
-    nothing else: no traceback into the frames that held noisy values, no context, no cause."""
-    kind = type(error)
-    if isinstance(error, BudgetExhausted):
-        return BudgetExhausted(str(error), remaining=error.remaining, requested=error.requested)
-    if isinstance(error, (DPError, KeyboardInterrupt, SystemExit, MemoryError)):
-        try:
-            return kind(*[a if isinstance(a, (str, int, float)) else str(a) for a in error.args])
-        except TypeError:
-            pass
-    return RuntimeError(f"{kind.__name__}: {error}")
 
 def _run_partitions(method: str, templates: dict[int, StreamMachine], data: np.ndarray, offsets: np.ndarray,
                     keystream: Keystream, addresses: list[bytes], params: dict) -> tuple[Parts, np.ndarray]:

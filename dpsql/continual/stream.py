@@ -59,7 +59,7 @@ from dpsql.continual.state import (
     scalar_like,
 )
 from dpsql.error_models import check_level
-from dpsql.errors import BudgetExhausted, InvalidParameter, LedgerError, UnknownStream
+from dpsql.errors import BudgetExhausted, InvalidParameter, LedgerError, UnknownStream, scrubbed
 from dpsql.ledger.streams import PartitionRow, StreamRow, StreamStore
 from dpsql.methods import COUNT_METHODS, check_method, machine_for
 from dpsql.noise import Draws, Keystream, partition_address
@@ -255,7 +255,13 @@ class Stream:
             raise InvalidParameter(f"until closes a count stream's buckets; stream {self.name!r} releases values")
         order = [*self.spec.partition_by, self.spec.order_by]
         batches = arrow_batches(data, self.spec.columns(), order, what=f"stream {self.name!r}")
-        released = (CountAppend(self, batches, until) if self.spec.counts else RangeAppend(self, batches)).run()
+        failure = None
+        try:
+            released = (CountAppend(self, batches, until) if self.spec.counts else RangeAppend(self, batches)).run()
+        except BaseException as error:  # its frames hold the uncommitted noisy values: never let them out
+            failure = scrubbed(error)
+        if failure is not None:
+            raise failure
         return pl.from_arrow(released) if to_polars else released
 
     # -- reading --------------------------------------------------------------------------

@@ -758,3 +758,54 @@ def test_a_count_stream_reopens_only_with_its_own_time_grid():
     with pytest.raises(dpsql.InvalidParameter, match="order_by='ts'; reopening it with order_by='t'"):
         budget.stream("c", order_by="t")
     assert budget.spent == (0.5, 0.0)
+
+
+def _reachable_floats(root) -> set[float]:
+    """Every float value in a numpy array or Arrow table reachable from ``root`` through object
+    references (traceback, frames and their locals, the objects those hold)."""
+    import gc
+    import types
+
+    seen, stack, found = set(), [root], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, np.ndarray) and obj.dtype == np.float64:
+            found.update(obj.ravel().tolist())
+        elif isinstance(obj, (pa.Table, pa.RecordBatch)):
+            found.update(x for column in obj.columns if pa.types.is_floating(column.type)
+                         for x in column.to_pylist())
+        elif isinstance(obj, float):
+            found.add(obj)
+        stack.extend(gc.get_referents(obj))
+    return found
+
+
+@pytest.mark.parametrize("counts", [False, True])
+def test_a_refused_append_leaves_no_noisy_value_reachable_from_its_exception(counts):
+    """An append that computes a partition's noisy values, then is refused on a later partition,
+    must not let those values out: they are what a later append of the same keys releases."""
+    budget = dpsql.Budget.in_memory(epsilon=2.0)
+    if counts:
+        stream = budget.stream("c", method="count_laplace", epsilon=0.5, order_by="t", value="t", every=1.0,
+                               start=0.0, partition_by="g")
+        stream.append(pl.DataFrame({"g": ["b"], "t": [1.5]}), until=2.0)
+        refused = pl.DataFrame({"g": ["a", "a", "b"], "t": [2.5, 3.5, 0.5]})  # b's event is in a closed bucket
+        good = refused.head(2)
+        kwargs = {"until": 8.0}
+    else:
+        stream = budget.stream("s", method="laplace", epsilon=0.5, order_by="ts", value="v", partition_by="g",
+                               upper=10.0)
+        stream.append(pl.DataFrame({"g": ["b"], "ts": [5], "v": [1.0]}))
+        refused = pl.DataFrame({"g": ["a", "a", "b"], "ts": [0, 1, 4], "v": [3.0, 6.0, 1.0]})  # b's row is late
+        good = refused.head(2)
+        kwargs = {}
+    with pytest.raises((dpsql.LateRow, dpsql.InvalidData)) as error:
+        stream.append(refused, **kwargs)
+    assert error.value.__context__ is None and error.value.__cause__ is None
+    reachable = _reachable_floats(error.value)
+    released = stream.append(good, **kwargs)
+    noisy = released.column("count" if counts else "v").to_pylist()
+    assert noisy and not set(noisy) & reachable
