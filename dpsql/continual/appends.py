@@ -295,7 +295,7 @@ class CountAppend:
 def _new_partition(stream: Stream, conn, row: StreamRow, group: _Group) -> PartitionRow:
     """Add the group's partition, its keys typed as the stream's first partition's (a key of another
     kind, which could never be read back beside them, is refused)."""
-    types = stream._store.key_types(conn, row.release_id)
+    types = stream._store.key_types(conn, row)
     text = group.key_text
     if types is not None and types != group.types:
         for column, value, kind, given in zip(stream.spec.partition_by, group.values, types, group.types):

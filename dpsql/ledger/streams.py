@@ -36,6 +36,8 @@ class StreamRow:
     version: int
     rows: int
     partitions: int
+    #: The partition key types of the first partition, once read or written in this transaction.
+    key_types: list[str] | None = None
 
 
 @dataclass
@@ -125,16 +127,18 @@ class StreamStore:
                                                 None if row[5] is None else bytes(row[5]), bytes(row[6]))
         return found
 
-    def key_types(self, conn, release_id: str) -> list[str] | None:
-        """The partition key types of the stream's first partition (None before it has one)."""
-        row = self._q(conn, "SELECT key_text FROM stream_partitions WHERE release_id = ? AND ordinal = 0",
-                      (release_id,)).fetchone()
-        return None if row is None else json.loads(row[0])["types"]
+    def key_types(self, conn, stream: StreamRow) -> list[str] | None:
+        """The partition key types of the stream's first partition (None before it has one), read
+        once per transaction."""
+        if stream.key_types is None and stream.partitions:
+            row = self._q(conn, "SELECT key_text FROM stream_partitions WHERE release_id = ? AND ordinal = 0",
+                          (stream.release_id,)).fetchone()
+            stream.key_types = json.loads(row[0])["types"]
+        return stream.key_types
 
     def new_partition(self, conn, stream: StreamRow, address: bytes, key_text: str, state: bytes) -> PartitionRow:
         """Add a partition (inside an append), with its block of row handles."""
-        ordinal = int(self._q(conn, "SELECT COUNT(*) FROM stream_partitions WHERE release_id = ?",
-                              (stream.release_id,)).fetchone()[0])
+        ordinal = stream.partitions  # the stream's row is locked by this transaction
         first_handle = self.ledger.allocate_handles(conn, PARTITION_HANDLES)
         self._q(conn, "INSERT INTO stream_partitions (release_id, address, ordinal, key_text, first_handle, rows, "
                       "watermark, state) VALUES (?, ?, ?, ?, ?, 0, NULL, ?)",
@@ -145,6 +149,8 @@ class StreamStore:
                 (_partition_release_id(stream.release_id, ordinal), stream.scope, first_handle, PARTITION_HANDLES,
                  self.ledger.backend.blob(_state.pack({"stream": stream.release_id, "ordinal": ordinal}))))
         stream.partitions = ordinal + 1  # counted inside this transaction: what finish records
+        if ordinal == 0:
+            stream.key_types = json.loads(key_text)["types"]
         return PartitionRow(address, ordinal, key_text, first_handle, 0, None, state)
 
     def save_partition(self, conn, stream: StreamRow, partition: PartitionRow) -> None:
