@@ -297,16 +297,14 @@ class Stream:
 
     def range_variance(self, start=None, stop=None, partition=None) -> float:
         """Noise variance of :meth:`range_sum`, from the stream's error model."""
-        release = self.release(partition)
-        i, j = self._row_bounds(release, start, stop, partition)
+        release, i, j = self._rows_between(start, stop, partition)
         return float(release.range_variance(i, j)) if j > i else 0.0
 
     def range_ci(self, start=None, stop=None, partition=None, level: float = 0.95) -> tuple[float, float]:
         """``(low, high)`` interval for :meth:`range_sum` at confidence ``level``, as
         :meth:`dpsql.Release.range_ci` gives it."""
         level = check_level(level)
-        release = self.release(partition)
-        i, j = self._row_bounds(release, start, stop, partition)
+        release, i, j = self._rows_between(start, stop, partition)
         if j <= i:
             return 0.0, 0.0
         return release.range_ci(i, j, level)
@@ -314,16 +312,25 @@ class Stream:
     def _value_column(self) -> str:
         return "count" if self.spec.counts or self.spec.value is None else self.spec.value
 
-    def _row_bounds(self, release: Release, start, stop, partition) -> tuple[int, int]:
-        keys = self.released(partition=partition)[self.spec.order_by]
+    def _rows_between(self, start, stop, partition) -> tuple[Release, int, int]:
+        """The partition's release and the rows ``i:j`` whose order keys are in ``[start, stop)``
+        (its chunks read once, in row order, which is key order)."""
+        part, chunks = self._partition_chunks(partition)
+        release = self.partition_release(part, chunks)
+        if not chunks:
+            return release, 0, 0
+        keys = pa.chunked_array([chunk["key"] for chunk in chunks])
         i = 0 if start is None else int(pc.sum(pc.less(keys, scalar_like(start, keys.type))).as_py() or 0)
         j = len(keys) if stop is None else int(pc.sum(pc.less(keys, scalar_like(stop, keys.type))).as_py() or 0)
-        return i, max(i, j)
+        return release, i, max(i, j)
 
     def release(self, partition=None) -> Release:
         """The rows released so far (of ``partition``, its key, for a partitioned stream) as a
         :class:`~dpsql.Release` with the stream's error model: ``range_ci``, ``plot`` and the
         rest work on it as on any release. Free: it reads released rows and public state."""
+        return self.partition_release(*self._partition_chunks(partition))
+
+    def _partition_chunks(self, partition) -> tuple[PartitionRow, list[pa.Table]]:
         if partition is None and self.spec.partition_by:
             raise InvalidParameter(f"stream {self.name!r} is partitioned by {list(self.spec.partition_by)}: pass "
                                    "partition= (its key) for error bars")
@@ -333,7 +340,7 @@ class Stream:
             if part is None:
                 raise InvalidParameter(f"stream {self.name!r} has no partition {partition!r}")
             chunks = [table_of(data) for *_, data in self._store.chunks(conn, self.release_id, part.ordinal)]
-        return self.partition_release(part, chunks)
+        return part, chunks
 
     def partition_release(self, part: PartitionRow, chunks: list[pa.Table]) -> Release:
         """A partition's released rows with its error model: the machine restored from the open
