@@ -14,6 +14,7 @@ import inspect
 from collections.abc import Callable
 
 from dpsql import _validate
+from dpsql.accounting import Charge, Neighbour, Notion
 from dpsql.errors import InvalidParameter
 from dpsql.noise import Draws, Keystream
 from dpsql.release import Release, StreamMachine, chunks_of, release_from
@@ -108,3 +109,15 @@ def run(method: str, values, *, noise: Keystream, chunk: int = 1 << 20, **params
     data = _validate.values(values)
     machine = machine_for(method, len(data), noise.partition(), params)
     return release_from(machine, chunks_of(data, chunk), len(data), private=noise.private)
+
+
+def unsized_charge(method: str, params: dict, keystream: Keystream, *, public_params: dict, **fields) -> Charge:
+    """The charge of a release of ``method`` whose length is unknown when it is charged (a
+    continual stream, a partitioned job released on other machines): the method's machine built
+    without a length validates ``params`` and gives the cost; it draws nothing. ``public_params``:
+    ``params`` as the ledger records them; ``fields``: the rest of the
+    :class:`~dpsql.accounting.Charge` (note, kind, ...)."""
+    machine = machine_for(method, None, keystream.partition(b""), params)
+    return Charge(method=method, epsilon=machine.cost[0], delta=machine.cost[1],
+                  neighbour=Neighbour(machine.neighbour), notion=Notion(machine.notion), w=machine.w, rows=0,
+                  partitions=0, params=public_params, private=keystream.private, **fields)

@@ -34,7 +34,7 @@ from dpsql._memory import pooled_array
 from dpsql.accounting import Charge, Neighbour, Notion, compose
 from dpsql.budget import Budget, default_budget
 from dpsql.errors import InvalidParameter, scrubbed
-from dpsql.methods import machine_for
+from dpsql.methods import machine_for, unsized_charge
 from dpsql.noise import DrawsBatch, Keystream, partition_address
 from dpsql.records import describe
 from dpsql.release import (
@@ -103,10 +103,7 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
     **params
         The method's parameters (``epsilon``, ``upper``, ...).
     """
-    if budget is None:
-        budget = default_budget()
-    elif not isinstance(budget, Budget):
-        raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
+    budget = _budget_or_default(budget)
     data = _validate.values(values, column)
     offsets = _offsets(partition_offsets, len(data))
     addresses = _addresses(partition_offsets, partition_keys, len(offsets) - 1)
@@ -150,10 +147,7 @@ class _Request:
                         notion=Notion(first.notion), w=first.w, rows=len(self.data), partitions=len(machines),
                         private=keystream.private, note=self.note)
         if budget is None:
-            if keystream.private:
-                raise InvalidParameter("a private release needs a budget to be charged to: pass budget=dpsql.Budget."
-                                       "open(...) (or Budget.in_memory(...)), or set a default with "
-                                       "dpsql.use_budget(budget)")
+            _refuse_private_without_budget(keystream)
             parts, values = _run_partitions(self.method, templates, self.data, self.offsets, keystream,
                                             self.addresses, self.params)
             return self._assemble(parts, values, charge, release_id=None, first_handle=None)
@@ -202,18 +196,11 @@ class DistributedRelease:
     """
 
     def __init__(self, method: str, params: dict, *, budget: Budget | None, note: str | None = None):
-        if budget is None:
-            budget = default_budget()
-        elif not isinstance(budget, Budget):
-            raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
+        budget = _budget_or_default(budget)
         keystream = Keystream.fresh()
-        if budget is None and keystream.private:
-            raise InvalidParameter("a private release needs a budget to be charged to: pass budget=dpsql.Budget."
-                                   "open(...), or set a default with dpsql.use_budget(budget)")
-        machine = machine_for(method, None, keystream.partition(b""), params)  # validates; draws nothing
-        self._charge = Charge(method=method, epsilon=machine.cost[0], delta=machine.cost[1],
-                              neighbour=Neighbour(machine.neighbour), notion=Notion(machine.notion), w=machine.w,
-                              rows=0, partitions=0, params=_public(params), private=keystream.private, note=note)
+        if budget is None:
+            _refuse_private_without_budget(keystream)
+        self._charge = unsized_charge(method, params, keystream, public_params=_public(params), note=note)
         self._budget = budget
         self._task = PartitionTask(method=method, params=dict(params), private=keystream.private,
                                    key=keystream.key)
@@ -246,6 +233,23 @@ class PartitionTask:
         """The private values of the partition keyed ``partition`` (its rows in order)."""
         draws = Keystream(self.key, private=self.private).partition(partition_address(partition))
         return run_machine(machine_for(self.method, len(values), draws, self.params), chunks_of(values), len(values))
+
+
+def _budget_or_default(budget: Budget | None) -> Budget | None:
+    """``budget``, or the default one (:func:`dpsql.use_budget`) when None; refuses anything else."""
+    if budget is None:
+        return default_budget()
+    if not isinstance(budget, Budget):
+        raise InvalidParameter(f"budget must be a dpsql.Budget, got {type(budget).__name__}")
+    return budget
+
+
+def _refuse_private_without_budget(keystream: Keystream) -> None:
+    """A release with no budget to charge is allowed only with test noise."""
+    if keystream.private:
+        raise InvalidParameter("a private release needs a budget to be charged to: pass budget=dpsql.Budget."
+                               "open(...) (or Budget.in_memory(...)), or set a default with "
+                               "dpsql.use_budget(budget)")
 
 
 def _canonical(params: Mapping) -> dict:

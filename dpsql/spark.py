@@ -33,7 +33,6 @@ from dpsql import _validate
 from dpsql._frontend import (
     COUNT_METHOD,
     RANGE_SUM_METHOD,
-    check_budget,
     refuse_null_event_times,
     refuse_null_keys,
     refuse_renamed,
@@ -75,8 +74,8 @@ def range_sum(df, *, order_by: str, value: str, partition_by, method: str = RANG
     _require_numeric(fields[value], value)
     for column in [*partition_by, order_by]:
         _require_key_type(fields[column], column)
-    check_budget(budget)
     release = DistributedRelease(method, {"epsilon": epsilon, **params}, budget=budget, note=note)
+    release.check()  # a budget too small is refused before any Spark job runs
     _refuse_bad_rows(df, partition_by, order_by, value, fields[value].dataType)
     partition_task = release.charge()
     schema = ", ".join(f"`{c}` {fields[c].dataType.simpleString()}" for c in [*partition_by, order_by]) \
@@ -110,8 +109,8 @@ def count_stream(df, *, order_by: str | None = None, every, start, stop, partiti
     from pyspark.sql import functions as F
 
     ticks = _spark_ticks(F.col(order_by), fields[order_by], domain.datetime, order_by)
-    check_budget(budget)
     release = DistributedRelease(method, {"epsilon": epsilon, **params}, budget=budget, note=note)
+    release.check()  # a budget too small is refused before any Spark job runs
     nulls = _null_counts(df, [*partition_by, order_by])
     refuse_null_keys(nulls, order_label=None, partition_labels=partition_by)
     refuse_null_event_times(order_by, nulls[order_by])

@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dpsql._tables import arrow_batches, table_of
-from dpsql.accounting import Charge, Kind, Neighbour, Notion
+from dpsql.accounting import Kind
 from dpsql.continual.appends import CountAppend, RangeAppend
 from dpsql.continual.state import (
     ROW_COLUMN,
@@ -61,7 +61,7 @@ from dpsql.continual.state import (
 from dpsql.error_models import check_level
 from dpsql.errors import BudgetExhausted, InvalidParameter, LedgerError, UnknownStream, scrubbed
 from dpsql.ledger.streams import PartitionRow, StreamRow, StreamStore
-from dpsql.methods import COUNT_METHODS, check_method, machine_for
+from dpsql.methods import COUNT_METHODS, check_method, machine_for, unsized_charge
 from dpsql.noise import Draws, Keystream, partition_address
 from dpsql.release import Release
 from dpsql.timegrid import TimeGrid, duration, instant
@@ -95,11 +95,8 @@ def open_stream(budget, name: str, *, method: str | None = None, epsilon: float 
     spec = _spec(method, order_by=order_by, value=value, partition_by=partition_by, every=every, start=start,
                  params={"epsilon": epsilon, **({"delta": delta} if delta else {}), **params})
     keystream = Keystream.fresh()
-    machine = machine_for(method, None, keystream.partition(b""), spec.params)  # validates, draws nothing
-    charge = Charge(method=method, epsilon=machine.cost[0], delta=machine.cost[1],
-                    neighbour=Neighbour(machine.neighbour), notion=Notion(machine.notion), w=machine.w, rows=0,
-                    partitions=0, params=plain(spec.params), private=keystream.private, kind=Kind.STREAM,
-                    stream=name, note=f"stream {name!r}")
+    charge = unsized_charge(method, spec.params, keystream, public_params=plain(spec.params), kind=Kind.STREAM,
+                            stream=name, note=f"stream {name!r}")
 
     def register(conn, receipt):
         store.register(conn, receipt, scope=budget.scope, name=name, method=method, spec=spec.to_json(),

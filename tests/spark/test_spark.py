@@ -101,6 +101,17 @@ def test_refused_calls_charge_nothing(spark):
         spark_dp.range_sum(df, order_by="ts", value="kwh", partition_by="meter", method="pak", epsilon=0.5,
                            upper=1.0, budget=budget)
     assert budget.spent == (0.0, 0.0)
+    # a budget too small is refused before any Spark job runs (no pre-charge check of the rows)
+    small = dpsql.Budget.in_memory(epsilon=0.25)
+    jobs = spark.sparkContext.statusTracker().getJobIdsForGroup(None)
+    with pytest.raises(dpsql.BudgetExhausted):
+        spark_dp.range_sum(df, order_by="ts", value="kwh", partition_by="meter", epsilon=0.5, upper=1.0,
+                           budget=small)
+    with pytest.raises(dpsql.BudgetExhausted):
+        spark_dp.count_stream(df, order_by="ts", every=1, start=0, stop=100, partition_by="meter", epsilon=0.5,
+                              budget=small)
+    assert spark.sparkContext.statusTracker().getJobIdsForGroup(None) == jobs
+    assert small.spent == (0.0, 0.0) and small.history().height == 0
 
 
 def test_bad_rows_and_types_are_refused_on_the_driver_before_the_charge(spark):
