@@ -68,9 +68,15 @@ def suggestion(name: str, valid: Iterable[str]) -> str:
 
 def unknown_parameters_message(where: str, unknown: Sequence[str], valid: Sequence[str]) -> str:
     """The one message for parameter names nobody knows: each named with a suggestion, then the valid names."""
-    named = "; ".join(f"{name!r}{suggestion(name, valid)}" for name in unknown)
+    return f"{no_such_parameters(where, unknown, valid)}. Valid parameters: {', '.join(valid)}"
+
+
+def no_such_parameters(where: str, unknown: Sequence[str], valid: Sequence[str], *, fold=str) -> str:
+    """``where`` has no parameter(s) ``unknown``, each with the closest valid name (compared
+    as ``fold`` gives them: SQL names are case-insensitive)."""
+    named = "; ".join(f"{name!r}{suggestion(fold(name), valid)}" for name in unknown)
     noun = "parameter" if len(unknown) == 1 else "parameters"
-    return f"{where} has no {noun} {named}. Valid parameters: {', '.join(valid)}"
+    return f"{where} has no {noun} {named}"
 
 
 def method_parameters(method: str) -> list[str]:

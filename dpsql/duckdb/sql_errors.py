@@ -38,7 +38,7 @@ import types
 
 import duckdb
 
-from dpsql._frontend import suggestion
+from dpsql._frontend import no_such_parameters
 from dpsql.duckdb.context import registered, typed_error
 from dpsql.duckdb.sources import is_query
 from dpsql.duckdb.sqltext import Call, Signature, calls, quote_ident, quote_literal, tokens
@@ -141,9 +141,7 @@ def call_problem(signature: Signature, call: Call) -> str | None:
     given = [(a.name or "").lower() for a in call.named]
     unknown = [a.name or "" for a in call.named if (a.name or "").lower() not in named]
     if unknown:
-        what = "; ".join(f"{name!r}{suggestion(name.lower(), signature.valid)}" for name in unknown)
-        noun = "parameter" if len(unknown) == 1 else "parameters"
-        return f"{where} has no {noun} {what}. {_listing(signature)}"
+        return f"{no_such_parameters(where, unknown, signature.valid, fold=str.lower)}. {_listing(signature)}"
     repeated = sorted({n for n in given if given.count(n) > 1})
     if repeated:
         return f"{where}: {', '.join(map(repr, repeated))} given twice. {_listing(signature)}"
