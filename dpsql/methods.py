@@ -61,6 +61,14 @@ def parameter_names(method: str) -> list[str]:
     return sorted(set(_parameters(METHODS[method])) - {"n", "noise"})
 
 
+def named_parameters(method: str) -> list[str]:
+    """The parameters ``method`` accepts by name (besides ``n`` and ``noise``), in its
+    signature's order."""
+    check_method(method)
+    return [p.name for p in _parameters(METHODS[method]).values()
+            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in ("n", "noise")]
+
+
 def check_method(method: str, *, per_row: bool = False, online: bool = False) -> None:
     """Refuse an unknown method (:class:`InvalidParameter`) before anything runs; with
     ``per_row``, also a method that does not release one value per row (a threshold), for

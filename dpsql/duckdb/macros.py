@@ -20,7 +20,6 @@ ledger, in any process.
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 from collections.abc import Callable, Iterable
 
@@ -52,11 +51,9 @@ def method_parameters(exclude: Iterable[str] = ()) -> list[str]:
     (:data:`dpsql._frontend.RENAMED`: the registry's ``estimator``, which SQL calls ``method``)
     are left out."""
     names = dict.fromkeys(CORE_PARAMETERS)
-    for factory in methods.METHODS.values():
-        for parameter in inspect.signature(factory).parameters.values():
-            if parameter.kind in (parameter.KEYWORD_ONLY, parameter.POSITIONAL_OR_KEYWORD):
-                names[parameter.name] = None
-    skip = {"n", "noise", "self", *RENAMED, *exclude}
+    for method in methods.METHODS:
+        names.update(dict.fromkeys(methods.named_parameters(method)))
+    skip = {*RENAMED, *exclude}
     return [name for name in names if name not in skip]
 
 

@@ -53,7 +53,6 @@ connection is registered with a budget of the same ledger.
 from __future__ import annotations
 
 import functools
-import inspect
 
 import numpy as np
 import pyarrow as pa
@@ -135,8 +134,7 @@ def _install_error_bars(context: Context) -> None:
 
 
 def _install_threshold(context: Context) -> None:
-    names = [*(n for n in inspect.signature(methods.METHODS[THRESHOLD_METHOD]).parameters
-               if n not in ("n", "noise", ESTIMATOR)), "fresh"]
+    names = [*(n for n in methods.named_parameters(THRESHOLD_METHOD) if n != ESTIMATOR), "fresh"]
 
     def plan(table, value_col, method, params_json):
         value_col = column_name(value_col, "value_col")
