@@ -283,6 +283,15 @@ class Stream:
             table = table.filter(pc.less(table[key], scalar_like(stop, table[key].type)))
         return table.sort_by([(c, "ascending") for c in [*self.spec.partition_by, key]])
 
+    def released_schema(self) -> pa.Schema | None:
+        """The schema of :meth:`released` (None before any row is released), from the first
+        released chunk alone."""
+        with self.budget.ledger.reading(f"read stream {self.name!r}") as conn:
+            for part in self._store.partitions(conn, self.release_id).values():
+                for _, first_row, _rows, data in self._store.chunks(conn, self.release_id, part.ordinal):
+                    return self._output(table_of(data), part, first_row).schema
+        return None
+
     def to_polars(self) -> pl.DataFrame:
         """All released rows as a Polars DataFrame."""
         return pl.DataFrame(self.released())

@@ -136,8 +136,7 @@ def _install_append(context: Context) -> None:
 def _install_read(context: Context) -> None:
     def plan(name):
         stream = context.budget.stream(_stream_name(name))
-        released = stream.released()
-        schema = released.schema if released.num_rows else _output_schema(stream, {})
+        schema = stream.released_schema() or _output_schema(stream, {})
         return context.result_query(schema, lambda: stream.released().cast(schema))
 
     context.udf("dp__plan_stream", plan, ["VARCHAR"], "VARCHAR")
