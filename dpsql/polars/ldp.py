@@ -17,7 +17,7 @@ from dpsql._frontend import LDP_METHOD, check_budget, check_parameters, check_ra
 from dpsql.errors import InvalidParameter
 from dpsql.ldp.collector import crowd_distribution as _crowd_distribution
 from dpsql.ldp.collector import report_view
-from dpsql.mechanisms.ldp.linear import ALIGNS
+from dpsql.mechanisms.ldp.linear import check_window
 from dpsql.polars._machinery import RowsInTimeOrder, private_expression
 from dpsql.polars._namespace import namespace_method
 from dpsql.publishing import publish
@@ -112,10 +112,7 @@ def smoothed(report: pl.Expr | str = "report", *, partition_by, order_by, window
     >>> df.with_columns(smoothed(partition_by="u", order_by="t", window=3).alias("s")).sort("t")["s"].to_list()
     [3.0, 4.5, 6.0, 5.0]
     """
-    if align not in ALIGNS:
-        raise InvalidParameter(f"unknown align {align!r}; expected one of {', '.join(map(repr, ALIGNS))}")
-    if align == "center" and window % 2 == 0:
-        raise InvalidParameter(f"window must be odd (2k+1) with align='center', got {window}")
+    window, align = check_window(window, align)
     report = pl.col(report) if isinstance(report, str) else report
     return report.rolling_mean(window, min_samples=1, center=align == "center").over(partition_by, order_by=order_by)
 

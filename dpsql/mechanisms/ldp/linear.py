@@ -10,9 +10,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from dpsql import _validate
 from dpsql.error_models import ErrorModel
+from dpsql.errors import InvalidParameter
 
 ALIGNS = ("trailing", "center")
+
+
+def check_window(window, align) -> tuple[int, str]:
+    """A moving average's validated ``window`` (rows) and ``align``; a centred window is odd."""
+    window = _validate.integer(window, "window", minimum=1)
+    align = _validate.choice(align, "align", ALIGNS)
+    if align == "center" and window % 2 == 0:
+        raise InvalidParameter(f"window must be odd (2k+1) with align='center', got {window}")
+    return window, align
 
 
 def reach(window: int, align: str) -> tuple[int, int]:

@@ -27,7 +27,7 @@ from dpsql import _validate
 from dpsql.accounting import Neighbour, Notion, largest_share
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.ldp.feedback import BOUNDS_MODES, UNIT, Ranges, capp_ranges
-from dpsql.mechanisms.ldp.linear import ALIGNS
+from dpsql.mechanisms.ldp.linear import check_window
 from dpsql.mechanisms.ldp.randomisers import SQUARE_WAVE
 
 NOTION = Notion.W_EVENT_LDP.value
@@ -158,10 +158,7 @@ def make_plan(method: str, *, epsilon, w, lower, upper, accounting, window, alig
     w = _validate.integer(w, "w", minimum=1)
     lower, upper = _validate.bounds(lower, upper)
     accounting = _validate.choice(accounting, "accounting", ACCOUNTINGS)
-    window = _validate.integer(window, "window", minimum=1)
-    align = _validate.choice(align, "align", ALIGNS)
-    if align == "center" and window % 2 == 0:
-        raise InvalidParameter(f"window must be odd (2k+1) with align='center', got {window}")
+    window, align = check_window(window, align)
     if accounting == "paper" and private:
         raise InvalidParameter("accounting='paper' is not w-event private (a window's values reach later reports "
                                "through the fed-back deviation) and is only available with the seeded test keys "
