@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpsql import _state
-from dpsql._tables import table_of
+from dpsql._chunks import table_of
 from dpsql.error_models import ErrorModel
 from dpsql.errors import InvalidParameter, UnknownRelease
 from dpsql.records import ReleaseRecord

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dpsql import _validate
-from dpsql._tables import table_bytes, table_of
+from dpsql._chunks import distinct, table_bytes, table_of
 from dpsql.continual.state import (
     TAG,
     PartitionState,
@@ -88,8 +88,11 @@ class RangeAppend:
         spec, label = self.spec, f"stream {self.stream.name!r}"
         frame = decoded(pl.from_arrow(table), spec.partition_by)
         refuse_null_keys(frame, [spec.order_by, *spec.partition_by], label)
-        values = _validate.values(numeric(frame.get_column(spec.value), spec.value, label), spec.value)
-        frame = frame.with_columns(pl.Series("__value", values))
+        column = numeric(frame.get_column(spec.value), spec.value, label)
+        values = _validate.values(column, spec.value)
+        # a float64 column is its own validated values: shared, not copied
+        frame = frame.with_columns(pl.col(spec.value).alias("__value") if column.dtype == pl.Float64
+                                   else pl.Series("__value", values))
         if not spec.partition_by and frame.get_column(spec.order_by).is_sorted():
             return frame  # rows usually arrive in time order: no sort needed
         return frame.sort([*spec.partition_by, spec.order_by], maintain_order=True)
@@ -108,7 +111,7 @@ class RangeAppend:
             opened.watermark = stored_keys(part.watermark)
         watermark = opened.watermark
         keys = same_type(keys, watermark, stream)
-        tags = draws.tags(values)
+        tags = _tags(draws, values)
         # keys are in order: none is old when the first is above the watermark (the usual append)
         old = 0 if watermark is None or pc.greater(keys[0], watermark[0]).as_py() else int(
             pc.sum(pc.less_equal(keys, watermark[0])).as_py() or 0)
@@ -118,29 +121,33 @@ class RangeAppend:
             if len(again):
                 raise InvalidTimeKey(f"stream {stream.name!r}: order key {again[0].as_py()!r} appears twice in one "
                                      "partition of this append; time keys must be unique within a partition")
-        recorded = self._repeats(conn, row, part, state, keys[:old], tags[:old], watermark) if old else None
+        recorded = self._repeats(conn, row, part, state, keys[:old], _plain(tags[:old]), watermark) if old else None
         if recorded is not None and old == len(keys):
             return recorded, 0
         machine, opened.machine = opened.machine or stream._machine(draws, state.machine), None
         out = machine.feed(values[old:])
         if opened.pending is None:
             opened.pending = stored_keys(state.pending_keys) if state.pending_keys else keys.slice(0, 0)
-        waiting = opened.pending.cast(keys.type)
-        waiting = pa.concat_arrays([waiting, keys[old:]])
-        waiting_tags = np.concatenate([state.pending_tags, tags[old:]])
+        # chunked, not concatenated: the pending rows are few, and storing the chunk copies them once
+        waiting = pa.chunked_array([opened.pending.cast(keys.type), keys[old:]], keys.type)
+        pending_tags = pa.array(state.pending_tags, pa.uint64())
+        if pa.types.is_dictionary(tags.type):
+            pending_tags = pa.DictionaryArray.from_arrays(pa.array(np.arange(len(pending_tags), dtype=np.int32)),
+                                                          pending_tags)
+        waiting_tags = pa.chunked_array([pending_tags, tags[old:]], tags.type)
         count = len(out)
-        chunk = {"key": waiting[:count], "value": pa.array(out, pa.float64()),
-                 TAG: pa.array(waiting_tags[:count], pa.uint64())}
+        chunk = {"key": waiting[:count], "value": pa.array(out, pa.float64()), TAG: waiting_tags[:count]}
         if getattr(machine, "public_columns", ()):
             chunk.update({f"dp_{c}": pa.array(v) for c, v in machine.take_public().items()})
         state.machine, state.fed = machine.snapshot(), state.fed + len(keys) - old
-        state.pending_keys = table_bytes(pa.table({"key": waiting[count:]})) if count < len(waiting) else None
-        state.pending_tags = waiting_tags[count:]
+        pending = waiting[count:].combine_chunks()
+        state.pending_keys = table_bytes(pa.table({"key": pending})) if len(pending) else None
+        state.pending_tags = _plain(waiting_tags[count:])
         first_row = part.rows
         if count:
             stream._store.add_rows(conn, row, part.ordinal, first_row, count, table_bytes(pa.table(chunk)))
         part.rows += count
-        opened.pending = waiting[count:]  # the keys state.pending_keys stores (None: not decoded yet)
+        opened.pending = pending  # the keys state.pending_keys stores (None: not decoded yet)
         part.watermark = table_bytes(pa.table({"key": keys[len(keys) - 1:]}))
         opened.watermark = keys[len(keys) - 1:]  # what part.watermark stores
         part.state = state.pack()
@@ -338,6 +345,24 @@ class _Open:
         return mine is part or (mine.state == part.state and mine.watermark == part.watermark
                                 and (mine.ordinal, mine.first_handle, mine.rows) == (part.ordinal, part.first_handle,
                                                                                      part.rows))
+
+
+def _tags(draws: Draws, values: np.ndarray) -> pa.Array:
+    """Each value's keyed tag (:meth:`Draws.tags`). When the values repeat (counts, readings in
+    steps), one tag per distinct value, as a dictionary array: the ledger stores it as it is,
+    instead of hashing every row's tag again."""
+    bits = np.ascontiguousarray(values, dtype=np.float64).view(np.int64)
+    found = distinct(bits)
+    if found is None:
+        return pa.array(draws.tags(bits.view(np.float64)), pa.uint64())
+    indices, dictionary = found
+    return pa.DictionaryArray.from_arrays(pa.array(indices, pa.int32()),
+                                          pa.array(draws.tags(dictionary.view(np.float64)), pa.uint64()), safe=False)
+
+
+def _plain(tags) -> np.ndarray:
+    """Tags (an array or chunked array, plain or dictionary-encoded) as ``uint64``."""
+    return np.asarray(tags.cast(pa.uint64()).to_numpy(), dtype=np.uint64)
 
 
 @dataclass

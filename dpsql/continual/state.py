@@ -12,7 +12,7 @@ import polars as pl
 import pyarrow as pa
 
 from dpsql import _state
-from dpsql._tables import table_of
+from dpsql._chunks import table_of
 from dpsql.errors import InvalidData, InvalidTimeKey
 from dpsql.methods import COUNT_METHODS
 from dpsql.timegrid import TimeGrid

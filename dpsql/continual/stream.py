@@ -44,7 +44,8 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dpsql._tables import arrow_batches, table_of
+from dpsql._chunks import table_of
+from dpsql._tables import arrow_batches
 from dpsql.accounting import Kind
 from dpsql.continual.appends import CountAppend, RangeAppend
 from dpsql.continual.state import (

@@ -1,0 +1,163 @@
+"""Released rows as the ledger stores them: one Arrow IPC stream per chunk, each 8-byte column in
+the smallest of a few lossless encodings that cost almost nothing to find, and plain columns again
+on reading.
+
+A general compressor is the wrong tool here: LZ4 spent a third of a continual append compressing
+chunks, and the bytes it saved were then written once more by the commit. What repeats in released
+rows has a known shape, and each shape has a direct encoding:
+
+- the order keys ascend, mostly on a grid: their differences form a few runs (a grid: two);
+- a released value often holds for many rows (ToPS releases a value per node of its hierarchy);
+- the keyed tag of each value repeats as often as the value does (counts, readings in steps).
+
+So every column of 64-bit integers, floats, timestamps or durations without nulls is stored as
+its bits (``int64``), the ``key`` column as the differences of consecutive keys (the first key in
+the field's metadata), in the first of these that applies:
+
+- run-length encoded, when there are fewer than a third as many runs as rows;
+- dictionary encoded with 8- or 16-bit indices, when few distinct values are seen in the
+  first rows and the whole column has at most 65,536 (a column may also come encoded so, as
+  the value tags do: they are made one per distinct value);
+- as 32-bit integers, when every value fits;
+- as it is.
+
+Bits, not values, so that ``-0.0`` and ``0.0`` stay apart and every float round-trips exactly;
+two's complement differences, so any ``int64`` keys do.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+#: Field metadata of a stored column: its type (present when it is stored as int64 bits) and,
+#: for the keys, ``delta`` and the first key.
+_TYPE, _ENCODING, _FIRST = b"dpsql.type", b"dpsql.encoding", b"dpsql.first"
+_INT32 = np.iinfo(np.int32)
+#: Rows looked at before dictionary-encoding a whole column, and how many distinct ones among
+#: them make it worth hashing all of it.
+_SAMPLE, _FEW = 1024, 256
+
+
+def table_bytes(table: pa.Table) -> bytes:
+    """``table`` as the bytes the ledger stores (:func:`table_of` restores it, with plain columns).
+
+    A column may come dictionary-encoded already (its chunks with different dictionaries): its
+    dictionaries are merged, not its rows hashed again."""
+    for at, field in enumerate(table.schema):
+        column = table.column(at)
+        if pa.types.is_dictionary(field.type) and _as_bits(field.type.value_type):
+            field, stored = _given_dictionary(field, column)
+            table = table.set_column(at, field, stored)
+            column = table.column(at)
+        if table.num_rows > 1 and column.null_count == 0 and _as_bits(field.type):
+            table = table.set_column(at, *_encoded(field, column))
+    sink = pa.BufferOutputStream()
+    # one thread: handing a table's few buffers to Arrow's pool costs more than it saves, and
+    # far more on a busy machine (each task waits for a core)
+    with pa.ipc.new_stream(sink, table.schema, options=pa.ipc.IpcWriteOptions(use_threads=False)) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def table_of(data: bytes) -> pa.Table:
+    """The table :func:`table_bytes` stored, with plain columns; also the LZ4-compressed chunks
+    of earlier versions, whose keys' first difference is the first key."""
+    table = pa.ipc.open_stream(pa.py_buffer(data), options=pa.ipc.IpcReadOptions(use_threads=False)).read_all()
+    for at, field in enumerate(table.schema):
+        if field.metadata and _TYPE in field.metadata:
+            table = table.set_column(at, *_decoded(field, table.column(at)))
+    return table
+
+
+def _as_bits(kind: pa.DataType) -> bool:
+    return (pa.types.is_int64(kind) or pa.types.is_uint64(kind) or pa.types.is_float64(kind)
+            or pa.types.is_timestamp(kind) or pa.types.is_duration(kind))
+
+
+def _encoded(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Array]:
+    bits = np.ascontiguousarray(column.to_numpy()).view(np.int64)
+    metadata = {_TYPE: str(field.type).encode()}
+    if field.name == "key":
+        metadata.update({_ENCODING: b"delta", _FIRST: str(int(bits[0])).encode()})
+        deltas = np.empty_like(bits)
+        deltas[0] = 0
+        np.subtract(bits[1:], bits[:-1], out=deltas[1:])
+        bits = deltas
+    changed = bits[1:] != bits[:-1]
+    stored = None
+    if 3 * (1 + np.count_nonzero(changed)) < len(bits):
+        ends = np.append(np.flatnonzero(changed) + 1, len(bits)).astype(np.int32)
+        stored = pa.RunEndEncodedArray.from_arrays(ends, bits[ends - 1])
+    elif (found := distinct(bits)) is not None:
+        stored = _dictionary(*found)
+    if stored is None and _INT32.min <= bits.min() and bits.max() <= _INT32.max:
+        stored = pa.array(bits.astype(np.int32))
+    if stored is None:
+        if field.name != "key":
+            return field, column
+        stored = pa.array(bits)
+    return pa.field(field.name, stored.type, nullable=field.nullable, metadata=metadata), stored
+
+
+def distinct(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(indices, dictionary)`` with ``dictionary[indices] == bits`` (``int64``) when ``bits``
+    holds few distinct values: few among its first rows, at most 65,536 in all; else None.
+
+    Examples
+    --------
+    >>> distinct(np.array([7, 3, 7, 7, 3, 7, 7, 7], dtype=np.int64))
+    (array([0, 1, 0, 0, 1, 0, 0, 0], dtype=int32), array([7, 3]))
+    >>> distinct(np.arange(8, dtype=np.int64)) is None
+    True
+    """
+    if len(np.unique(bits[:_SAMPLE])) > min(_FEW, len(bits) // 4):
+        return None
+    encoded = pc.dictionary_encode(pa.array(bits, pa.int64()))
+    if len(encoded.dictionary) > 1 << 16:
+        return None
+    return encoded.indices.to_numpy(), encoded.dictionary.to_numpy()
+
+
+def _dictionary(indices: np.ndarray, dictionary: np.ndarray) -> pa.DictionaryArray:
+    """A dictionary array with the smallest unsigned indices (at most 65,536 entries)."""
+    narrow = indices.astype(np.uint8 if len(dictionary) <= 1 << 8 else np.uint16)
+    # safe=False: the indices came from an encoder, so checking them again would only cost time
+    return pa.DictionaryArray.from_arrays(narrow, pa.array(dictionary, pa.int64()), safe=False)
+
+
+def _given_dictionary(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Array]:
+    """A dictionary-encoded column stored with its dictionaries merged; plain when they hold too
+    many entries (or it has nulls), to be encoded like any other column."""
+    merged = column.unify_dictionaries().combine_chunks() if column.num_chunks else pa.array([], field.type)
+    kind = field.type.value_type
+    if merged.null_count or len(merged.dictionary) > 1 << 16:
+        return pa.field(field.name, kind, nullable=field.nullable), merged.dictionary_decode()
+    dictionary = np.ascontiguousarray(merged.dictionary.to_numpy()).view(np.int64)
+    stored = _dictionary(merged.indices.to_numpy(), dictionary)
+    metadata = {_TYPE: str(kind).encode()}
+    return pa.field(field.name, stored.type, nullable=field.nullable, metadata=metadata), stored
+
+
+def _decoded(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Array]:
+    stored = column.combine_chunks()
+    if pa.types.is_run_end_encoded(stored.type):
+        stored = pc.run_end_decode(stored)
+    elif pa.types.is_dictionary(stored.type):
+        stored = stored.dictionary_decode()
+    bits = stored.to_numpy().astype(np.int64, copy=False)
+    if field.metadata.get(_ENCODING) == b"delta":
+        bits = np.cumsum(bits, dtype=np.int64)
+        bits += np.int64(int(field.metadata.get(_FIRST, b"0")))
+    kind = _stored_type(field.metadata[_TYPE].decode())
+    return pa.field(field.name, kind, nullable=field.nullable), pa.array(bits).view(kind)
+
+
+def _stored_type(name: str) -> pa.DataType:
+    if name.startswith("timestamp[") or name.startswith("duration["):
+        inside = name[name.index("[") + 1:-1].split(", tz=")
+        if name.startswith("duration["):
+            return pa.duration(inside[0])
+        return pa.timestamp(inside[0], tz=inside[1] if len(inside) > 1 else None)
+    return pa.type_for_alias(name)

@@ -1,0 +1,141 @@
+"""How the ledger stores released rows: every column restored bit for bit under each encoding,
+the chunks of earlier versions still readable, and repeats stored in a fraction of their size."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from dpsql._chunks import table_bytes, table_of
+
+INT64 = np.iinfo(np.int64)
+REE = pa.run_end_encoded(pa.int32(), pa.int64())
+
+
+def _chunk(keys, kind=None, values=None, tags=None) -> pa.Table:
+    keys = np.asarray(keys, dtype=np.int64)
+    rng = np.random.default_rng(len(keys))
+    values = rng.normal(size=len(keys)) if values is None else np.asarray(values, dtype=np.float64)
+    tags = rng.integers(0, 2**63, len(keys)).astype(np.uint64) if tags is None else tags
+    return pa.table({"key": pa.array(keys).view(kind or pa.int64()), "value": values, "dp_tag": pa.array(tags)})
+
+
+def _stored_types(data: bytes) -> dict[str, pa.DataType]:
+    schema = pa.ipc.open_stream(pa.py_buffer(data)).schema
+    return {field.name: field.type for field in schema}
+
+
+def _round_trip(chunk: pa.Table) -> dict[str, pa.DataType]:
+    data = table_bytes(chunk)
+    restored = table_of(data)
+    assert restored.schema == chunk.schema
+    for name in chunk.column_names:  # bits, so that -0.0 and NaN payloads would count too
+        assert np.array_equal(np.asarray(restored[name].to_numpy()).view(np.uint64),
+                              np.asarray(chunk[name].to_numpy()).view(np.uint64)), name
+    return _stored_types(data)
+
+
+@pytest.mark.parametrize(("keys", "encoding"), [
+    (np.arange(10_000) * 60 + 1_700_000_000_000_000, REE),  # a grid: two runs of differences
+    (np.cumsum(np.random.default_rng(1).choice([60, 61, 59], 10_000)) + 2**60, pa.dictionary(pa.uint8(), pa.int64())),
+    (np.cumsum(np.random.default_rng(1).integers(1, 10**6, 10_000)) + 2**60, pa.int32()),
+    (np.cumsum(np.random.default_rng(2).integers(1, 2**40, 10_000)), pa.int64()),
+    ([INT64.min, -1, 0, INT64.max], pa.int64()),  # differences wrap around: two's complement restores them
+    ([5, 6], pa.int32()),
+])
+def test_keys_round_trip_under_each_encoding(keys, encoding):
+    assert _round_trip(_chunk(keys))["key"] == encoding
+
+
+def test_values_and_tags_round_trip_under_each_encoding():
+    n = 20_000
+    rng = np.random.default_rng(3)
+    held = np.repeat(rng.normal(size=n // 500), 500)  # a value held for 500 rows
+    held[:250] = -0.0
+    held[250:500] = 0.0
+    counts = rng.poisson(300.0, n).astype(np.float64)
+    stored = _round_trip(_chunk(np.arange(n), values=held, tags=counts.view(np.uint64)))
+    assert stored["value"] == REE and stored["dp_tag"] == pa.dictionary(pa.uint8(), pa.int64())
+    # 200 distinct in the rows looked at first, 1,000 in all: 16-bit indices
+    many = (rng.integers(0, 200, n) + 200 * (np.arange(n) // 4_000)).astype(np.float64)
+    stored = _round_trip(_chunk(np.arange(n), values=many, tags=np.arange(n, dtype=np.uint64) * 2**40))
+    assert stored["value"] == pa.dictionary(pa.uint16(), pa.int64()) and stored["dp_tag"] == pa.uint64()
+
+
+@pytest.mark.parametrize("kind", [pa.timestamp("us", tz="Europe/Zurich"), pa.timestamp("ns"), pa.duration("ms")])
+def test_temporal_keys_keep_their_type(kind):
+    _round_trip(_chunk(np.arange(1_000) * 3_600_000 + 1_600_000_000_000, kind))
+
+
+def test_other_columns_are_stored_as_they_are():
+    chunk = pa.table({"key": pa.array(["a", "b"]), "value": [1.0, None], "dp_count": pa.array([1, 2], pa.int32())})
+    assert table_of(table_bytes(chunk)).equals(chunk)
+    single = _chunk([INT64.max])
+    assert table_of(table_bytes(single)).equals(single)
+
+
+def test_repeats_cost_a_fraction_of_their_size():
+    n = 100_000
+    counts = np.random.default_rng(4).poisson(300.0, n).astype(np.float64)
+    chunk = _chunk(np.arange(n) + 10**12, values=np.repeat(counts[::1000], 1000), tags=counts.view(np.uint64))
+    assert len(table_bytes(chunk)) < 2 * n  # 24 bytes a row as they are; one byte for the tag's index
+    noisy = _chunk(np.arange(n) + 10**12)
+    assert len(table_bytes(noisy)) < 16 * n + 2_000  # noisy values and random tags, and almost nothing for keys
+
+
+def test_chunks_of_earlier_versions_are_read():
+    """Earlier versions compressed with LZ4 and kept the first key as the first difference."""
+    keys = np.array([10**15, 10**15 + 7, 10**15 + 9], dtype=np.int64)
+    chunk = _chunk(keys, pa.timestamp("us"))
+    metadata = {b"dpsql.encoding": b"delta", b"dpsql.type": b"timestamp[us]"}
+    old = chunk.set_column(0, pa.field("key", pa.int64(), metadata=metadata), pa.array(np.diff(keys, prepend=0)))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, old.schema, options=pa.ipc.IpcWriteOptions(compression="lz4")) as writer:
+        writer.write_table(old)
+    assert table_of(sink.getvalue().to_pybytes()).equals(chunk)
+
+
+def test_repeats_and_conflicts_are_recognised_whichever_way_tags_were_stored():
+    """Values that repeat get their tags as a dictionary (one cipher block per distinct value);
+    values that do not get a tag per row. Appends of either kind, their pending rows and their
+    released chunks must recognise a repeated row and refuse a changed one alike."""
+    import polars as pl
+
+    import dpsql
+
+    n = 2_000
+    few = np.arange(n) % 3 * 1.0  # 3 distinct values: tags as a dictionary
+    many = np.random.default_rng(5).uniform(0.0, 100.0, n)  # all distinct: a tag per row
+    for head, tail in [(few, many), (many, few)]:
+        budget = dpsql.Budget.in_memory(epsilon=1.0)
+        stream = budget.stream("s", method="tops", epsilon=1.0, order_by="ts", value="v", upper=100.0, m=50,
+                               smoother="recent")
+        frame = pl.DataFrame({"ts": np.arange(n), "v": np.where(np.arange(n) < 1_000, head, tail)})
+        assert stream.append(frame.slice(0, 30)).num_rows == 0  # pending in the hold-out
+        first = stream.append(frame.slice(0, 1_200))  # repeats the pending rows
+        assert first["ts"].to_pylist() == list(range(1_200))
+        again = stream.append(frame.slice(900, 500))  # 300 repeated, 200 new
+        assert again["ts"].to_pylist() == list(range(900, 1_400))
+        assert again["v"].to_pylist()[:300] == first["v"].to_pylist()[900:]
+        for start in (10, 990, 1_300):  # a changed value among rows of each append
+            changed = frame.slice(start, 5).with_columns(pl.col("v") + 0.5)
+            with pytest.raises(dpsql.ConflictingRow, match="appended before with another"):
+                stream.append(changed)
+        assert stream.append(frame.slice(1_390, 610))["ts"].to_pylist() == list(range(1_390, n))
+
+
+def test_a_column_given_as_dictionaries_is_stored_with_them_merged():
+    first = pa.DictionaryArray.from_arrays(pa.array([0, 1, 1, 0], pa.int32()), pa.array([5, 2**64 - 1], pa.uint64()))
+    second = pa.DictionaryArray.from_arrays(pa.array([1, 0, 2], pa.int32()), pa.array([7, 5, 9], pa.uint64()))
+    tags = pa.chunked_array([first, second])
+    chunk = pa.table({"key": np.arange(7), "dp_tag": tags})
+    data = table_bytes(chunk)
+    assert _stored_types(data)["dp_tag"] == pa.dictionary(pa.uint8(), pa.int64())
+    restored = table_of(data)
+    assert restored["dp_tag"].type == pa.uint64()
+    assert restored["dp_tag"].to_pylist() == [5, 2**64 - 1, 2**64 - 1, 5, 5, 7, 9]
+    wide = np.arange(70_000, dtype=np.uint64) * 3  # more entries than 16-bit indices reach: stored plain
+    given = pa.DictionaryArray.from_arrays(pa.array(np.arange(70_000)[::-1].astype(np.int32)), pa.array(wide))
+    restored = table_of(table_bytes(pa.table({"dp_tag": given})))
+    assert np.array_equal(restored["dp_tag"].to_numpy(), wide[::-1])
