@@ -38,6 +38,8 @@ _INT32 = np.iinfo(np.int32)
 #: Rows looked at before dictionary-encoding a whole column, and how many distinct ones among
 #: them make it worth hashing all of it.
 _SAMPLE, _FEW = 1024, 256
+#: Fibonacci hashing's multiplier (2**64 over the golden ratio, odd): spreads any bits to the top.
+_MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
 def table_bytes(table: pa.Table) -> bytes:
@@ -105,19 +107,40 @@ def distinct(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """``(indices, dictionary)`` with ``dictionary[indices] == bits`` (``int64``) when ``bits``
     holds few distinct values: few among its first rows, at most 65,536 in all; else None.
 
+    The values seen first are looked up by multiplicative hashing in a table with 32 slots per
+    value (a gather, not Arrow's general hash table: half the time); a row whose slot holds
+    another value (one not seen first, or a collision) is encoded afterwards, and when those
+    rows are many, Arrow's encoder does all of it. The dictionary may hold a value twice.
+
     Examples
     --------
-    >>> distinct(np.array([7, 3, 7, 7, 3, 7, 7, 7], dtype=np.int64))
-    (array([0, 1, 0, 0, 1, 0, 0, 0], dtype=int32), array([7, 3]))
+    >>> distinct(np.array([7, 3, 7, 7, 3, 7, 7, 7, 7, 7, 7, 9], dtype=np.int64))
+    (array([1, 0, 1, 1, 0, 1, 1, 1, 1, 1, 1, 2]), array([3, 7, 9]))
     >>> distinct(np.arange(8, dtype=np.int64)) is None
     True
     """
-    if len(np.unique(bits[:_SAMPLE])) > min(_FEW, len(bits) // 4):
+    seen = np.unique(bits[:_SAMPLE])
+    if len(seen) > min(_FEW, len(bits) // 4):
         return None
-    encoded = pc.dictionary_encode(pa.array(bits, pa.int64()))
-    if len(encoded.dictionary) > 1 << 16:
-        return None
-    return encoded.indices.to_numpy(), encoded.dictionary.to_numpy()
+    size = max(8, (32 * len(seen)).bit_length())
+    shift = np.uint64(64 - size)
+    # intp: numpy gathers with any other index type convert the indices first (four times slower)
+    table = np.zeros(1 << size, dtype=np.intp)  # an empty slot points at seen[0]: a miss unless equal
+    table[(seen.view(np.uint64) * _MIX) >> shift] = np.arange(len(seen))
+    slots = bits.view(np.uint64) * _MIX
+    slots >>= shift
+    indices = table.take(slots)
+    missed = np.flatnonzero(seen.take(indices) != bits)
+    if len(missed) > len(bits) // 8:
+        encoded = pc.dictionary_encode(pa.array(bits, pa.int64()))
+        indices, dictionary = encoded.indices.to_numpy().astype(np.intp), encoded.dictionary.to_numpy()
+    elif len(missed):
+        extra, at = np.unique(bits[missed], return_inverse=True)
+        indices[missed] = len(seen) + at
+        dictionary = np.concatenate([seen, extra])
+    else:
+        dictionary = seen
+    return (indices, dictionary) if len(dictionary) <= 1 << 16 else None
 
 
 def _dictionary(indices: np.ndarray, dictionary: np.ndarray) -> pa.DictionaryArray:

@@ -132,7 +132,7 @@ class RangeAppend:
         waiting = pa.chunked_array([opened.pending.cast(keys.type), keys[old:]], keys.type)
         pending_tags = pa.array(state.pending_tags, pa.uint64())
         if pa.types.is_dictionary(tags.type):
-            pending_tags = pa.DictionaryArray.from_arrays(pa.array(np.arange(len(pending_tags), dtype=np.int32)),
+            pending_tags = pa.DictionaryArray.from_arrays(pa.array(np.arange(len(pending_tags), dtype=np.int64)),
                                                           pending_tags)
         waiting_tags = pa.chunked_array([pending_tags, tags[old:]], tags.type)
         count = len(out)
@@ -356,7 +356,7 @@ def _tags(draws: Draws, values: np.ndarray) -> pa.Array:
     if found is None:
         return pa.array(draws.tags(bits.view(np.float64)), pa.uint64())
     indices, dictionary = found
-    return pa.DictionaryArray.from_arrays(pa.array(indices, pa.int32()),
+    return pa.DictionaryArray.from_arrays(pa.array(indices, pa.int64()),
                                           pa.array(draws.tags(dictionary.view(np.float64)), pa.uint64()), safe=False)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from dpsql._chunks import table_bytes, table_of
+from dpsql._chunks import distinct, table_bytes, table_of
 
 INT64 = np.iinfo(np.int64)
 REE = pa.run_end_encoded(pa.int32(), pa.int64())
@@ -139,3 +139,27 @@ def test_a_column_given_as_dictionaries_is_stored_with_them_merged():
     given = pa.DictionaryArray.from_arrays(pa.array(np.arange(70_000)[::-1].astype(np.int32)), pa.array(wide))
     restored = table_of(table_bytes(pa.table({"dp_tag": given})))
     assert np.array_equal(restored["dp_tag"].to_numpy(), wide[::-1])
+
+
+@pytest.mark.parametrize("case", ["tail", "negative", "extremes", "later_values", "steps", "wide"])
+def test_distinct_values_encode_every_row(case):
+    """Values the first rows do not show, hash collisions and the int64 extremes all come back;
+    a column with more values than 16-bit indices reach is not encoded."""
+    rng = np.random.default_rng(6)
+    n = 100_000
+    bits = {
+        "tail": rng.poisson(300.0, n).astype(np.float64).view(np.int64),  # rare values after the first rows
+        "negative": (-rng.poisson(3.0, n).astype(np.float64)).view(np.int64),
+        "extremes": rng.choice(np.array([INT64.min, INT64.max, 0, -1], dtype=np.int64), n),
+        "later_values": np.r_[np.zeros(n // 2, np.int64), rng.integers(0, 5_000, n // 2)],  # Arrow encodes these
+        "steps": np.repeat(rng.integers(-2**62, 2**62, n // 100), 100),
+        "wide": np.r_[np.zeros(2_000, np.int64), np.arange(70_000)],
+    }[case]
+    found = distinct(bits)
+    if case == "wide":
+        assert found is None
+        return
+    indices, dictionary = found
+    assert indices.dtype == np.intp and dictionary.dtype == np.int64 and len(dictionary) <= 1 << 16
+    assert np.array_equal(dictionary[indices], bits)
+    assert set(dictionary.tolist()) == set(np.unique(bits).tolist())
