@@ -64,7 +64,7 @@ class RangeAppend:
                 like = like or table
                 if not table.num_rows:
                     continue  # nothing new (a quiet day, a filter that kept nothing): releases nothing
-                frame = self._ordered(table)
+                frame, value = self._ordered(table)
                 groups = _groups(frame, spec, f"stream {stream.name!r}")
                 known.update(stream._store.partitions(conn, row.release_id,
                                                       [g.address for g in groups if g.address not in known]))
@@ -75,7 +75,7 @@ class RangeAppend:
                     rows = frame.slice(group.start, group.stop - group.start)
                     output, count = self._partition(conn, row, part, keystream.partition(group.address),
                                                     rows.get_column(spec.order_by).to_arrow(),
-                                                    rows.get_column("__value").to_numpy(), since[group.address])
+                                                    rows.get_column(value).to_numpy(), since[group.address])
                     outputs.append(output)
                     released += count
             stream._store.finish(conn, row, released)
@@ -83,19 +83,21 @@ class RangeAppend:
             stream._open = (row.release_id, self.open)
         return sorted_output(outputs, stream, like)
 
-    def _ordered(self, table: pa.Table) -> pl.DataFrame:
-        """The batch validated, with its values as float64, in (partition, order key) order."""
+    def _ordered(self, table: pa.Table) -> tuple[pl.DataFrame, str]:
+        """The batch validated, in (partition, order key) order, and the name of its column of
+        values as float64 (the value column itself when it is float64: shared, not copied)."""
         spec, label = self.spec, f"stream {self.stream.name!r}"
         frame = decoded(pl.from_arrow(table), spec.partition_by)
         refuse_null_keys(frame, [spec.order_by, *spec.partition_by], label)
         column = numeric(frame.get_column(spec.value), spec.value, label)
         values = _validate.values(column, spec.value)
-        # a float64 column is its own validated values: shared, not copied
-        frame = frame.with_columns(pl.col(spec.value).alias("__value") if column.dtype == pl.Float64
-                                   else pl.Series("__value", values))
+        value = spec.value
+        if column.dtype != pl.Float64:
+            value = "__value"
+            frame = frame.with_columns(pl.Series(value, values))
         if not spec.partition_by and frame.get_column(spec.order_by).is_sorted():
-            return frame  # rows usually arrive in time order: no sort needed
-        return frame.sort([*spec.partition_by, spec.order_by], maintain_order=True)
+            return frame, value  # rows usually arrive in time order: no sort needed
+        return frame.sort([*spec.partition_by, spec.order_by], maintain_order=True), value
 
     def _partition(self, conn, row: StreamRow, part: PartitionRow, draws: Draws, keys: pa.Array,
                    values: np.ndarray, since: bytes | None) -> tuple[pa.Table, int]:
@@ -389,8 +391,12 @@ def _groups(frame: pl.DataFrame, spec: StreamSpec, label: str, *, order: str | N
         new[1:] |= c.slice(1).ne_missing(c.slice(0, n - 1)).to_numpy()
     if unique_keys:
         key = frame.get_column(order)
-        same = key.slice(1).eq_missing(key.slice(0, n - 1))
-        repeated = np.flatnonzero(~new[1:] & same.to_numpy()) if same.any() else np.empty(0, np.int64)
+        if key.dtype.is_numeric() or key.dtype.is_temporal():  # no nulls (refused): numpy's view, no copy
+            keys = key.to_numpy()
+            same = keys[1:] == keys[:-1]
+        else:
+            same = key.slice(1).eq_missing(key.slice(0, n - 1)).to_numpy()
+        repeated = np.flatnonzero(~new[1:] & same) if same.any() else np.empty(0, np.int64)
         if repeated.size:
             raise InvalidTimeKey(f"{label}: order key {key[int(repeated[0]) + 1]!r} appears twice in one partition of "
                                  "this append; time keys must be unique within a partition")
