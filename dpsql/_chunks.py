@@ -128,8 +128,8 @@ def distinct(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     table = np.zeros(1 << size, dtype=np.intp)  # an empty slot points at seen[0]: a miss unless equal
     table[(seen.view(np.uint64) * _MIX) >> shift] = np.arange(len(seen))
     slots = bits.view(np.uint64) * _MIX
-    slots >>= shift
-    indices = table.take(slots)
+    slots >>= shift  # below 2**size: the same numbers as intp
+    indices = table.take(slots.view(np.intp))
     missed = np.flatnonzero(seen.take(indices) != bits)
     if len(missed) > len(bits) // 8:
         encoded = pc.dictionary_encode(pa.array(bits, pa.int64()))
