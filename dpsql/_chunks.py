@@ -174,7 +174,8 @@ def _decoded(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Arr
         bits = np.cumsum(bits, dtype=np.int64)
         bits += np.int64(int(field.metadata.get(_FIRST, b"0")))
     kind = _stored_type(field.metadata[_TYPE].decode())
-    return pa.field(field.name, kind, nullable=field.nullable), pa.array(bits).view(kind)
+    # nullable, as every chunk's columns are: earlier versions stored their keys as not null
+    return pa.field(field.name, kind), pa.array(bits).view(kind)
 
 
 def _stored_type(name: str) -> pa.DataType:

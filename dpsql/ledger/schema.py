@@ -8,7 +8,10 @@ decimal its float shows (exact), running totals as exact fractions ``"p/q"``.
 from __future__ import annotations
 
 #: Version of the table layout; older ledgers are upgraded when opened (see :func:`upgrades`).
-VERSION = 2
+#: 2: running totals, streams, release records. 3: released rows stored by :mod:`dpsql._chunks`
+#: (keys as differences from a first key in the field's metadata), which dpsql of version 2
+#: would misread: it refuses a ledger of version 3 instead. Tables are the same.
+VERSION = 3
 
 TABLES = [
     # key/value facts about the ledger itself: version, id, next row handle

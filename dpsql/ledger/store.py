@@ -173,6 +173,8 @@ class Ledger:
             if "charges" in existing:  # a version-1 ledger: running totals from its history
                 for (scope,) in self.execute(conn, "SELECT scope FROM scopes").fetchall():
                     self._recount(conn, scope)
+        elif int(meta["version"]) < schema.VERSION:  # the same tables: a new version keeps out older dpsql
+            self.execute(conn, "UPDATE ledger_meta SET value = ? WHERE key = 'version'", (str(schema.VERSION),))
 
     def _recount(self, conn, scope: str) -> None:
         rows = self.execute(conn, "SELECT epsilon, delta FROM charges WHERE scope = ?", (scope,)).fetchall()

@@ -89,11 +89,16 @@ def test_chunks_of_earlier_versions_are_read():
     keys = np.array([10**15, 10**15 + 7, 10**15 + 9], dtype=np.int64)
     chunk = _chunk(keys, pa.timestamp("us"))
     metadata = {b"dpsql.encoding": b"delta", b"dpsql.type": b"timestamp[us]"}
-    old = chunk.set_column(0, pa.field("key", pa.int64(), metadata=metadata), pa.array(np.diff(keys, prepend=0)))
+    # as earlier versions wrote it: not null (their reader made it nullable again)
+    old = chunk.set_column(0, pa.field("key", pa.int64(), nullable=False, metadata=metadata),
+                           pa.array(np.diff(keys, prepend=0)))
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, old.schema, options=pa.ipc.IpcWriteOptions(compression="lz4")) as writer:
         writer.write_table(old)
-    assert table_of(sink.getvalue().to_pybytes()).equals(chunk)
+    restored = table_of(sink.getvalue().to_pybytes())
+    assert restored.equals(chunk) and restored.schema == chunk.schema
+    later = table_of(table_bytes(_chunk(keys + 100, pa.timestamp("us"))))
+    assert pa.concat_tables([restored, later]).num_rows == 6  # a stream's chunks, old and new, read as one
 
 
 def test_repeats_and_conflicts_are_recognised_whichever_way_tags_were_stored():
