@@ -152,8 +152,8 @@ def _keystream(key: bytes, private: bool) -> Keystream:
     return Keystream(key, private=private)
 
 
-#: Values tagged per cipher call by :meth:`Draws.tags`.
-_TAG_STEP = 4096
+#: Blocks' first words computed per cipher call by :meth:`Draws._blocks_at` (value tags).
+_STEP_AT = 4096
 
 
 class Draws:
@@ -182,33 +182,28 @@ class Draws:
         lane): equal values get equal tags, and without the key a tag says nothing about its
         value. A continual stream keeps tags, not values, to recognise a row appended twice."""
         bits = np.ascontiguousarray(values, dtype=np.float64).reshape(-1).view(np.uint64)
-        # what _blocks_at(VALUE_TAG << 48, bits)[:, 0] gives, a few thousand values at a time: the
-        # counters and cipher blocks stay in cache instead of making two arrays 16 times the input
-        n = len(bits)
-        tags = np.empty(n, dtype=np.uint64)
-        counters = np.empty((min(n, _TAG_STEP), 2), dtype=">u8")
-        counters[:, 0] = int(Lane.VALUE_TAG) << 48
-        out = np.empty(2 * len(counters) + 2, dtype="<u8")  # update_into wants a block to spare
-        encryptor = Cipher(self._aes, modes.ECB()).encryptor()
-        for at in range(0, n, _TAG_STEP):
-            m = min(_TAG_STEP, n - at)
-            counters[:m, 1] = bits[at:at + m]
-            encryptor.update_into(counters[:m].view(np.uint8).reshape(-1), out[:2 * m + 2].view(np.uint8))
-            tags[at:at + m] = out[:2 * m:2]
-        return tags
+        return self._blocks_at(int(Lane.VALUE_TAG) << 48, bits, first_word=True)
 
-    def _blocks_at(self, header: int, indices: np.ndarray) -> np.ndarray:
-        """The keystream blocks at scattered ``indices`` (equal to :meth:`_blocks` there):
-        AES of the counter blocks themselves, which is what counter mode computes."""
+    def _blocks_at(self, header: int, indices: np.ndarray, *, first_word: bool = False) -> np.ndarray:
+        """The keystream blocks at scattered ``indices`` (equal to :meth:`_blocks` there) as
+        ``(n, 2)`` words, or only each block's first word: AES of the counter blocks themselves,
+        which is what counter mode computes."""
         n = len(indices)
-        counters = np.empty((n, 2), dtype=">u8")
+        # first words: a few thousand at a time, so that counters and cipher blocks stay in cache
+        # (not two arrays of 16 bytes an index); whole blocks: one call, the cipher's output is the result
+        step = min(n, _STEP_AT) if first_word else n
+        counters = np.empty((step, 2), dtype=">u8")
         counters[:, 0] = header
-        counters[:, 1] = indices
-        out = np.empty(2 * n + 2, dtype="<u8")  # update_into wants a block to spare
-        if n:
-            Cipher(self._aes, modes.ECB()).encryptor().update_into(counters.view(np.uint8).reshape(-1),
-                                                                    out.view(np.uint8))
-        return out[:2 * n].reshape(n, 2).view(np.uint64)
+        out = np.empty(2 * step + 2, dtype="<u8")  # update_into wants a block to spare
+        result = np.empty(n, dtype=np.uint64) if first_word else out[:2 * n].reshape(n, 2).view(np.uint64)
+        encryptor = Cipher(self._aes, modes.ECB()).encryptor()
+        for at in range(0, n, max(step, 1)):
+            m = min(step, n - at)
+            counters[:m, 1] = indices[at:at + m]
+            encryptor.update_into(counters[:m].view(np.uint8).reshape(-1), out[:2 * m + 2].view(np.uint8))
+            if first_word:
+                result[at:at + m] = out[:2 * m:2]
+        return result
 
 
 class LaneDraws:
