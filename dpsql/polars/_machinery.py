@@ -113,14 +113,14 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
     Returns the order and ``values`` (one per row of ``frame``) in that order.
 
     ``labels`` are the user's names of the order column then the partition columns,
-    used in messages. Null time keys are refused, as in every front end; null partition
-    keys form one partition; partitions come in ascending key order. Integer and temporal time keys are ordered by
+    used in messages. Null or NaN keys are refused, as in every front end; partitions come in
+    ascending key order. Integer and temporal time keys are ordered by
     :func:`dpsql.ordering.order_integer_keys` (one int64 key per row; a regular time grid
     is placed by counting, with no comparison sort). Other keys, and keys spanning about
     2**62 (beyond one int64 key), take Polars' multi-column sort.
     """
     order = frame.get_column(order_name)
-    _refuse_unusable_keys(frame, order_name, labels)
+    _refuse_unusable_keys(frame, [order_name, *partition_names], labels)
     physical = order.to_physical()
     if physical.dtype in _NUMPY_INTEGERS:
         def refuse(time: int, _partition: int | None):
@@ -139,13 +139,15 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
     return rows, rows.gather(values)
 
 
-def _refuse_unusable_keys(frame: pl.DataFrame, order_name: str, labels: Sequence[str]) -> None:
-    """NULL and NaN time keys, refused with every front end's messages. (NULL partition keys
-    form one partition of their own: a Polars group has a NULL key like any other.)"""
-    order = frame.get_column(order_name)
-    refuse_null_keys({labels[0]: order.null_count()}, order_label=labels[0], partition_labels=labels[1:])
-    if order.dtype.is_float() and order.is_nan().any():
-        refuse_nan_key(labels[0])
+def _refuse_unusable_keys(frame: pl.DataFrame, names: Sequence[str], labels: Sequence[str]) -> None:
+    """NULL and NaN keys (``names``: the order column, then the partition columns), refused
+    with every front end's messages: a row without a key belongs to no stream."""
+    columns = [frame.get_column(name) for name in names]
+    refuse_null_keys({label: column.null_count() for label, column in zip(labels, columns)},
+                     order_label=labels[0], partition_labels=labels[1:])
+    for at, (label, column) in enumerate(zip(labels, columns)):
+        if column.dtype.is_float() and column.is_nan().any():
+            refuse_nan_key(label, partition=at > 0)
 
 
 def _set_partition_keys(rows: RowsInTimeOrder, frame: pl.DataFrame, partition_names: Sequence[str],

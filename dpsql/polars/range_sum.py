@@ -77,8 +77,9 @@ def range_sum(value: pl.Expr, *, order_by=None, method: str = RANGE_SUM_METHOD, 
         The public time key (required). Nulls or duplicates within a partition are refused
         (:class:`dpsql.InvalidTimeKey`).
     partition_by : str, polars.Expr or list of them, optional
-        Public keys of disjoint streams (e.g. one per meter); null keys form one
-        partition. Use this, not ``.over()``: a dpsql expression evaluated group by group is refused.
+        Public keys of disjoint streams (e.g. one per meter); null or NaN keys are refused
+        (:class:`dpsql.InvalidTimeKey`), as in every front end. Use this, not ``.over()``: a
+        dpsql expression evaluated group by group is refused.
     budget : dpsql.Budget, optional
         Charged once per evaluation; default: the budget set by :func:`dpsql.use_budget`.
     note : str, optional

@@ -464,11 +464,18 @@ def test_partition_order_does_not_change_values_in_time_order():
     assert kinds(budget) == ["release", "release"]  # other order keys: another release (of the same draws)
 
 
-def test_null_partition_keys_form_one_partition():
-    frame = pl.DataFrame({"meter": [None, "a", None, "a"], "ts": [1, 1, 2, 2], "kwh": [1.0, 2.0, 3.0, 4.0]})
+@pytest.mark.parametrize(("meters", "message"), [
+    (["a", None, "a", None], "partition column 'meter' contains 2 NULL value"),
+    ([1.0, float("nan"), 1.0, 2.0], "partition column 'meter' contains NaN"),
+])
+def test_null_or_nan_partition_keys_are_refused_as_in_every_front_end(meters, message):
+    """A row without a partition key belongs to no stream: DuckDB, Spark and continual streams
+    refuse it, and so does Polars (it would otherwise group the NULLs into a partition)."""
+    frame = pl.DataFrame({"meter": meters, "ts": [1, 1, 2, 2], "kwh": [1.0, 2.0, 3.0, 4.0]})
     budget = dpsql.Budget.in_memory(epsilon=1.0)
-    frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", budget=budget, **LAPLACE))
-    assert budget.history(full=True)["partitions"].to_list() == [2]
+    with pytest.raises(dpsql.InvalidTimeKey, match=message):
+        frame.select(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", budget=budget, **LAPLACE))
+    assert budget.spent == (0.0, 0.0)
 
 
 def test_partition_by_without_order_by_is_refused():
