@@ -313,6 +313,12 @@ class BatchLaneDraws:
             for j, lane in enumerate(self.lanes):
                 out[j] = lane.discrete_laplace(float(scales[j]), start, count)
             return out
+        group = _PIECE // max(count, 1)
+        if len(self.lanes) > group:  # cache-sized groups of partitions: the arithmetic's arrays stay small
+            for g in range(0, len(self.lanes), group):
+                out[g:g + group] = BatchLaneDraws(self.lanes[g:g + group]).discrete_laplace(
+                    scales[g:g + group], start, count)
+            return out
         _check_range(start, count)
         for s in np.unique(scales).tolist():
             _check_scale(s)

@@ -167,6 +167,12 @@ def test_a_batch_of_partitions_draws_each_partitions_own_noise():
     assert not drawn[0].any()  # scale 0: no noise
     uniforms = batch.uniform(3, 10)
     np.testing.assert_array_equal(uniforms[4], keys.partition(addresses[4]).lane(Lane.ROWS).uniform(3, 10))
+    many = [partition_address(k) for k in range(2_500)]  # short rows of many partitions: cache-sized groups
+    scales = np.resize(scales, len(many))
+    drawn = keys.partitions(many).lane(Lane.ROWS).discrete_laplace(scales, 11, 10)
+    for j in (0, 1, 1_637, 1_638, 1_639, 2_499):  # either side of the first group's end (16,384 draws / 10)
+        own = keys.partition(many[j]).lane(Lane.ROWS).discrete_laplace(float(scales[j]), 11, 10)
+        np.testing.assert_array_equal(drawn[j], own)
 
 
 # -- the discrete Laplace sampler -----------------------------------------------------------------
