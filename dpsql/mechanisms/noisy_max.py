@@ -94,18 +94,21 @@ def _noisy_argmax(alive_units: np.ndarray, alive: np.ndarray, shape: tuple[int, 
     the lattice are the int64 ``alive_units`` (magnitudes below ``2**62``); candidate ``c`` of
     row ``k`` gets the draw at index ``c`` of row ``k``'s lane. ``alive_units + Z`` is exact in
     int64 (``|Z| < 2**40`` at the largest scale allowed)."""
-    rows, columns = np.divmod(alive, shape[1])
-    noisy = alive_units + noise.discrete_laplace_at(lap.scale_units, rows, columns)
     row_starts = np.arange(shape[0]) * shape[1]
     starts = np.searchsorted(alive, row_starts)
-    return alive[_first_argmax(noisy, starts)] - row_starts
+    # each contender's row from the rows' runs (alive is sorted): no integer division, which is
+    # the slowest step of all when every partition has thousands of contenders
+    rows = np.repeat(np.arange(shape[0]), np.diff(starts, append=len(alive)))
+    noisy = alive_units + noise.discrete_laplace_at(lap.scale_units, rows, alive - row_starts[rows])
+    return alive[_first_argmax(noisy, starts, rows)] - row_starts
 
 
-def _first_argmax(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+def _first_argmax(values: np.ndarray, starts: np.ndarray, segment: np.ndarray) -> np.ndarray:
     """Position of the first largest value of every segment ``values[starts[i]:starts[i+1]]``
-    (``np.argmax`` per segment; segments non-empty, values not NaN)."""
+    (``np.argmax`` per segment; segments non-empty, values not NaN); ``segment`` is each
+    value's segment number."""
     maxima = np.maximum.reduceat(values, starts)
-    at_max = np.flatnonzero(values == np.repeat(maxima, np.diff(starts, append=len(values))))
+    at_max = np.flatnonzero(values == maxima[segment])
     return at_max[np.searchsorted(at_max, starts)]
 
 
@@ -372,8 +375,10 @@ def nm_thresholds(holdouts: np.ndarray, *, epsilon: float, upper: float, epsilon
     row ``k`` drawing from ``noise``'s partition ``k``), each with exactly the distribution it
     has alone (see :func:`report_noisy_max_rows`).
 
-    Rows are scored in groups of about ``2**18`` scores (cache-sized), so memory stays
-    proportional to the hold-outs and the contenders. Scores are formed in lattice units exactly
+    Rows are scored, pruned and given their draws in groups of about ``2**18`` scores
+    (cache-sized): arrays as large as all partitions' candidates are never made (with
+    thousands of partitions, nearly every candidate can win, and memory fresh from the system
+    costs more than the arithmetic). Scores are formed in lattice units exactly
     (:func:`nm_score_units`), so the noisy argmax is exact for any ``upper`` and epsilon.
     """
     candidates = candidate_grid(upper, default_step(upper) if step is None else step)
@@ -381,12 +386,10 @@ def nm_thresholds(holdouts: np.ndarray, *, epsilon: float, upper: float, epsilon
                      levels_for_nm=levels_for_nm)
     lap = noisy_max_lattice(epsilon)
     group = max(1, _SCORES_AT_ONCE // len(candidates))
-    alive, alive_units = [], []
+    chosen = np.empty(len(holdouts), dtype=np.int64)
     for a in range(0, len(holdouts), group):
         units = nm_score_units(holdouts[a:a + group], candidates, slope, lap, is_sorted=is_sorted)
-        index = contenders(units, lap.scale_units)
-        alive.append(index + a * len(candidates))
-        alive_units.append(units.ravel()[index])
-    chosen = _noisy_argmax(np.concatenate(alive_units), np.concatenate(alive), (len(holdouts), len(candidates)),
-                           lap, noise)
+        alive = contenders(units, lap.scale_units)
+        chosen[a:a + group] = _noisy_argmax(units.ravel()[alive], alive, units.shape, lap,
+                                            BatchLaneDraws(noise.lanes[a:a + group]))
     return candidates[chosen]

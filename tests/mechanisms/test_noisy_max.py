@@ -197,8 +197,9 @@ def test_scores_too_large_for_exact_noisy_max_are_refused():
 
 def test_nm_thresholds_unsorted_rows_equal_nm_threshold_on_sorted():
     rng = np.random.default_rng(4)
-    holdouts = rng.gamma(2.0, 1.0, (30, 700)) * rng.uniform(50.0, 1500.0, (30, 1))
-    partitions = keys(5).partitions([str(k).encode() for k in range(30)])
+    # 100 rows: more than one group of rows scored and drawn together at upper 6000 (43 rows a group)
+    holdouts = rng.gamma(2.0, 1.0, (100, 700)) * rng.uniform(50.0, 1500.0, (100, 1))
+    partitions = keys(5).partitions([str(k).encode() for k in range(100)])
     for upper in (6000.0, 100.5):  # the grid placement (m < candidates) and the search (m >= candidates)
         clipped = np.clip(holdouts, 0.0, upper)
         got = nm_thresholds(clipped, epsilon=0.5, upper=upper, epsilon_perturber=1.0, r=2000, is_sorted=False,
