@@ -346,10 +346,12 @@ class BatchLaneDraws:
         """One draw per pair: partition ``rows[i]`` at index ``indices[i]`` (one scale for all)."""
         out = np.empty(len(indices), dtype=np.int64)
         rows = np.asarray(rows)
+        if not len(rows):
+            return out
         if not (rows[1:] < rows[:-1]).any():  # grouped by partition already (Noisy Max's contenders): slices
             bounds = np.searchsorted(rows, np.arange(len(self.lanes) + 1)).tolist()
             indices = np.asarray(indices)
-            for j in range(len(self.lanes)):
+            for j in range(int(rows[0]), int(rows[-1]) + 1):  # the partitions asked for
                 if bounds[j + 1] > bounds[j]:
                     out[bounds[j]:bounds[j + 1]] = self.lanes[j].discrete_laplace_at(
                         scale, indices[bounds[j]:bounds[j + 1]])

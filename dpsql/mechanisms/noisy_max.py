@@ -88,18 +88,18 @@ def noisy_max_lattice(epsilon: float, *, sensitivity: float = 1.0, monotonic: bo
 
 
 def _noisy_argmax(alive_units: np.ndarray, alive: np.ndarray, shape: tuple[int, int], lap: LaplaceLattice,
-                  noise: BatchLaneDraws) -> np.ndarray:
+                  noise: BatchLaneDraws, first_row: int = 0) -> np.ndarray:
     """Per row of a ``shape`` array of scores, the index of the first largest noisy score among
     the contenders ``alive`` (flat, row-major, each row's maximum among them) whose scores on
     the lattice are the int64 ``alive_units`` (magnitudes below ``2**62``); candidate ``c`` of
-    row ``k`` gets the draw at index ``c`` of row ``k``'s lane. ``alive_units + Z`` is exact in
+    row ``k`` gets the draw at index ``c`` of lane ``first_row + k``. ``alive_units + Z`` is exact in
     int64 (``|Z| < 2**40`` at the largest scale allowed)."""
     row_starts = np.arange(shape[0]) * shape[1]
     starts = np.searchsorted(alive, row_starts)
-    # each contender's row from the rows' runs (alive is sorted): no integer division, which is
-    # the slowest step of all when every partition has thousands of contenders
+    # each contender's row from the rows' runs (alive is sorted): no integer division of every
+    # contender (thousands a partition: nearly every candidate can win at small epsilon)
     rows = np.repeat(np.arange(shape[0]), np.diff(starts, append=len(alive)))
-    noisy = alive_units + noise.discrete_laplace_at(lap.scale_units, rows, alive - row_starts[rows])
+    noisy = alive_units + noise.discrete_laplace_at(lap.scale_units, rows + first_row, alive - row_starts[rows])
     return alive[_first_argmax(noisy, starts, rows)] - row_starts
 
 
@@ -390,6 +390,5 @@ def nm_thresholds(holdouts: np.ndarray, *, epsilon: float, upper: float, epsilon
     for a in range(0, len(holdouts), group):
         units = nm_score_units(holdouts[a:a + group], candidates, slope, lap, is_sorted=is_sorted)
         alive = contenders(units, lap.scale_units)
-        chosen[a:a + group] = _noisy_argmax(units.ravel()[alive], alive, units.shape, lap,
-                                            BatchLaneDraws(noise.lanes[a:a + group]))
+        chosen[a:a + group] = _noisy_argmax(units.ravel()[alive], alive, units.shape, lap, noise, first_row=a)
     return candidates[chosen]
