@@ -353,10 +353,9 @@ def _tags(draws: Draws, values: np.ndarray) -> pa.Array:
     """Each value's keyed tag (:meth:`Draws.tags`). When the values repeat (counts, readings in
     steps), one tag per distinct value, as a dictionary array: the ledger stores it as it is,
     instead of hashing every row's tag again."""
-    bits = np.ascontiguousarray(values, dtype=np.float64).view(np.int64)
-    found = distinct(bits)
+    found = distinct(np.ascontiguousarray(values, dtype=np.float64).view(np.int64))
     if found is None:
-        return pa.array(draws.tags(bits.view(np.float64)), pa.uint64())
+        return pa.array(draws.tags(values), pa.uint64())
     indices, dictionary = found
     return pa.DictionaryArray.from_arrays(pa.array(indices, pa.int64()),
                                           pa.array(draws.tags(dictionary.view(np.float64)), pa.uint64()), safe=False)
