@@ -31,6 +31,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from dpsql._memory import pooled_array
+
 #: Field metadata of a stored column: its type (present when it is stored as int64 bits) and,
 #: for the keys, ``delta`` and the first key.
 _TYPE, _ENCODING, _FIRST = b"dpsql.type", b"dpsql.encoding", b"dpsql.first"
@@ -83,7 +85,7 @@ def _encoded(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Arr
     metadata = {_TYPE: str(field.type).encode()}
     if field.name == "key":
         metadata.update({_ENCODING: b"delta", _FIRST: str(int(bits[0])).encode()})
-        deltas = np.empty_like(bits)
+        deltas = pooled_array(len(bits), np.int64)
         deltas[0] = 0
         np.subtract(bits[1:], bits[:-1], out=deltas[1:])
         bits = deltas
@@ -127,10 +129,15 @@ def distinct(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     # intp: numpy gathers with any other index type convert the indices first (four times slower)
     table = np.zeros(1 << size, dtype=np.intp)  # an empty slot points at seen[0]: a miss unless equal
     table[(seen.view(np.uint64) * _MIX) >> shift] = np.arange(len(seen))
-    slots = bits.view(np.uint64) * _MIX
+    # in pooled memory, computed in place: fresh arrays of a column's size at every append would be
+    # faulted in page by page, which costs more than the hashing
+    slots = pooled_array(len(bits), np.uint64)
+    np.multiply(bits.view(np.uint64), _MIX, out=slots)
     slots >>= shift  # below 2**size: the same numbers as intp
-    indices = table.take(slots.view(np.intp))
-    missed = np.flatnonzero(seen.take(indices) != bits)
+    # mode="clip" (every slot is in range) gathers element by element, so in place is safe
+    indices = table.take(slots.view(np.intp), mode="clip", out=slots.view(np.intp))
+    recovered = seen.take(indices, mode="clip", out=pooled_array(len(bits), np.int64))
+    missed = np.flatnonzero(np.not_equal(recovered, bits, out=pooled_array(len(bits), np.bool_)))
     if len(missed) > len(bits) // 8:
         encoded = pc.dictionary_encode(pa.array(bits, pa.int64()))
         indices, dictionary = encoded.indices.to_numpy().astype(np.intp), encoded.dictionary.to_numpy()
@@ -151,14 +158,21 @@ def _dictionary(indices: np.ndarray, dictionary: np.ndarray) -> pa.DictionaryArr
 
 
 def _given_dictionary(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Array]:
-    """A dictionary-encoded column stored with its dictionaries merged; plain when they hold too
-    many entries (or it has nulls), to be encoded like any other column."""
-    merged = column.unify_dictionaries().combine_chunks() if column.num_chunks else pa.array([], field.type)
+    """A dictionary-encoded column stored with its dictionaries merged (its indices kept as they
+    are when it comes as one chunk with 8- or 16-bit indices); plain when they hold too many
+    entries (or it has nulls), to be encoded like any other column."""
+    if column.num_chunks == 1:
+        merged = column.chunk(0)
+    else:
+        merged = column.unify_dictionaries().combine_chunks() if column.num_chunks else pa.array([], field.type)
     kind = field.type.value_type
     if merged.null_count or len(merged.dictionary) > 1 << 16:
         return pa.field(field.name, kind, nullable=field.nullable), merged.dictionary_decode()
     dictionary = np.ascontiguousarray(merged.dictionary.to_numpy()).view(np.int64)
-    stored = _dictionary(merged.indices.to_numpy(), dictionary)
+    if merged.indices.type in (pa.uint8(), pa.uint16()):
+        stored = pa.DictionaryArray.from_arrays(merged.indices, pa.array(dictionary, pa.int64()), safe=False)
+    else:
+        stored = _dictionary(merged.indices.to_numpy(), dictionary)
     metadata = {_TYPE: str(kind).encode()}
     return pa.field(field.name, stored.type, nullable=field.nullable, metadata=metadata), stored
 

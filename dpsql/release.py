@@ -362,11 +362,7 @@ def run_machine(machine: StreamMachine, chunks, n: int, out: np.ndarray | None =
     out = pooled_array(n) if out is None else out
     filled = 0
     for chunk in chunks:
-        target = out[..., filled:]
-        piece = machine.feed(chunk, out=target) if machine.writes_out else machine.feed(chunk)
-        if not written_in_place(piece, target):
-            out[..., filled:filled + piece.shape[-1]] = piece
-        filled += piece.shape[-1]
+        filled += feed_into(machine, chunk, out[..., filled:]).shape[-1]
     piece = machine.close()
     out[..., filled:filled + piece.shape[-1]] = piece
     filled += piece.shape[-1]
@@ -375,16 +371,19 @@ def run_machine(machine: StreamMachine, chunks, n: int, out: np.ndarray | None =
     return out
 
 
+def feed_into(machine: StreamMachine, chunk: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``machine`` fed ``chunk``, its new outputs written as the first columns of ``out``
+    (in place where it :attr:`~StreamMachine.writes_out`); returns those columns."""
+    piece = machine.feed(chunk, out=out) if machine.writes_out else machine.feed(chunk)
+    if not written_in_place(piece, out):
+        out[..., :piece.shape[-1]] = piece
+    return out[..., :piece.shape[-1]]
+
+
 def written_in_place(piece: np.ndarray, target: np.ndarray) -> bool:
     """Was ``piece`` written in place, as the first columns of ``target``? (A machine that
     :attr:`~StreamMachine.writes_out` returns a view of ``out`` laid out as ``out``.)"""
     return piece.size > 0 and piece.__array_interface__["data"][0] == target.__array_interface__["data"][0]
-
-
-def leading_columns(out: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
-    """The first ``shape[1]`` columns of ``out`` as a ``shape`` view (``out`` is
-    ``(partitions, room)``, or ``(room,)`` for one stream)."""
-    return out.reshape(shape[0], -1)[:, :shape[1]]
 
 
 def release_from(machine: StreamMachine, chunks, n: int, *, private: bool) -> Release:

@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 
 from dpsql import _validate
 from dpsql._chunks import distinct, table_bytes, table_of
+from dpsql._memory import pooled_array
 from dpsql.continual.state import (
     TAG,
     PartitionState,
@@ -32,6 +33,7 @@ from dpsql.continual.state import (
 from dpsql.errors import ConflictingRow, InvalidData, InvalidParameter, InvalidTimeKey, LateRow
 from dpsql.ledger.streams import PartitionRow, StreamRow
 from dpsql.noise import Draws, partition_address
+from dpsql.release import feed_into
 from dpsql.timegrid import instant, ticks
 
 if TYPE_CHECKING:
@@ -113,7 +115,7 @@ class RangeAppend:
             opened.watermark = stored_keys(part.watermark)
         watermark = opened.watermark
         keys = same_type(keys, watermark, stream)
-        tags = _tags(draws, values)
+        tags = _Tags.of(draws, values)
         # keys are in order: none is old when the first is above the watermark (the usual append)
         old = 0 if watermark is None or pc.greater(keys[0], watermark[0]).as_py() else int(
             pc.sum(pc.less_equal(keys, watermark[0])).as_py() or 0)
@@ -123,28 +125,24 @@ class RangeAppend:
             if len(again):
                 raise InvalidTimeKey(f"stream {stream.name!r}: order key {again[0].as_py()!r} appears twice in one "
                                      "partition of this append; time keys must be unique within a partition")
-        recorded = self._repeats(conn, row, part, state, keys[:old], _plain(tags[:old]), watermark) if old else None
+        recorded = self._repeats(conn, row, part, state, keys[:old], tags.rows(0, old), watermark) if old else None
         if recorded is not None and old == len(keys):
             return recorded, 0
         machine, opened.machine = opened.machine or stream._machine(draws, state.machine), None
-        out = machine.feed(values[old:])
         if opened.pending is None:
             opened.pending = stored_keys(state.pending_keys) if state.pending_keys else keys.slice(0, 0)
         # chunked, not concatenated: the pending rows are few, and storing the chunk copies them once
         waiting = pa.chunked_array([opened.pending.cast(keys.type), keys[old:]], keys.type)
-        pending_tags = pa.array(state.pending_tags, pa.uint64())
-        if pa.types.is_dictionary(tags.type):
-            pending_tags = pa.DictionaryArray.from_arrays(pa.array(np.arange(len(pending_tags), dtype=np.int64)),
-                                                          pending_tags)
-        waiting_tags = pa.chunked_array([pending_tags, tags[old:]], tags.type)
+        # into pooled memory: a fresh array at every append would be faulted in page by page
+        out = feed_into(machine, values[old:], pooled_array(len(waiting)))  # room: every row waiting
         count = len(out)
-        chunk = {"key": waiting[:count], "value": pa.array(out, pa.float64()), TAG: waiting_tags[:count]}
+        released_tags, state.pending_tags = tags.released(state.pending_tags, old, count)
+        chunk = {"key": waiting[:count], "value": pa.array(out, pa.float64()), TAG: released_tags}
         if getattr(machine, "public_columns", ()):
             chunk.update({f"dp_{c}": pa.array(v) for c, v in machine.take_public().items()})
         state.machine, state.fed = machine.snapshot(), state.fed + len(keys) - old
         pending = waiting[count:].combine_chunks()
         state.pending_keys = table_bytes(pa.table({"key": pending})) if len(pending) else None
-        state.pending_tags = _plain(waiting_tags[count:])
         first_row = part.rows
         if count:
             stream._store.add_rows(conn, row, part.ordinal, first_row, count, table_bytes(pa.table(chunk)))
@@ -349,21 +347,46 @@ class _Open:
                                                                                      part.rows))
 
 
-def _tags(draws: Draws, values: np.ndarray) -> pa.Array:
-    """Each value's keyed tag (:meth:`Draws.tags`). When the values repeat (counts, readings in
-    steps), one tag per distinct value, as a dictionary array: the ledger stores it as it is,
-    instead of hashing every row's tag again."""
-    found = distinct(np.ascontiguousarray(values, dtype=np.float64).view(np.int64))
-    if found is None:
-        return pa.array(draws.tags(values), pa.uint64())
-    indices, dictionary = found
-    return pa.DictionaryArray.from_arrays(pa.array(indices, pa.int64()),
-                                          pa.array(draws.tags(dictionary.view(np.float64)), pa.uint64()), safe=False)
+@dataclass
+class _Tags:
+    """The keyed tag (:meth:`Draws.tags`) of each value of a batch. When the values repeat
+    (counts, readings in steps), one tag per distinct value and each row's index into them
+    (``indices``): the ledger stores the released rows' tags so, a byte or two a row, instead of
+    hashing every row's tag again; else one tag per row (``indices`` None)."""
 
+    tags: np.ndarray  # uint64
+    indices: np.ndarray | None = None  # intp, one per row
 
-def _plain(tags) -> np.ndarray:
-    """Tags (an array or chunked array, plain or dictionary-encoded) as ``uint64``."""
-    return np.asarray(tags.cast(pa.uint64()).to_numpy(), dtype=np.uint64)
+    @classmethod
+    def of(cls, draws: Draws, values: np.ndarray) -> _Tags:
+        found = distinct(np.ascontiguousarray(values, dtype=np.float64).view(np.int64))
+        if found is None:
+            return cls(draws.tags(values))
+        indices, dictionary = found
+        return cls(draws.tags(dictionary.view(np.float64)), indices)
+
+    def rows(self, start: int, stop: int | None = None) -> np.ndarray:
+        """The tags of rows ``start:stop``, one per row (``uint64``)."""
+        return self.tags[start:stop] if self.indices is None else self.tags[self.indices[start:stop]]
+
+    def released(self, pending: np.ndarray, start: int, count: int) -> tuple[pa.Array, np.ndarray]:
+        """The tags of ``count`` released rows, those still ``pending`` from earlier appends first,
+        then this batch's rows from ``start``, as the ledger stores them; and the tags then still
+        pending."""
+        held = min(count, len(pending))
+        new = count - held
+        after = np.concatenate([pending[count:], self.rows(start)]) if count < len(pending) else \
+            self.rows(start + new)
+        if self.indices is None:
+            return pa.array(np.concatenate([pending[:held], self.tags[start:start + new]]), pa.uint64()), after
+        earlier, inverse = np.unique(pending[:held], return_inverse=True)
+        dictionary = np.concatenate([earlier, self.tags])  # may hold a tag twice: no matter
+        if len(dictionary) > 1 << 16:
+            return pa.array(np.concatenate([pending[:held], self.rows(start, start + new)]), pa.uint64()), after
+        indices = np.empty(count, dtype=np.uint8 if len(dictionary) <= 1 << 8 else np.uint16)
+        indices[:held] = inverse
+        np.add(self.indices[start:start + new], len(earlier), out=indices[held:], casting="unsafe")
+        return pa.DictionaryArray.from_arrays(indices, pa.array(dictionary, pa.uint64()), safe=False), after
 
 
 @dataclass

@@ -45,6 +45,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dpsql._chunks import table_of
+from dpsql._memory import count_into, pooled_array
 from dpsql._tables import arrow_batches
 from dpsql.accounting import Kind
 from dpsql.continual.appends import CountAppend, RangeAppend
@@ -371,7 +372,7 @@ class Stream:
         ``first_row ..`` of the partition, or ``first_row + rows``)."""
         n = chunk.num_rows
         start = part.first_handle + first_row
-        handles = np.arange(start, start + n, dtype=np.int64) if rows is None else start + rows
+        handles = count_into(pooled_array(n, np.int64), start) if rows is None else start + rows
         columns, names = [], []
         if self.spec.partition_by:
             key = json.loads(part.key_text)

@@ -37,6 +37,7 @@ import copy
 import numpy as np
 
 from dpsql import _validate
+from dpsql._memory import pooled_array
 from dpsql.accounting import largest_share
 from dpsql.error_models import SegmentedNoise
 from dpsql.errors import InvalidParameter
@@ -45,7 +46,7 @@ from dpsql.mechanisms.hierarchy import Chunk, Layout, predictive_depth, tree_hei
 from dpsql.mechanisms.laplace import LatticeBatch
 from dpsql.mechanisms.smoothers import MIN_ALPHA, SMOOTHERS, make_smoother
 from dpsql.noise import Draws, DrawsBatch, Lane
-from dpsql.release import StreamMachine, leading_columns
+from dpsql.release import StreamMachine
 
 #: The paper's largest query range, the chunk length of its (fixed) layout.
 PAPER_RANGE = 1 << 20
@@ -207,23 +208,27 @@ class HierarchyStream(StreamMachine):
     def feed(self, chunk: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         rows = chunk.reshape(len(self._uppers), -1)
         count = rows.shape[1]
-        # predictive smoothers emit one output per row: written straight into one buffer (the
-        # caller's, given one)
-        if self._smoother.predictive:
-            out = np.empty(rows.shape) if out is None else leading_columns(out, rows.shape)
-        else:
-            out = None
+        # outputs are written straight into one buffer, the caller's when given (its room holds
+        # every output to come: a flat spread may release rows held back before); predictive
+        # smoothers emit one output per row, a flat spread the rows of the blocks it completes
+        if out is not None:
+            out = out.reshape(len(rows), -1)
+        elif self._smoother.predictive:
+            out = np.empty(rows.shape)
         pieces = []
-        start = 0
+        start = written = 0
         while start < count:
             current = self.layout.chunk_at(self._rows)
             self._enter(current)
             take = min(count - start, current.stop - self._rows)
-            view = None if out is None else out[:, start:start + take]
-            pieces.append(self._feed_within_chunk(rows[:, start:start + take], view))
+            piece = self._feed_within_chunk(rows[:, start:start + take], None if out is None else out[:, written:])
+            pieces.append(piece)
             start += take
+            written += piece.shape[1]
         if out is None:
             out = np.concatenate(pieces, axis=1) if pieces else np.empty((len(rows), 0))
+        else:
+            out = out[:, :written]
         if self.lower:
             out += self.lower
         self._lead = chunk.shape[:-1]
@@ -257,11 +262,14 @@ class HierarchyStream(StreamMachine):
 
     def _feed_within_chunk(self, values: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         """Rows ``self._rows ..`` of the current chunk (``values`` one row per partition): clip,
-        sum per block in lattice units, release the blocks that complete, and write one output
-        per row into ``out`` (flat spread: return the rows of the completed blocks)."""
+        sum per block in lattice units, release the blocks that complete, and write their outputs
+        into the first columns of ``out`` (a new array when None): one per row (predictive), or
+        the rows of the completed blocks (flat spread); returns the columns written."""
         chunk = self._chunk
         g = chunk.block
-        units = np.multiply(values - self.lower if self.lower else values, self._inverse_gamma)
+        # pooled: a fresh array here, at every append to a stream, would be faulted in again
+        units = pooled_array(values.size).reshape(values.shape)
+        np.multiply(values - self.lower if self.lower else values, self._inverse_gamma, out=units)
         np.clip(units, 0.0, self._bound_units, out=units)
         np.rint(units, out=units)
         # Chunks hold whole blocks, so blocks start at multiples of g within the chunk: this piece
@@ -286,7 +294,13 @@ class HierarchyStream(StreamMachine):
         released_units = sums[:, :complete].astype(np.int64) + self._leaf_noise[:, first_block:first_block + complete]
         released = self._lattice(chunk.forest.levels).from_units(released_units)
         if not self._smoother.predictive:
-            return np.repeat(released / g, g, axis=1)
+            if out is None:
+                return np.repeat(released / g, g, axis=1)
+            spread = out[:, :complete * g]
+            spread.shape = (len(out), complete, g)  # a view: assigning the shape never copies
+            np.divide(released[:, :, None], g, out=spread)
+            return out[:, :complete * g]
+        out = out[:, :count]
         predictions = np.concatenate([self._prediction[:, None], self._smoother.predict(released)], axis=1)
         self._prediction = predictions[:, complete].copy()
         _spread(predictions[:, :pieces], lengths, g, out)
