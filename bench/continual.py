@@ -92,7 +92,8 @@ def breakdown(table: pa.Table, values: np.ndarray, batch: int, directory: Path) 
     phases = Phases()
     phases.wrap(appends.RangeAppend, "_ordered", "read, validate and order the batch (Polars)")
     phases.wrap(appends, "_groups", "partitions and the unique-key check")
-    phases.wrap(appends, "_tags", "keyed value tags (AES of each distinct value)")
+    phases.wrap(appends._Tags, "of", "keyed value tags (AES of each distinct value)")
+    phases.wrap(appends._Tags, "released", "released rows' tags as one dictionary column")
     restore = Stream._machine
 
     def machine(self, draws, state):
