@@ -10,9 +10,10 @@ rows has a known shape, and each shape has a direct encoding:
 - a released value often holds for many rows (ToPS releases a value per node of its hierarchy);
 - the keyed tag of each value repeats as often as the value does (counts, readings in steps).
 
-So every column of 64-bit integers, floats, timestamps or durations without nulls is stored as
-its bits (``int64``), the ``key`` column as the differences of consecutive keys (the first key in
-the field's metadata), in the first of these that applies:
+So every column of 64-bit integers, floats, timestamps or durations without nulls, in a table of
+at least 256 rows (a smaller one is stored as it is), is stored as its bits (``int64``), the
+``key`` column as the differences of consecutive keys (the first key in the field's metadata),
+in the first of these that applies:
 
 - run-length encoded, when there are fewer than a third as many runs as rows;
 - dictionary encoded with 8- or 16-bit indices, when few distinct values are seen in the
@@ -40,6 +41,9 @@ _INT32 = np.iinfo(np.int32)
 #: Rows looked at before dictionary-encoding a whole column, and how many distinct ones among
 #: them make it worth hashing all of it.
 _SAMPLE, _FEW = 1024, 256
+#: Rows from which a table's columns are encoded: below, finding an encoding costs more time than
+#: the bytes it saves are worth (a partition's few pending keys, rewritten at every append).
+_ENCODED_FROM = 256
 #: Fibonacci hashing's multiplier (2**64 over the golden ratio, odd): spreads any bits to the top.
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
@@ -55,7 +59,7 @@ def table_bytes(table: pa.Table) -> bytes:
             field, stored = _given_dictionary(field, column)
             table = table.set_column(at, field, stored)
             column = table.column(at)
-        if table.num_rows > 1 and column.null_count == 0 and _as_bits(field.type):
+        if table.num_rows >= _ENCODED_FROM and column.null_count == 0 and _as_bits(field.type):
             table = table.set_column(at, *_encoded(field, column))
     sink = pa.BufferOutputStream()
     # one thread: handing a table's few buffers to Arrow's pool costs more than it saves, and

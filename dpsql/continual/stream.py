@@ -387,11 +387,11 @@ class Stream:
     def _empty_output(self, like: pa.Table | None = None) -> pa.Table:
         """No released rows, typed like the columns of ``like`` (an append's input) where known."""
         def typed(column):
-            return pa.array([], like.schema.field(column).type if like is not None else pa.null())
+            return like.schema.field(column).type if like is not None else pa.null()
 
-        key = (bucket_starts(np.empty(0, np.int64), self.spec) if self.spec.counts
+        key = (bucket_starts(np.empty(0, np.int64), self.spec).type if self.spec.counts
                else typed(self.spec.order_by))
-        return pa.table({**{c: typed(c) for c in self.spec.partition_by}, self.spec.order_by: key,
-                         self._value_column(): pa.array([], pa.float64()), ROW_COLUMN: pa.array([], pa.int64())})
+        return pa.schema([*((c, typed(c)) for c in self.spec.partition_by), (self.spec.order_by, key),
+                          (self._value_column(), pa.float64()), (ROW_COLUMN, pa.int64())]).empty_table()
 
 
