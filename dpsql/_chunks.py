@@ -109,7 +109,7 @@ def _encoded(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Arr
     return pa.field(field.name, stored.type, nullable=field.nullable, metadata=metadata), stored
 
 
-def distinct(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+def distinct(bits: np.ndarray, seen: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """``(indices, dictionary)`` with ``dictionary[indices] == bits`` (``int64``) when ``bits``
     holds few distinct values: few among its first rows, at most 65,536 in all; else None.
 
@@ -117,6 +117,9 @@ def distinct(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     value (a gather, not Arrow's general hash table: half the time); a row whose slot holds
     another value (one not seen first, or a collision) is encoded afterwards, and when those
     rows are many, Arrow's encoder does all of it. The dictionary may hold a value twice.
+    ``seen``: the values to look up first instead (at most a few hundred: an earlier call's
+    dictionary, for the next batch of the same column); the dictionary then starts with them,
+    unless Arrow's encoder did all of it.
 
     Examples
     --------
@@ -125,9 +128,10 @@ def distinct(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     >>> distinct(np.arange(8, dtype=np.int64)) is None
     True
     """
-    seen = np.unique(bits[:_SAMPLE])
-    if len(seen) > min(_FEW, len(bits) // 4):
-        return None
+    if seen is None:
+        seen = np.unique(bits[:_SAMPLE])
+        if len(seen) > min(_FEW, len(bits) // 4):
+            return None
     size = max(8, (32 * len(seen)).bit_length())
     shift = np.uint64(64 - size)
     # intp: numpy gathers with any other index type convert the indices first (four times slower)

@@ -115,7 +115,8 @@ class RangeAppend:
             opened.watermark = stored_keys(part.watermark)
         watermark = opened.watermark
         keys = same_type(keys, watermark, stream)
-        tags = _Tags.of(draws, values)
+        tags = _Tags.of(draws, values, opened.known)
+        opened.known = tags.known()
         # keys are in order: none is old when the first is above the watermark (the usual append)
         old = 0 if watermark is None or pc.greater(keys[0], watermark[0]).as_py() else int(
             pc.sum(pc.less_equal(keys, watermark[0])).as_py() or 0)
@@ -330,14 +331,16 @@ _KEEP_OPEN = 16
 @dataclass
 class _Open:
     """A partition as this append leaves it: its row, its unpacked state, the machine whose
-    snapshot that state holds (None: restore it from the state), and its watermark and pending
-    keys as arrays (None: decode them from the row and the state)."""
+    snapshot that state holds (None: restore it from the state), its watermark and pending keys
+    as arrays (None: decode them from the row and the state), and the tags of its last batch's
+    values (:meth:`_Tags.known`; a function of the stream's key and the values alone)."""
 
     part: PartitionRow
     state: PartitionState
     machine: Any = None
     watermark: pa.Array | None = None
     pending: pa.Array | None = None
+    known: tuple[np.ndarray, np.ndarray] | None = None  # the last batch's distinct values and tags
 
     def holds(self, part: PartitionRow) -> bool:
         """Is ``part`` (as read from the ledger) the partition as this one left it?"""
@@ -350,20 +353,31 @@ class _Open:
 @dataclass
 class _Tags:
     """The keyed tag (:meth:`Draws.tags`) of each value of a batch. When the values repeat
-    (counts, readings in steps), one tag per distinct value and each row's index into them
-    (``indices``): the ledger stores the released rows' tags so, a byte or two a row, instead of
-    hashing every row's tag again; else one tag per row (``indices`` None)."""
+    (counts, readings in steps), one tag per distinct value (``values``, as bits) and each row's
+    index into them (``indices``): the ledger stores the released rows' tags so, a byte or two a
+    row, instead of hashing every row's tag again; else one tag per row (``indices`` None)."""
 
     tags: np.ndarray  # uint64
     indices: np.ndarray | None = None  # intp, one per row
+    values: np.ndarray | None = None  # int64 bits, one per tag
 
     @classmethod
-    def of(cls, draws: Draws, values: np.ndarray) -> _Tags:
-        found = distinct(np.ascontiguousarray(values, dtype=np.float64).view(np.int64))
+    def of(cls, draws: Draws, values: np.ndarray, known: tuple[np.ndarray, np.ndarray] | None = None) -> _Tags:
+        """``known``: ``(values, tags)`` of the partition's previous batch (:meth:`known`), looked
+        up first and not hashed again: a stream's values keep their distribution from batch to batch."""
+        bits = np.ascontiguousarray(values, dtype=np.float64).view(np.int64)
+        found = distinct(bits, None if known is None else known[0])
         if found is None:
             return cls(draws.tags(values))
         indices, dictionary = found
-        return cls(draws.tags(dictionary.view(np.float64)), indices)
+        reused = 0 if known is None or not _starts_with(dictionary, known[0]) else len(known[0])
+        tags = draws.tags(dictionary[reused:].view(np.float64))
+        return cls(np.concatenate([known[1], tags]) if reused else tags, indices, dictionary)
+
+    def known(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(values, tags)`` to look up first in the partition's next batch: this batch's
+        distinct values, when they are few."""
+        return None if self.values is None or len(self.values) > _KNOWN else (self.values, self.tags)
 
     def rows(self, start: int, stop: int | None = None) -> np.ndarray:
         """The tags of rows ``start:stop``, one per row (``uint64``)."""
@@ -379,14 +393,37 @@ class _Tags:
             self.rows(start + new)
         if self.indices is None:
             return pa.array(np.concatenate([pending[:held], self.tags[start:start + new]]), pa.uint64()), after
-        earlier, inverse = np.unique(pending[:held], return_inverse=True)
+        earlier, at = _indices_in(pending[:held], self.tags)
         dictionary = np.concatenate([earlier, self.tags])  # may hold a tag twice: no matter
         if len(dictionary) > 1 << 16:
             return pa.array(np.concatenate([pending[:held], self.rows(start, start + new)]), pa.uint64()), after
         indices = np.empty(count, dtype=np.uint8 if len(dictionary) <= 1 << 8 else np.uint16)
-        indices[:held] = inverse
+        indices[:held] = at
         np.add(self.indices[start:start + new], len(earlier), out=indices[held:], casting="unsafe")
         return pa.DictionaryArray.from_arrays(indices, pa.array(dictionary, pa.uint64()), safe=False), after
+
+
+#: Distinct values of a batch kept for the partition's next one (more: it looks its own up).
+_KNOWN = 256
+
+
+def _starts_with(array: np.ndarray, prefix: np.ndarray) -> bool:
+    return len(array) >= len(prefix) and np.array_equal(array[:len(prefix)], prefix)
+
+
+def _indices_in(tags: np.ndarray, dictionary: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(extra, indices)``: ``tags`` as indices into ``extra`` followed by ``dictionary``,
+    ``extra`` the distinct tags that ``dictionary`` lacks (pending rows' tags, mostly among the
+    batch's: the dictionary stays small enough for 8-bit indices)."""
+    order = np.argsort(dictionary)
+    ranked = dictionary[order]
+    at = np.minimum(np.searchsorted(ranked, tags), len(ranked) - 1)
+    hit = ranked[at] == tags
+    extra, inverse = np.unique(tags[~hit], return_inverse=True)
+    indices = np.empty(len(tags), dtype=np.intp)
+    indices[hit] = len(extra) + order[at[hit]]
+    indices[~hit] = inverse
+    return extra, indices
 
 
 @dataclass

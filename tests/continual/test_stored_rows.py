@@ -170,3 +170,61 @@ def test_distinct_values_encode_every_row(case):
     assert indices.dtype == np.intp and dictionary.dtype == np.int64 and len(dictionary) <= 1 << 16
     assert np.array_equal(dictionary[indices], bits)
     assert set(dictionary.tolist()) == set(np.unique(bits).tolist())
+
+
+@pytest.mark.parametrize("case", ["tail", "negative", "extremes", "later_values", "steps", "wide"])
+@pytest.mark.parametrize("given", ["overlapping", "disjoint", "duplicated"])
+def test_distinct_values_looked_up_in_a_given_dictionary_encode_every_row(case, given):
+    """An earlier batch's dictionary looked up first: every row still comes back, and the
+    dictionary starts with the given one unless Arrow's encoder did all of it."""
+    rng = np.random.default_rng(7)
+    n = 50_000
+    bits = {
+        "tail": rng.poisson(300.0, n).astype(np.float64).view(np.int64),
+        "negative": (-rng.poisson(3.0, n).astype(np.float64)).view(np.int64),
+        "extremes": rng.choice(np.array([INT64.min, INT64.max, 0, -1], dtype=np.int64), n),
+        "later_values": np.r_[np.zeros(n // 2, np.int64), rng.integers(0, 5_000, n // 2)],
+        "steps": np.repeat(rng.integers(-2**62, 2**62, n // 100), 100),
+        "wide": rng.permutation(70_000).astype(np.int64),
+    }[case]
+    seen = {"overlapping": np.unique(rng.poisson(300.0, 1_000).astype(np.float64).view(np.int64)),
+            "disjoint": np.arange(10**9, 10**9 + 200, dtype=np.int64),
+            "duplicated": np.array([0, 0, -1, INT64.max, INT64.max], dtype=np.int64)}[given]
+    found = distinct(bits, seen)
+    if case == "wide":
+        assert found is None
+        return
+    indices, dictionary = found
+    assert np.array_equal(dictionary[indices], bits) and len(dictionary) <= 1 << 16
+    if np.count_nonzero(~np.isin(bits, seen)) * 16 < n:  # few rows miss the given values: looked up there
+        assert np.array_equal(dictionary[:len(seen)], seen)
+
+
+@pytest.mark.parametrize("later", ["same", "shifted", "continuous"])
+def test_tags_reused_from_the_previous_batch_equal_fresh_ones(later):
+    """A partition's next batch looks its values up in the previous batch's distinct values and
+    reuses their tags: every row's tag equals the one computed afresh, whatever the new batch
+    holds; the released rows' tags, pending ones first, come back in order, with 8-bit indices
+    while pending and new tags together have at most 256 distinct values."""
+    from dpsql.continual.appends import _Tags
+    from dpsql.noise import Keystream
+
+    draws = Keystream.fresh().partition(b"p")
+    rng = np.random.default_rng(8)
+    first = rng.poisson(300.0, 20_000).astype(np.float64)
+    second = {"same": rng.poisson(300.0, 20_000), "shifted": rng.poisson(900.0, 20_000),
+              "continuous": rng.uniform(0, 1, 20_000)}[later].astype(np.float64)
+    earlier = _Tags.of(draws, first)
+    assert earlier.known() is not None and np.array_equal(earlier.rows(0), draws.tags(first))
+    tags = _Tags.of(draws, second, earlier.known())
+    assert np.array_equal(tags.rows(0), draws.tags(second))
+    pending = np.r_[earlier.rows(19_900), draws.tags(np.array([12345.5, 67.25]))]  # mostly among the values
+    column, after = tags.released(pending, 10, 5_000)
+    expected = np.r_[pending, tags.rows(10, 10 + 5_000 - len(pending))]
+    assert np.array_equal(column.cast(pa.uint64()).to_numpy(), expected)
+    assert np.array_equal(after, tags.rows(10 + 5_000 - len(pending)))
+    if later == "same":
+        assert column.type.index_type == pa.uint8()
+    short, after = tags.released(pending, 10, 50)  # fewer released than pending
+    assert np.array_equal(short.cast(pa.uint64()).to_numpy(), pending[:50])
+    assert np.array_equal(after, np.r_[pending[50:], tags.rows(10)])
