@@ -15,12 +15,11 @@ Python agree (docs/vocabulary.md lists the words).
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 from dpsql.budget import Budget
-from dpsql.errors import InvalidParameter, InvalidTimeKey, RenamedParameter
+from dpsql.errors import InvalidParameter, RenamedParameter
 from dpsql.methods import METHODS, check_method, parameter_names
-from dpsql.ordering import duplicate_time_message, where_in_partition
 
 #: The method of a one-shot range-sum release when none is named (``dp_range_sum``, ``.dpsql.range_sum``).
 RANGE_SUM_METHOD = "tops"
@@ -116,35 +115,3 @@ def refuse_renamed(where: str, given: Iterable[str]) -> None:
 def check_range_sum_method(method: str) -> None:
     """A method that releases one value per row (what a range-sum front end returns)."""
     check_method(method, per_row=True)
-
-
-# -- keys -------------------------------------------------------------------------------------
-
-def refuse_null_keys(nulls: Mapping[str, int], *, order_label: str | None,
-                     partition_labels: Sequence[str] = ()) -> None:
-    """Refuse NULL keys: ``nulls`` maps each key column's label (the user's name) to its
-    number of NULL values. Every row needs its partition key and its time key."""
-    for label in partition_labels:
-        if nulls.get(label):
-            raise InvalidTimeKey(f"partition column {label!r} contains {nulls[label]} NULL value(s); every row needs "
-                                 "a partition key")
-    if order_label is not None and nulls.get(order_label):
-        raise InvalidTimeKey(f"order column {order_label!r} contains {nulls[order_label]} NULL value(s)"
-                             f"{where_in_partition(partition_labels)}; every row needs a time key")
-
-
-def refuse_null_event_times(label: str, nulls: int) -> None:
-    """Refuse events without a time (count streams: every event falls in one bucket)."""
-    if nulls:
-        raise InvalidTimeKey(f"time column {label!r} contains {nulls} null value(s); every event needs a time")
-
-
-def refuse_nan_key(label: str, *, partition: bool = False) -> None:
-    """NaN neither orders nor equals itself, so it cannot be a key."""
-    kind = "partition column" if partition else "order column"
-    raise InvalidTimeKey(f"{kind} {label!r} contains NaN; keys must be comparable values")
-
-
-def refuse_duplicate_time(order_label: str, shown_value: str, partition_labels: Sequence[str] = ()) -> None:
-    """A time key repeated within a partition (``shown_value`` as the front end prints it)."""
-    raise InvalidTimeKey(duplicate_time_message(order_label, shown_value, partition_labels))

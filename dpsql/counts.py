@@ -40,6 +40,7 @@ from dpsql import _validate, methods
 from dpsql.accounting import largest_share
 from dpsql.budget import Budget
 from dpsql.errors import InvalidData, InvalidParameter, RenamedParameter
+from dpsql.ordering import refuse_null_keys
 from dpsql.publishing import publish
 from dpsql.release import PartitionedRelease, Release
 from dpsql.streams.windows import WINDOW_SMOOTHERS, window_sums
@@ -140,7 +141,7 @@ def bucket_events(times, *, domain: TimeDomain, keys: Mapping[str, object] | Non
     times = ticks(times, order_by, domain.datetime)
     bucket = domain.buckets(times)
     keys = dict(keys or {})
-    columns = {name: _key_column(values, name, len(times)) for name, values in keys.items()}
+    columns = {name: _key_column(values, name, len(times), partition=True) for name, values in keys.items()}
     keep = bucket >= 0
     if units is not None:
         if cap is None:
@@ -164,12 +165,16 @@ def bucket_events(times, *, domain: TimeDomain, keys: Mapping[str, object] | Non
     return Buckets(counts.reshape(len(combos), n_buckets), key_values, domain)
 
 
-def _key_column(values, name: str, n: int) -> np.ndarray:
+def _key_column(values, name: str, n: int, *, partition: bool = False) -> np.ndarray:
+    """``values``, one per event, without nulls: a partition key in the words every front end
+    uses, a privacy unit in its own."""
     arr = np.asarray(values, dtype=object if not isinstance(values, np.ndarray) else None)
     if arr.shape != (n,):
         raise InvalidData(f"column {name!r} must have one value per event ({n}), got shape {arr.shape}")
     nulls = sum(v is None for v in arr) if arr.dtype == object else int(np.isnat(arr).sum()) if arr.dtype.kind in "mM" \
         else int(np.isnan(arr).sum()) if arr.dtype.kind == "f" else 0
+    if nulls and partition:
+        refuse_null_keys({name: nulls}, order_label=None, partition_labels=[name])
     if nulls:
         raise InvalidData(f"column {name!r} contains {nulls} null value(s); a key must be known for every event")
     return arr

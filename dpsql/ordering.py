@@ -26,12 +26,13 @@ element-wise steps run in pieces that stay in cache: on a virtual machine, fresh
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from dpsql._memory import count_into, pooled_array
+from dpsql.errors import InvalidTimeKey
 
 #: Keys fill at least 1/PLACE_SPARSITY of their range to be placed instead of sorted.
 PLACE_SPARSITY = 2
@@ -263,3 +264,33 @@ def duplicate_time_message(order_label: str, shown_value: str, partition_labels:
     where = where_in_partition(partition_labels)
     return (f"order column {order_label!r} has duplicate value {shown_value}{where}; time keys must be unique"
             + (" within a partition" if where else ""))
+
+
+def refuse_null_keys(nulls: Mapping[str, int], *, order_label: str | None,
+                     partition_labels: Sequence[str] = ()) -> None:
+    """Refuse NULL keys: ``nulls`` maps each key column's label (the user's name) to its
+    number of NULL values. Every row needs its partition key and its time key."""
+    for label in partition_labels:
+        if nulls.get(label):
+            raise InvalidTimeKey(f"partition column {label!r} contains {nulls[label]} NULL value(s); every row needs "
+                                 "a partition key")
+    if order_label is not None and nulls.get(order_label):
+        raise InvalidTimeKey(f"order column {order_label!r} contains {nulls[order_label]} NULL value(s)"
+                             f"{where_in_partition(partition_labels)}; every row needs a time key")
+
+
+def refuse_null_event_times(label: str, nulls: int) -> None:
+    """Refuse events without a time (count streams: every event falls in one bucket)."""
+    if nulls:
+        raise InvalidTimeKey(f"time column {label!r} contains {nulls} null value(s); every event needs a time")
+
+
+def refuse_nan_key(label: str, *, partition: bool = False) -> None:
+    """NaN neither orders nor equals itself, so it cannot be a key."""
+    kind = "partition column" if partition else "order column"
+    raise InvalidTimeKey(f"{kind} {label!r} contains NaN; keys must be comparable values")
+
+
+def refuse_duplicate_time(order_label: str, shown_value: str, partition_labels: Sequence[str] = ()) -> None:
+    """A time key repeated within a partition (``shown_value`` as the front end prints it)."""
+    raise InvalidTimeKey(duplicate_time_message(order_label, shown_value, partition_labels))

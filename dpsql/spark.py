@@ -30,17 +30,12 @@ import numpy as np
 import pyarrow as pa
 
 from dpsql import _validate
-from dpsql._frontend import (
-    COUNT_METHOD,
-    RANGE_SUM_METHOD,
-    refuse_null_event_times,
-    refuse_null_keys,
-    refuse_renamed,
-)
+from dpsql._frontend import COUNT_METHOD, RANGE_SUM_METHOD, refuse_renamed
 from dpsql.budget import Budget
 from dpsql.counts import check_count_method
 from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
 from dpsql.methods import COUNT_METHODS, check_method
+from dpsql.ordering import refuse_null_event_times, refuse_null_keys
 from dpsql.publishing import DistributedRelease, PartitionTask
 from dpsql.timegrid import time_domain
 

@@ -90,7 +90,7 @@ class RangeAppend:
         values as float64 (the value column itself when it is float64: shared, not copied)."""
         spec, label = self.spec, f"stream {self.stream.name!r}"
         frame = decoded(pl.from_arrow(table), spec.partition_by)
-        refuse_null_keys(frame, [spec.order_by, *spec.partition_by], label)
+        refuse_null_keys(frame, spec, label)
         column = numeric(frame.get_column(spec.value), spec.value, label)
         values = _validate.values(column, spec.value)
         value = spec.value
@@ -243,7 +243,7 @@ class CountAppend:
         """The batch's events with their buckets (events before the grid's start dropped), by partition."""
         spec, label = self.spec, f"stream {self.stream.name!r}"
         frame = decoded(pl.from_arrow(table), spec.partition_by)
-        refuse_null_keys(frame, [spec.order_by, *spec.partition_by], label)
+        refuse_null_keys(frame, spec, label)
         buckets = spec.grid.buckets(ticks(table[spec.order_by], f"{label}: {spec.order_by}", spec.datetime))
         frame = frame.with_columns(pl.Series("__bucket", buckets)).filter(pl.col("__bucket") >= 0)
         return frame.sort([*spec.partition_by, "__bucket"], maintain_order=True)

@@ -11,10 +11,11 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from dpsql import _state
+from dpsql import _state, ordering
 from dpsql._chunks import table_of
 from dpsql.errors import InvalidData, InvalidTimeKey
 from dpsql.methods import COUNT_METHODS
+from dpsql.ordering import refuse_nan_key, refuse_null_event_times
 from dpsql.timegrid import TimeGrid
 
 if TYPE_CHECKING:
@@ -110,20 +111,25 @@ def decoded(frame: pl.DataFrame, columns) -> pl.DataFrame:
     return frame.with_columns(cast) if cast else frame
 
 
-def refuse_null_keys(frame: pl.DataFrame, columns, label: str) -> None:
-    """Refuse null or NaN keys in ``columns`` (the order column first) and infinite order keys."""
-    for column in columns:
-        nulls = frame.get_column(column).null_count()
-        if nulls:
-            raise InvalidTimeKey(f"{label}: key column {column!r} contains {nulls} null value(s); every row needs "
-                                 "its keys")
-        series = frame.get_column(column)
-        if series.dtype.is_float() and series.is_nan().any():
-            raise InvalidTimeKey(f"{label}: key column {column!r} contains NaN")
-        if column == columns[0] and series.dtype.is_float() and series.is_infinite().any():
-            # an infinite order key would become the watermark: every later row would be late
-            raise InvalidTimeKey(f"{label}: order column {column!r} contains an infinite key; order keys must be "
-                                 "finite")
+def refuse_null_keys(frame: pl.DataFrame, spec: StreamSpec, label: str) -> None:
+    """Refuse rows without their keys (null or NaN) in the words every front end uses, after the
+    stream's ``label``, and infinite order keys."""
+    order, partitions = spec.order_by, spec.partition_by
+    nulls = {column: frame.get_column(column).null_count() for column in (order, *partitions)}
+    try:
+        if spec.counts:
+            refuse_null_event_times(order, nulls[order])
+        ordering.refuse_null_keys(nulls, order_label=None if spec.counts else order, partition_labels=partitions)
+        for column in (order, *partitions):
+            series = frame.get_column(column)
+            if series.dtype.is_float() and series.is_nan().any():
+                refuse_nan_key(column, partition=column != order)
+    except InvalidTimeKey as error:
+        raise InvalidTimeKey(f"{label}: {error}") from None
+    series = frame.get_column(order)
+    if series.dtype.is_float() and series.is_infinite().any():
+        # an infinite order key would become the watermark: every later row would be late
+        raise InvalidTimeKey(f"{label}: order column {order!r} contains an infinite key; order keys must be finite")
 
 
 def numeric(series: pl.Series, column: str, label: str) -> pl.Series:

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from dpsql._frontend import COUNT_METHOD, refuse_null_event_times
+from dpsql._frontend import COUNT_METHOD
 from dpsql.counts import ALARM, COUNT, LEVEL, PART, ROW, STD_ERROR, WINDOW_STD_ERROR, WINDOW_SUM, release_event_counts
 from dpsql.duckdb.context import Context
 from dpsql.duckdb.macros import params_struct, row_handles
@@ -73,6 +73,7 @@ from dpsql.duckdb.sources import (
 )
 from dpsql.duckdb.sqltext import quote_ident
 from dpsql.errors import InvalidData, InvalidParameter
+from dpsql.ordering import refuse_null_event_times
 
 MACRO = "dp_count_stream"
 #: Named macro parameters besides ``every`` (whose default is an interval).

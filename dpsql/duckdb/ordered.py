@@ -19,11 +19,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dpsql import _validate
-from dpsql._frontend import refuse_duplicate_time, refuse_nan_key, refuse_null_keys
 from dpsql.duckdb.sources import Source
 from dpsql.duckdb.sqltext import quote_ident
 from dpsql.errors import InvalidTimeKey
-from dpsql.ordering import order_integer_keys
+from dpsql.ordering import order_integer_keys, refuse_duplicate_time, refuse_nan_key, refuse_null_keys
 from dpsql.publishing import publish
 from dpsql.release import PartitionedRelease, Release
 

@@ -41,9 +41,8 @@ import numpy as np
 import polars as pl
 
 from dpsql import _validate
-from dpsql._frontend import refuse_duplicate_time, refuse_nan_key, refuse_null_keys
 from dpsql.errors import DPError, InvalidData, InvalidParameter
-from dpsql.ordering import order_integer_keys
+from dpsql.ordering import order_integer_keys, refuse_duplicate_time, refuse_nan_key, refuse_null_keys
 
 _NAME_PREFIX = "__dpsql_release_"
 _VALUE, _ORDER = "__dpsql_value", "__dpsql_order"

@@ -16,10 +16,11 @@ import datetime as dt
 import numpy as np
 import polars as pl
 
-from dpsql._frontend import COUNT_METHOD, check_budget, refuse_null_event_times, refuse_renamed
+from dpsql._frontend import COUNT_METHOD, check_budget, refuse_renamed
 from dpsql.budget import Budget
 from dpsql.counts import release_event_counts
 from dpsql.errors import InvalidData, InvalidParameter
+from dpsql.ordering import refuse_null_event_times
 
 
 def count_stream(frame: pl.DataFrame | pl.LazyFrame, order_by: str | None = None, *, every: str | dt.timedelta,

@@ -212,7 +212,7 @@ def test_repeated_rows_return_their_recorded_values_and_refused_appends_change_n
         (pl.DataFrame({"ts": [500], "v": [None]}, schema={"ts": pl.Int64, "v": pl.Float64}), dpsql.InvalidData,
          "null"),
         (pl.DataFrame({"ts": [None], "v": [1.0]}, schema={"ts": pl.Int64, "v": pl.Float64}), dpsql.InvalidTimeKey,
-         "null"),
+         "stream 's': order column 'ts' contains 1 NULL value"),
         (pl.DataFrame({"time": [500], "v": [1.0]}), dpsql.InvalidParameter, "'ts' not found"),
         (pl.DataFrame({"ts": ["x"], "v": [1.0]}), dpsql.InvalidTimeKey, "cannot join keys"),
     ]
@@ -440,7 +440,7 @@ def test_refused_count_appends_change_nothing(tmp_path):
         (pl.DataFrame({"t": [3.2, float("inf")], "ap": [1, 1]}), {}, dpsql.InvalidTimeKey, "infinite"),
         (pl.DataFrame({"t": [3.2, None], "ap": [1, 1]}), {}, dpsql.InvalidTimeKey, "null"),
         (pl.DataFrame({"t": [3.2], "ap": [None]}, schema={"t": pl.Float64, "ap": pl.Int64}), {},
-         dpsql.InvalidTimeKey, "'ap' contains 1 null"),
+         dpsql.InvalidTimeKey, "partition column 'ap' contains 1 NULL value"),
         (pl.DataFrame({"time": [3.2], "ap": [1]}), {}, dpsql.InvalidParameter, "'t' not found"),
     ]
     for data, options, error, message in refusals:

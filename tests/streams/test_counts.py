@@ -83,7 +83,8 @@ def test_contribution_cap_keeps_earliest_events_per_unit_and_bucket_across_parti
     ({"units": ["a", "b"]}, dpsql.InvalidParameter, "cap"),
     ({"cap": 2}, dpsql.InvalidParameter, "privacy unit"),
     ({"units": ["a", "b"], "cap": 0}, dpsql.InvalidParameter, "cap must be >= 1"),
-    ({"keys": {"room": ["a", None]}}, dpsql.InvalidData, "'room' contains 1 null"),
+    ({"keys": {"room": ["a", None]}}, dpsql.InvalidTimeKey, "partition column 'room' contains 1 NULL value"),
+    ({"units": ["a", None], "cap": 1}, dpsql.InvalidData, "'privacy unit' contains 1 null"),
     ({"keys": {"room": ["a"]}}, dpsql.InvalidData, "one value per event"),
 ])
 def test_bucketing_errors(kwargs, error, match):
