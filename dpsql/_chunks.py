@@ -118,8 +118,8 @@ def distinct(bits: np.ndarray, seen: np.ndarray | None = None) -> tuple[np.ndarr
     another value (one not seen first, or a collision) is encoded afterwards, and when those
     rows are many, Arrow's encoder does all of it. The dictionary may hold a value twice.
     ``seen``: the values to look up first instead (at most a few hundred: an earlier call's
-    dictionary, for the next batch of the same column); the dictionary then starts with them,
-    unless Arrow's encoder did all of it.
+    dictionary, for the next batch of the same column); the dictionary then starts with them.
+    When many rows miss them, the column is judged by its own first rows, as without ``seen``.
 
     Examples
     --------
@@ -128,7 +128,8 @@ def distinct(bits: np.ndarray, seen: np.ndarray | None = None) -> tuple[np.ndarr
     >>> distinct(np.arange(8, dtype=np.int64)) is None
     True
     """
-    if seen is None:
+    given = seen is not None and len(seen) > 0
+    if not given:
         seen = np.unique(bits[:_SAMPLE])
         if len(seen) > min(_FEW, len(bits) // 4):
             return None
@@ -146,6 +147,8 @@ def distinct(bits: np.ndarray, seen: np.ndarray | None = None) -> tuple[np.ndarr
     indices = table.take(slots.view(np.intp), mode="clip", out=slots.view(np.intp))
     recovered = seen.take(indices, mode="clip", out=pooled_array(len(bits), np.int64))
     missed = np.flatnonzero(np.not_equal(recovered, bits, out=pooled_array(len(bits), np.bool_)))
+    if len(missed) > len(bits) // 8 and given:
+        return distinct(bits)  # other values than the given ones: judged by its own first rows
     if len(missed) > len(bits) // 8:
         encoded = pc.dictionary_encode(pa.array(bits, pa.int64()))
         indices, dictionary = encoded.indices.to_numpy().astype(np.intp), encoded.dictionary.to_numpy()

@@ -200,6 +200,18 @@ def test_distinct_values_looked_up_in_a_given_dictionary_encode_every_row(case, 
         assert np.array_equal(dictionary[:len(seen)], seen)
 
 
+def test_a_given_dictionary_that_does_not_fit_costs_no_more_than_none():
+    """Continuous values after a batch of counts: judged by their own first rows (not encoded
+    whole by Arrow only to be found too many); an empty given dictionary is no dictionary."""
+    rng = np.random.default_rng(9)
+    counts = np.unique(rng.poisson(3.0, 1_000).astype(np.float64).view(np.int64))
+    continuous = rng.uniform(0, 1, 200_000).view(np.int64)
+    assert distinct(continuous, counts) is None
+    few = rng.poisson(3.0, 1_000).astype(np.float64).view(np.int64)
+    indices, dictionary = distinct(few, np.empty(0, np.int64))
+    assert np.array_equal(dictionary[indices], few)
+
+
 @pytest.mark.parametrize("later", ["same", "shifted", "continuous"])
 def test_tags_reused_from_the_previous_batch_equal_fresh_ones(later):
     """A partition's next batch looks its values up in the previous batch's distinct values and
