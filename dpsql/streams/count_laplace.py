@@ -29,6 +29,45 @@ from dpsql.streams.smoothing import AdaptiveNoise, AdaptiveSmoother
 SMOOTHED_COLUMNS = ("noisy", "level", "weight", "spread")
 
 
+class PublicRows:
+    """The public columns of the rows a count machine has output (its ``public_columns``, and
+    any other it keeps for its error model), piece by piece, joined once when read; and how many
+    of the last rows :meth:`take` has not handed out yet (a continual stream stores them with
+    the released rows). A batched machine's columns have a partition axis first."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names
+        self._pieces: list[dict[str, np.ndarray]] = []
+        self._untaken = 0
+
+    def add(self, columns: dict[str, np.ndarray]) -> None:
+        """The columns of the rows just output."""
+        self._pieces.append(columns)
+        self._untaken += next(iter(columns.values())).shape[-1]
+
+    def columns(self, partition: int | None = None) -> dict[str, np.ndarray]:
+        """Every row's columns (of one ``partition`` of a batched machine)."""
+        if len(self._pieces) > 1:  # joined once, not at every call
+            self._pieces = [{name: np.concatenate([piece[name] for piece in self._pieces], axis=-1)
+                             for name in self._pieces[0]}]
+        if not self._pieces:
+            return {name: np.empty(0) for name in self.names}
+        return dict(self._pieces[0]) if partition is None else {
+            name: values[partition] for name, values in self._pieces[0].items()}
+
+    def take(self, partition: int | None = None) -> dict[str, np.ndarray]:
+        """The public columns of the rows output since the last call."""
+        columns = self.columns(partition)
+        taken = {name: columns[name][len(columns[name]) - self._untaken:] for name in self.names if name in columns}
+        self._untaken = 0
+        return taken
+
+    def restore(self, columns: dict[str, np.ndarray]) -> None:
+        """The rows output before (a restored stream's), none left to take."""
+        self._pieces = [columns]
+        self._untaken = 0
+
+
 def count_neighbour(sensitivity: float) -> str:
     """The neighbour relation of a count release in which one count moves by ``sensitivity``."""
     if sensitivity == 1.0:
@@ -108,33 +147,20 @@ class CountSmoothedStream(CountLaplaceStream):
     def _start(self, sensitivity, epsilon, noise) -> None:
         super()._start(sensitivity, epsilon, noise)
         self._smoother = AdaptiveSmoother(self._lattice.variance, partitions=len(self._draws))
-        self._rows_out: list[dict[str, np.ndarray]] = []  # per piece released: noisy counts and choices
-        self._untaken = 0  # rows released not yet given to take_public
+        self._public = PublicRows(SMOOTHED_COLUMNS)  # per row released: noisy count and the smoother's choices
 
     def _after_release(self, released: np.ndarray) -> np.ndarray:
         out = self._smoother.feed(released)
-        self._rows_out.append({"noisy": released, "level": out.level, "weight": out.weight, "spread": out.spread})
-        self._untaken += released.shape[-1]
+        self._public.add({"noisy": released, "level": out.level, "weight": out.weight, "spread": out.spread})
         return out.values
-
-    def _columns(self, partition: int) -> dict[str, np.ndarray]:
-        if len(self._rows_out) > 1:  # concatenated once, not at every call
-            self._rows_out = [{name: np.concatenate([piece[name] for piece in self._rows_out], axis=-1)
-                               for name in SMOOTHED_COLUMNS}]
-        if not self._rows_out:
-            return {name: np.empty(0) for name in SMOOTHED_COLUMNS}
-        return {name: values[partition] for name, values in self._rows_out[0].items()}
 
     def take_public(self) -> dict[str, np.ndarray]:
         """Each row output since the last call: its noisy count and the smoother's choices."""
-        columns = {name: values[len(values) - self._untaken:] for name, values in self._columns(0).items()}
-        self._untaken = 0
-        return columns
+        return self._public.take(0)
 
     def restore_public(self, public: dict[str, np.ndarray]) -> None:
         """The rows output before (a restored stream's error model and window sums)."""
-        self._rows_out = [{name: np.asarray(public[name])[None] for name in SMOOTHED_COLUMNS}]
-        self._untaken = 0
+        self._public.restore({name: np.asarray(public[name])[None] for name in SMOOTHED_COLUMNS})
 
     def snapshot(self) -> dict:
         return {**super().snapshot(), "smoother": self._smoother.snapshot()}
@@ -145,7 +171,7 @@ class CountSmoothedStream(CountLaplaceStream):
 
     def describe_partition(self, partition: int) -> dict:
         description = super().describe_partition(partition)
-        columns = self._columns(partition)
+        columns = self._public.columns(partition)
         description["error"] = AdaptiveNoise(float(self._lattice.variance[partition]), columns["level"],
                                              columns["weight"], columns["spread"], np.zeros(1, dtype=np.int64),
                                              columns["noisy"])

@@ -86,7 +86,7 @@ from dpsql.mechanisms import LaplaceLattice
 from dpsql.mechanisms.svt import AboveThreshold
 from dpsql.noise import Draws
 from dpsql.release import StreamMachine
-from dpsql.streams.count_laplace import SMOOTHED_COLUMNS, count_neighbour, perturb_units
+from dpsql.streams.count_laplace import SMOOTHED_COLUMNS, PublicRows, count_neighbour, perturb_units
 from dpsql.streams.group_smoothing import GroupPrefixNoise, smooth
 from dpsql.streams.smoothing import LEVELS, AdaptiveNoise, AdaptiveSmoother
 
@@ -171,8 +171,6 @@ class PegasusStream(StreamMachine):
         self._offset = 0  # global index of the first row of the open group
         self._open = _OpenGroup.empty()
         self._group_starts: list[np.ndarray] = []
-        self._public: list[dict[str, np.ndarray]] = []  # per row output: group and the smoother's columns
-        self._untaken = 0
 
     def _configure(self, *, legacy: bool) -> None:
         """Parameters from those given, the others defaulted (module docstring): the derived
@@ -208,6 +206,7 @@ class PegasusStream(StreamMachine):
             self.public_columns = ("group",)
         else:
             self.public_columns = ("group", "noisy")
+        self._public = PublicRows(self.public_columns)  # per row output: group, noisy count, smoother's columns
 
     def feed(self, chunk: np.ndarray) -> np.ndarray:
         size = len(chunk)
@@ -235,8 +234,7 @@ class PegasusStream(StreamMachine):
             public.update(level=out.level[0], weight=out.weight[0], spread=out.spread[0])
         new_starts = starts[1:] if old else starts
         self._group_starts.append(new_starts + self._offset)
-        self._public.append(public)
-        self._untaken += size
+        self._public.add(public)
         self._offset += open_from
         self._open = _OpenGroup(true[open_from:], units[open_from:], thresholds[open_from:],
                                 query_units[open_from:])
@@ -245,25 +243,16 @@ class PegasusStream(StreamMachine):
     def close(self) -> np.ndarray:
         return np.empty(0)
 
-    def _columns(self) -> dict[str, np.ndarray]:
-        if len(self._public) > 1:
-            self._public = [{name: np.concatenate([p[name] for p in self._public]) for name in self._public[0]}]
-        return self._public[0] if self._public else {name: np.empty(0) for name in self.public_columns}
-
     def take_public(self) -> dict[str, np.ndarray]:
         """Each row output since the last call: its group's first step (public), its noisy
         count and the adaptive smoother's choices."""
-        columns = {name: values[len(values) - self._untaken:] for name, values in self._columns().items()
-                   if name in self.public_columns}
-        self._untaken = 0
-        return columns
+        return self._public.take()
 
     def restore_public(self, public: dict[str, np.ndarray]) -> None:
         """The public columns of every row output before (a restored stream's error model)."""
         groups = np.asarray(public["group"], dtype=np.int64)
         self._group_starts = [np.unique(groups)]
-        self._public = [{name: np.asarray(public[name]) for name in self.public_columns if name in public}]
-        self._untaken = 0
+        self._public.restore({name: np.asarray(public[name]) for name in self.public_columns if name in public})
 
     def snapshot(self) -> dict:
         o = self._open
@@ -285,7 +274,7 @@ class PegasusStream(StreamMachine):
         starts = np.concatenate(self._group_starts) if self._group_starts else np.zeros(1, dtype=np.int64)
         if not len(starts) or starts[0] != 0:
             starts = np.concatenate([[0], starts])
-        columns = self._columns()
+        columns = self._public.columns()
         if self._smoother is None:
             error = GroupPrefixNoise(starts, self._rows, self._perturber.variance, self.smoother,
                                      columns.get("noisy"))
