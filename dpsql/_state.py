@@ -34,6 +34,8 @@ _DTYPES = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32
 #: The storable dtypes already in little-endian order (stored as they are), with their names.
 _LITTLE = {np.dtype(name).newbyteorder("<"): name for name in _DTYPES}
 _FRAME = 1 << 22
+#: Bytes of a long frame compressed first, to see whether compressing it is worth it.
+_PROBE = 1 << 16
 _RAW, _LZ4 = 0, 1
 _FRAME_HEADER = struct.Struct("<BQQ")  # codec, stored size, raw size
 _codec: pa.Codec | None = None
@@ -87,8 +89,12 @@ def _frames(pieces: list) -> list:
 
 
 def _frame(raw: memoryview) -> tuple[int, bytes | memoryview]:
-    """One frame, LZ4-compressed, or as it is when that does not make it smaller."""
+    """One frame, LZ4-compressed, or as it is when that does not make it smaller (judged on its
+    first :data:`_PROBE` bytes for a long frame: noisy values do not compress, and trying all
+    of them would cost as much as storing them)."""
     if len(raw) < 64:
+        return _RAW, raw
+    if len(raw) >= 4 * _PROBE and 16 * len(_lz4().compress(raw[:_PROBE], asbytes=True)) > 15 * _PROBE:
         return _RAW, raw
     packed = _lz4().compress(raw, asbytes=True)
     return (_LZ4, packed) if len(packed) < len(raw) else (_RAW, raw)

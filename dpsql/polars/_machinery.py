@@ -131,10 +131,16 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
                                      permutation=True, refuse_duplicate=refuse)
         if ordered is not None:
             rows = RowsInTimeOrder(ordered.permutation, ordered.offsets, bool(partition_names))
-            _set_partition_keys(rows, frame, partition_names, order_name)
+            # the times in order from the ordered keys: no gather of the column through the permutation
+            rows.order_keys = [ordered.times().astype(physical.to_numpy().dtype, copy=False)]
+            _set_partition_keys(rows, frame, partition_names)
             return rows, ordered.values
     rows = _sorted_by_columns(frame, order_name, partition_names, labels)
-    _set_partition_keys(rows, frame, partition_names, order_name)
+    order = frame.get_column(order_name).to_physical()
+    if order.dtype in (pl.Int128, pl.UInt128):  # numpy has no 128-bit integers: their exact decimal text
+        order = order.cast(pl.String)
+    rows.order_keys = [order.to_numpy()[rows.permutation]]
+    _set_partition_keys(rows, frame, partition_names)
     return rows, rows.gather(values)
 
 
@@ -149,12 +155,7 @@ def _refuse_unusable_keys(frame: pl.DataFrame, names: Sequence[str], labels: Seq
             refuse_nan_key(label, partition=at > 0)
 
 
-def _set_partition_keys(rows: RowsInTimeOrder, frame: pl.DataFrame, partition_names: Sequence[str],
-                        order_name: str) -> None:
-    order = frame.get_column(order_name).to_physical()
-    if order.dtype in (pl.Int128, pl.UInt128):  # numpy has no 128-bit integers: their exact decimal text
-        order = order.cast(pl.String)
-    rows.order_keys = [order.to_numpy()[rows.permutation]]
+def _set_partition_keys(rows: RowsInTimeOrder, frame: pl.DataFrame, partition_names: Sequence[str]) -> None:
     if not partition_names:
         return
     first_rows = frame.select(partition_names)[rows.permutation[rows.offsets[:-1]]]
