@@ -40,7 +40,7 @@ from dpsql import _validate, methods
 from dpsql.accounting import largest_share
 from dpsql.budget import Budget
 from dpsql.errors import InvalidData, InvalidParameter, RenamedParameter
-from dpsql.ordering import refuse_null_keys
+from dpsql.ordering import refuse_nan_key, refuse_null_keys
 from dpsql.publishing import publish
 from dpsql.release import PartitionedRelease, Release
 from dpsql.streams.windows import WINDOW_SMOOTHERS, window_sums
@@ -172,9 +172,13 @@ def _key_column(values, name: str, n: int, *, partition: bool = False) -> np.nda
     if arr.shape != (n,):
         raise InvalidData(f"column {name!r} must have one value per event ({n}), got shape {arr.shape}")
     nulls = sum(v is None for v in arr) if arr.dtype == object else int(np.isnat(arr).sum()) if arr.dtype.kind in "mM" \
-        else int(np.isnan(arr).sum()) if arr.dtype.kind == "f" else 0
-    if nulls and partition:
+        else 0
+    nans = int(np.isnan(arr).sum()) if arr.dtype.kind == "f" else 0
+    if partition:  # the front ends refuse NULL keys before their columns become numpy (where NULL may be NaN)
         refuse_null_keys({name: nulls}, order_label=None, partition_labels=[name])
+        if nans:
+            refuse_nan_key(name, partition=True)
+    nulls += nans
     if nulls:
         raise InvalidData(f"column {name!r} contains {nulls} null value(s); a key must be known for every event")
     return arr

@@ -308,9 +308,10 @@ def refuse_null_event_times(label: str, nulls: int) -> None:
         raise InvalidTimeKey(f"time column {label!r} contains {nulls} null value(s); every event needs a time")
 
 
-def refuse_nan_key(label: str, *, partition: bool = False) -> None:
-    """NaN neither orders nor equals itself, so it cannot be a key."""
-    kind = "partition column" if partition else "order column"
+def refuse_nan_key(label: str, *, partition: bool = False, events: bool = False) -> None:
+    """NaN neither orders nor equals itself, so it cannot be a key (``events``: a count
+    stream's time column)."""
+    kind = "partition column" if partition else "time column" if events else "order column"
     raise InvalidTimeKey(f"{kind} {label!r} contains NaN; keys must be comparable values")
 
 

@@ -123,7 +123,7 @@ def refuse_null_keys(frame: pl.DataFrame, spec: StreamSpec, label: str) -> None:
         for column in (order, *partitions):
             series = frame.get_column(column)
             if series.dtype.is_float() and series.is_nan().any():
-                refuse_nan_key(column, partition=column != order)
+                refuse_nan_key(column, partition=column != order, events=spec.counts)
     except InvalidTimeKey as error:
         raise InvalidTimeKey(f"{label}: {error}") from None
     series = frame.get_column(order)

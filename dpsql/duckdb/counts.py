@@ -73,7 +73,7 @@ from dpsql.duckdb.sources import (
 )
 from dpsql.duckdb.sqltext import quote_ident
 from dpsql.errors import InvalidData, InvalidParameter
-from dpsql.ordering import refuse_null_event_times
+from dpsql.ordering import refuse_null_event_times, refuse_null_keys
 
 MACRO = "dp_count_stream"
 #: Named macro parameters besides ``every`` (whose default is an interval).
@@ -180,6 +180,7 @@ def _read_events(context: Context, plan: CountPlan):
     if pa.types.is_timestamp(time.type) and time.type.tz is not None:
         time = time.cast(pa.timestamp(time.type.unit))
     times = time.to_numpy()
+    refuse_null_keys({k: table.column(k).null_count for k in plan.keys}, order_label=None, partition_labels=plan.keys)
     keys = {k: table.column(k).to_numpy(zero_copy_only=False) for k in plan.keys}
     units = table.column(plan.privacy_unit).to_numpy(zero_copy_only=False) if plan.privacy_unit else None
     return times, keys, units

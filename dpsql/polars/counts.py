@@ -20,7 +20,7 @@ from dpsql._frontend import COUNT_METHOD, check_budget, refuse_renamed
 from dpsql.budget import Budget
 from dpsql.counts import release_event_counts
 from dpsql.errors import InvalidData, InvalidParameter
-from dpsql.ordering import refuse_null_event_times
+from dpsql.ordering import refuse_null_event_times, refuse_null_keys
 
 
 def count_stream(frame: pl.DataFrame | pl.LazyFrame, order_by: str | None = None, *, every: str | dt.timedelta,
@@ -108,6 +108,7 @@ def count_stream(frame: pl.DataFrame | pl.LazyFrame, order_by: str | None = None
     wanted = list(dict.fromkeys([order_by, *keys, *names["privacy_unit"]]))
     events = frame.select(wanted).collect() if isinstance(frame, pl.LazyFrame) else frame.select(wanted)
     times, time_dtype = _times(events.get_column(order_by), order_by)
+    refuse_null_keys({k: events.get_column(k).null_count() for k in keys}, order_label=None, partition_labels=keys)
     result = release_event_counts(
         times, start=start, stop=stop, every=every, epsilon=epsilon, method=method,
         keys={k: events.get_column(k).to_numpy() for k in keys}, hierarchy=hierarchy,

@@ -163,6 +163,7 @@ class PegasusStream(StreamMachine):
         self.epsilon = _validate.epsilon(epsilon)
         self.sensitivity = _validate.real(sensitivity, "sensitivity", minimum=0.0, strict=True)
         self._given = {"grouper_share": grouper_share, "theta": theta, "smoother": smoother}
+        self._public = PublicRows(())  # per row output: group, noisy count, smoother's columns (_configure names them)
         self._configure(legacy=False)
         self.cost = (self.epsilon, 0.0)
         self.neighbour = count_neighbour(self.sensitivity)
@@ -206,7 +207,7 @@ class PegasusStream(StreamMachine):
             self.public_columns = ("group",)
         else:
             self.public_columns = ("group", "noisy")
-        self._public = PublicRows(self.public_columns)  # per row output: group, noisy count, smoother's columns
+        self._public.names = self.public_columns  # the rows already kept stay (a legacy restore reconfigures)
 
     def feed(self, chunk: np.ndarray) -> np.ndarray:
         size = len(chunk)

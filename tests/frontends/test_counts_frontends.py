@@ -250,3 +250,12 @@ def test_bucketed_counts_release_through_the_generic_expression_and_macro(con, b
         rows = con.sql("SELECT * FROM dp_range_sum('counts', 'ts', 'n', method := 'pegasus', epsilon := 0.5, "
                        "partition_by := 'ap')").fetchall()
     assert len(rows) == 50 and budget.spent == (0.5, 0.0)
+
+
+def test_sql_null_partition_key_refused_in_the_shared_words(con, budget):
+    con.execute("CREATE TABLE evn AS SELECT ts, CAST(NULL AS INTEGER) AS floor FROM ev LIMIT 3")
+    with pytest.raises(dpsql.InvalidTimeKey, match="partition column 'floor' contains 3 NULL value"), \
+            dpsql.duckdb.typed_errors():
+        con.sql("SELECT * FROM dp_count_stream('evn', 'ts', every := INTERVAL '1 hour', start := TIMESTAMP "
+                "'2024-05-01', stop := '2024-05-02', epsilon := 1.0, partition_by := 'floor')").fetchall()
+    assert budget.spent == (0.0, 0.0)

@@ -229,3 +229,26 @@ def test_no_events_without_keys_releases_the_zero_stream():
     assert len(cols["dp_count"]) == 6
     np.testing.assert_array_equal(cols["dp_count"], zeros.values)
     np.testing.assert_allclose(cols["dp_std_error"], np.sqrt(zeros.range_variance(np.arange(6), np.arange(1, 7))))
+
+
+@pytest.mark.parametrize(("keys", "match"), [
+    ({"room": np.array([1.0, np.nan])}, "partition column 'room' contains NaN"),
+    ({"room": np.array(["a", None], dtype=object)}, "partition column 'room' contains 1 NULL value"),
+])
+def test_partition_keys_without_a_value_are_refused_in_the_shared_words(keys, match):
+    with pytest.raises(dpsql.InvalidTimeKey, match=match):
+        bucket_events([1, 2], domain=time_domain(start=0, stop=4, every=1), keys=keys)
+
+
+def test_front_ends_tell_null_partition_keys_from_nan():
+    """An integer column's NULL becomes NaN in numpy: the front ends count NULLs first."""
+    import polars as pl
+
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
+    for column, match in [(pl.Series("g", [1, None], dtype=pl.Int64), "contains 1 NULL value"),
+                          (pl.Series("g", [1.0, float("nan")]), "contains NaN")]:
+        frame = pl.DataFrame({"ts": [1.0, 2.0], "g": column})
+        with pytest.raises(dpsql.InvalidTimeKey, match=f"partition column 'g' {match}"):
+            dpsql.count_stream(frame, "ts", every=1.0, start=0.0, stop=5.0, epsilon=1.0, partition_by="g",
+                               budget=budget)
+    assert budget.spent == (0.0, 0.0)

@@ -251,6 +251,26 @@ def test_a_pegasus_snapshot_without_format_keeps_the_legacy_defaults():
     assert machine_for("pegasus", None, testing.draws(1), {"epsilon": 1.0, "smoother": "js"}).grouper_share == 0.2
 
 
+def test_a_legacy_pegasus_restore_keeps_public_rows_given_before_it():
+    """Restoring a legacy snapshot reconfigures the machine; rows' public columns handed to it
+    before that are kept (the order of restore and restore_public does not matter)."""
+    params = {"epsilon": 1.0, "smoother": "adaptive"}
+    machine = machine_for("pegasus", None, testing.draws(2), params)
+    machine.feed(np.full(300, 4.0))
+    public = machine.take_public()
+    legacy = {k: v for k, v in machine.snapshot().items() if k != "format"}
+    described = []
+    for public_first in (True, False):
+        restored = machine_for("pegasus", None, testing.draws(2), params)
+        steps = [lambda m=restored: m.restore_public(public), lambda m=restored: m.restore(legacy)]
+        for step in steps if public_first else steps[::-1]:
+            step()
+        description = restored.describe()
+        assert len(description["reports"]) == 300  # the rows given before the restore are still there
+        described.append(description["error"].range_variance(np.array([0, 100]), np.array([300, 200])))
+    np.testing.assert_array_equal(described[0], described[1])
+
+
 # -- end to end ---------------------------------------------------------------------------------------------
 
 
