@@ -315,6 +315,19 @@ def refuse_nan_key(label: str, *, partition: bool = False, events: bool = False)
     raise InvalidTimeKey(f"{kind} {label!r} contains NaN; keys must be comparable values")
 
 
+def refuse_rows_without_keys(columns: Sequence[pl.Series], labels: Sequence[str], *, events: bool = False) -> None:
+    """Refuse NULL and NaN keys of a Polars frame's key ``columns`` (the order column first, then
+    the partition columns; ``labels``: the user's names of them), in every front end's words:
+    a row without its keys belongs to no stream. ``events``: a count stream's time column."""
+    nulls = {label: column.null_count() for label, column in zip(labels, columns)}
+    if events:
+        refuse_null_event_times(labels[0], nulls[labels[0]])
+    refuse_null_keys(nulls, order_label=None if events else labels[0], partition_labels=labels[1:])
+    for at, (label, column) in enumerate(zip(labels, columns)):
+        if column.dtype.is_float() and column.is_nan().any():
+            refuse_nan_key(label, partition=at > 0, events=events)
+
+
 def refuse_duplicate_time(order_label: str, shown_value: str, partition_labels: Sequence[str] = ()) -> None:
     """A time key repeated within a partition (``shown_value`` as the front end prints it)."""
     raise InvalidTimeKey(duplicate_time_message(order_label, shown_value, partition_labels))

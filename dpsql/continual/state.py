@@ -11,11 +11,11 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from dpsql import _state, ordering
+from dpsql import _state
 from dpsql._chunks import table_of
 from dpsql.errors import InvalidData, InvalidTimeKey
 from dpsql.methods import COUNT_METHODS
-from dpsql.ordering import refuse_nan_key, refuse_null_event_times
+from dpsql.ordering import refuse_rows_without_keys
 from dpsql.timegrid import TimeGrid
 
 if TYPE_CHECKING:
@@ -114,16 +114,10 @@ def decoded(frame: pl.DataFrame, columns) -> pl.DataFrame:
 def refuse_null_keys(frame: pl.DataFrame, spec: StreamSpec, label: str) -> None:
     """Refuse rows without their keys (null or NaN) in the words every front end uses, after the
     stream's ``label``, and infinite order keys."""
-    order, partitions = spec.order_by, spec.partition_by
-    nulls = {column: frame.get_column(column).null_count() for column in (order, *partitions)}
+    order = spec.order_by
     try:
-        if spec.counts:
-            refuse_null_event_times(order, nulls[order])
-        ordering.refuse_null_keys(nulls, order_label=None if spec.counts else order, partition_labels=partitions)
-        for column in (order, *partitions):
-            series = frame.get_column(column)
-            if series.dtype.is_float() and series.is_nan().any():
-                refuse_nan_key(column, partition=column != order, events=spec.counts)
+        refuse_rows_without_keys([frame.get_column(c) for c in (order, *spec.partition_by)],
+                                 [order, *spec.partition_by], events=spec.counts)
     except InvalidTimeKey as error:
         raise InvalidTimeKey(f"{label}: {error}") from None
     series = frame.get_column(order)

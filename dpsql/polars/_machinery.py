@@ -42,7 +42,7 @@ import polars as pl
 
 from dpsql import _validate
 from dpsql.errors import DPError, InvalidData, InvalidParameter
-from dpsql.ordering import order_integer_keys, refuse_duplicate_time, refuse_nan_key, refuse_null_keys
+from dpsql.ordering import order_integer_keys, refuse_duplicate_time, refuse_rows_without_keys
 
 _NAME_PREFIX = "__dpsql_release_"
 _VALUE, _ORDER = "__dpsql_value", "__dpsql_order"
@@ -119,7 +119,7 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
     2**62 (beyond one int64 key), take Polars' multi-column sort.
     """
     order = frame.get_column(order_name)
-    _refuse_unusable_keys(frame, [order_name, *partition_names], labels)
+    refuse_rows_without_keys([frame.get_column(name) for name in (order_name, *partition_names)], labels)
     physical = order.to_physical()
     if physical.dtype in _NUMPY_INTEGERS:
         def refuse(time: int, _partition: int | None):
@@ -142,17 +142,6 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
     rows.order_keys = [order.to_numpy()[rows.permutation]]
     _set_partition_keys(rows, frame, partition_names)
     return rows, rows.gather(values)
-
-
-def _refuse_unusable_keys(frame: pl.DataFrame, names: Sequence[str], labels: Sequence[str]) -> None:
-    """NULL and NaN keys (``names``: the order column, then the partition columns), refused
-    with every front end's messages: a row without a key belongs to no stream."""
-    columns = [frame.get_column(name) for name in names]
-    refuse_null_keys({label: column.null_count() for label, column in zip(labels, columns)},
-                     order_label=labels[0], partition_labels=labels[1:])
-    for at, (label, column) in enumerate(zip(labels, columns)):
-        if column.dtype.is_float() and column.is_nan().any():
-            refuse_nan_key(label, partition=at > 0)
 
 
 def _set_partition_keys(rows: RowsInTimeOrder, frame: pl.DataFrame, partition_names: Sequence[str]) -> None:
