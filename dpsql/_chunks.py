@@ -161,9 +161,15 @@ def distinct(bits: np.ndarray, seen: np.ndarray | None = None) -> tuple[np.ndarr
     return (indices, dictionary) if len(dictionary) <= 1 << 16 else None
 
 
+def index_type(entries: int) -> type:
+    """The narrowest indices into a dictionary of ``entries``: 8 or 16 bits (the ledger stores
+    those), else 32 (:func:`table_bytes` then stores the column decoded)."""
+    return np.uint8 if entries <= 1 << 8 else np.uint16 if entries <= 1 << 16 else np.int32
+
+
 def _dictionary(indices: np.ndarray, dictionary: np.ndarray) -> pa.DictionaryArray:
     """A dictionary array with the smallest unsigned indices (at most 65,536 entries)."""
-    narrow = indices.astype(np.uint8 if len(dictionary) <= 1 << 8 else np.uint16)
+    narrow = indices.astype(index_type(len(dictionary)))
     # safe=False: the indices came from an encoder, so checking them again would only cost time
     return pa.DictionaryArray.from_arrays(narrow, pa.array(dictionary, pa.int64()), safe=False)
 

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dpsql import _validate
-from dpsql._chunks import distinct, table_bytes, table_of
+from dpsql._chunks import distinct, index_type, table_bytes, table_of
 from dpsql._memory import pooled_array
 from dpsql.continual.state import (
     TAG,
@@ -395,9 +395,7 @@ class _Tags:
             return pa.array(np.concatenate([pending[:held], self.tags[start:start + new]]), pa.uint64()), after
         earlier, at = _indices_in(pending[:held], self.tags)
         dictionary = np.concatenate([earlier, self.tags])  # may hold a tag twice: no matter
-        if len(dictionary) > 1 << 16:
-            return pa.array(np.concatenate([pending[:held], self.rows(start, start + new)]), pa.uint64()), after
-        indices = np.empty(count, dtype=np.uint8 if len(dictionary) <= 1 << 8 else np.uint16)
+        indices = np.empty(count, dtype=index_type(len(dictionary)))
         indices[:held] = at
         np.add(self.indices[start:start + new], len(earlier), out=indices[held:], casting="unsafe")
         return pa.DictionaryArray.from_arrays(indices, pa.array(dictionary, pa.uint64()), safe=False), after
