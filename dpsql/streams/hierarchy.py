@@ -294,12 +294,11 @@ class HierarchyStream(StreamMachine):
         released_units = sums[:, :complete].astype(np.int64) + self._leaf_noise[:, first_block:first_block + complete]
         released = self._lattice(chunk.forest.levels).from_units(released_units)
         if not self._smoother.predictive:
-            if out is None:
-                return np.repeat(released / g, g, axis=1)
-            spread = out[:, :complete * g]
-            spread.shape = (len(out), complete, g)  # a view: assigning the shape never copies
-            np.divide(released[:, :, None], g, out=spread)
-            return out[:, :complete * g]
+            spread = np.empty((len(values), complete * g)) if out is None else out[:, :complete * g]
+            blocks = spread.view()
+            blocks.shape = (len(spread), complete, g)  # a view: assigning the shape never copies
+            np.divide(released[:, :, None], g, out=blocks)
+            return spread
         out = out[:, :count]
         predictions = np.concatenate([self._prediction[:, None], self._smoother.predict(released)], axis=1)
         self._prediction = predictions[:, complete].copy()
