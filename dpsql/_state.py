@@ -39,8 +39,6 @@ _PROBE = 1 << 16
 _RAW, _LZ4 = 0, 1
 _FRAME_HEADER = struct.Struct("<BQQ")  # codec, stored size, raw size
 _codec: pa.Codec | None = None
-#: Exact types whose header node is the value itself (ints beyond 2**53 are not).
-_AS_IS = {bool, str, type(None)}
 
 
 def _lz4() -> pa.Codec:
@@ -146,17 +144,11 @@ def _body(data: memoryview) -> bytes:
 def _encode(value, buffers: list, end: list[int]):
     """The header node of ``value``; arrays and byte strings go to ``buffers`` (``end[0]``: their
     total length so far)."""
-    kind = type(value)
-    # the common exact types first, by a dictionary lookup (a machine's state is a few dozen
-    # nodes, packed at every append): the chain of isinstance checks below takes the rest
-    if kind is dict and all(type(k) is str for k in value):
+    # dicts first: a machine's state is mostly nested dicts, packed at every append
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError("state dicts have string keys")
         return {"dict": {k: _encode(v, buffers, end) for k, v in value.items()}}
-    if kind is int:
-        return value if abs(value) < 2**53 else {"int": str(value)}
-    if kind is float:
-        return value if math.isfinite(value) else {"float": repr(value)}
-    if kind in _AS_IS:
-        return value
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, (int, np.integer)) and not isinstance(value, np.bool_):
@@ -184,10 +176,6 @@ def _encode(value, buffers: list, end: list[int]):
         return {"array": name, "shape": list(array.shape), "at": end[0] - len(data), "size": len(data)}
     if isinstance(value, (list, tuple)):
         return {"list" if isinstance(value, list) else "tuple": [_encode(v, buffers, end) for v in value]}
-    if isinstance(value, dict):
-        if not all(isinstance(k, str) for k in value):
-            raise TypeError("state dicts have string keys")
-        return {"dict": {k: _encode(v, buffers, end) for k, v in value.items()}}
     raise TypeError(f"cannot store a {type(value).__name__}")
 
 
