@@ -61,7 +61,7 @@ def breakdown(release) -> dict[str, float]:
     seconds: dict[str, float] = {}
     wrapped = [(publishing, "fingerprint", "fingerprint of the data"),
                (publishing, "_run_partitions", "ToPS mechanism"),
-               (publishing, "_packed_values", "answer packed for the ledger"),
+               (publishing, "values_digest", "answer: digest of the values for the ledger"),
                (dpsql.Budget, "charge", "charge")]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in wrapped]
 
@@ -130,7 +130,7 @@ def main():
         total = steps.pop("total")
         named = ", ".join(f"{step} {t * 1e3:.0f} ms" for step, t in sorted(steps.items(), key=lambda kv: -kv[1]))
         cause = (f" Likely cause, from one more release timed step by step ({total * 1e3:.0f} ms): {named}; the "
-                 "numpy pass does neither the fingerprint nor the packing of the answer for the ledger.")
+                 "numpy pass does neither the fingerprint nor the digest of the answer for the ledger.")
     rows = [
         ["numpy pass (minimum + reduceat)", best["numpy"] * 1e3, args.n / best["numpy"] / 1e6, 1.0, ""],
         ["dpsql.tops", best["tops"] * 1e3, args.n / best["tops"] / 1e6, ratio, memory],

@@ -1,7 +1,8 @@
-"""Cryptographic fingerprints of a release request: which method, parameters and scope, and
-exactly the bytes the mechanism consumes (values in stream order, partition boundaries and
-keys, order keys). Two requests with the same fingerprint are the identical release of
-identical data, so the second may be answered with the first's recorded values.
+"""Cryptographic fingerprints of a release request: which method, parameters, scope and
+principal, and exactly the bytes the mechanism consumes (values in stream order, partition
+boundaries and keys, order keys). Two requests with the same fingerprint are the identical
+release of identical data, so the second may be answered with the first's values, recomputed
+from its key; the digest of a release's values (:func:`values_digest`) checks the recomputation.
 
 BLAKE2b-256 as a two-level tree: the data are cut into 4 MiB leaves, hashed on two threads
 (hashlib releases the GIL), and the root hashes the header and the leaf digests with their
@@ -84,3 +85,9 @@ def fingerprint(header: dict, arrays) -> str:
     for digest in digests:
         root.update(digest)
     return root.hexdigest()
+
+
+def values_digest(values: np.ndarray) -> bytes:
+    """The 32-byte digest of a release's values, by which a recomputed answer is checked to be
+    exactly the values released."""
+    return bytes.fromhex(fingerprint({"released values": True}, [values]))

@@ -1,4 +1,4 @@
-"""A safe binary form for plain data: the state of stream machines, error models, answers.
+"""A safe binary form for plain data: the state of stream machines, error models, release records.
 
 Values are ``None``, booleans, ints, floats, strings, bytes, numpy arrays (numeric or
 boolean) and lists, tuples and string-keyed dicts of them. The form is a JSON header
@@ -6,7 +6,7 @@ describing the structure, followed by the raw bytes of the arrays and byte strin
 compressed; decoding never executes anything (no pickle), so a tampered ledger cannot run code.
 
 The body is compressed with LZ4 in frames of at most 4 MiB, on two threads when there are several
-(an answer of 10^7 values), each frame stored as it is when compression does not shrink it
+(a body over 4 MiB), each frame stored as it is when compression does not shrink it
 (noisy values, keyed tags). Records written by earlier versions (``DPS1``: zlib, byte strings
 as base64 in the header) are still read.
 

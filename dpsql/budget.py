@@ -13,8 +13,14 @@ window ``w``). Releases under another notion are refused: the losses of differen
 do not compose by addition.
 
 The ledger file holds secrets besides the public record: the keys and open state of
-continual streams (raw rows still pending, partial sums). Keep it as safe as the raw data;
-only released rows may leave it.
+continual streams (raw rows still pending, partial sums) and the keys of cached answers. Keep
+it as safe as the raw data; only released rows may leave it.
+
+Identical repeats are answered from the ledger, free, but only to the *principal* who made the
+release: on PostgreSQL the database role (``current_user``), elsewhere the operating system's
+user, or the name given with ``Budget.open(..., principal=...)`` when several people share one
+SQLite file. Another principal's identical call is a fresh, charged release: a free answer would
+tell them that their guess of someone else's data is right.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from dpsql import _current, _state, _validate
 from dpsql.accounting import Charge, Kind, Neighbour, Notion, exact
 from dpsql.continual import Stream, open_stream
 from dpsql.errors import InvalidParameter, NonPrivateRelease, NotionMismatch, UnknownRelease
-from dpsql.ledger import Ledger, Receipt, memory_ledger, open_ledger
+from dpsql.ledger import CachedAnswer, Ledger, Receipt, memory_ledger, open_ledger
 from dpsql.ledger.store import refuse_overspend
 from dpsql.ledger.streams import StreamStore
 from dpsql.records import ReleaseRecord
@@ -52,31 +58,40 @@ class Budget:
     w: int | None
     #: Whether identical repeats are answered from stored answers.
     caches: bool
+    #: Who charges this budget: only their own identical repeats are answered from the ledger.
+    principal: str
 
     def __init__(self, *_args, **_kwargs):
         raise TypeError("use Budget.open(path, ...) or Budget.in_memory(...)")
 
     @classmethod
     def open(cls, location: str | Path, *, scope: str = "default", epsilon: float | None = None,
-             delta: float = 0.0, notion: str = "central", w: int | None = None, cache: bool = True) -> Budget:
+             delta: float = 0.0, notion: str = "central", w: int | None = None, cache: bool = True,
+             principal: str | None = None) -> Budget:
         """Create or reopen scope ``scope`` of the ledger at ``location`` (an SQLite file path,
         or a ``postgresql://user@host:port/db`` URL).
 
         On creation ``epsilon`` is required. When the scope exists, ``epsilon`` / ``delta`` /
         ``notion`` / ``w``, if given, must equal what it was created with: a budget can never be
         silently raised. ``cache=False`` stores no answers (identical repeats are then charged).
+
+        ``principal``: who charges through this budget, recorded with each charge; identical
+        repeats are answered free only to the principal who made the release. Default: the
+        database role on PostgreSQL (which refuses any other name: the server authenticates it),
+        the operating system's user on SQLite. Name one when several people share one SQLite
+        file (each can read the whole file, so there the name is their agreement, not a lock).
         """
-        return cls._make(open_ledger(location), scope, epsilon, delta, notion, w, cache)
+        return cls._make(open_ledger(location), scope, epsilon, delta, notion, w, cache, principal)
 
     @classmethod
     def in_memory(cls, *, epsilon: float, delta: float = 0.0, notion: str = "central",
                   w: int | None = None, cache: bool = True) -> Budget:
         """A throw-away ledger for notebooks and tests, in this process only (a forked child
         refuses to use it). It also accepts non-private (seeded) releases, recording them as such."""
-        return cls._make(memory_ledger(), "default", epsilon, delta, notion, w, cache)
+        return cls._make(memory_ledger(), "default", epsilon, delta, notion, w, cache, None)
 
     @classmethod
-    def _make(cls, ledger: Ledger, scope, epsilon, delta, notion, w, cache) -> Budget:
+    def _make(cls, ledger: Ledger, scope, epsilon, delta, notion, w, cache, principal) -> Budget:
         if not isinstance(scope, str) or not scope:
             raise InvalidParameter(f"scope must be a non-empty string, got {scope!r}")
         notion = Notion(_validate.choice(notion, "notion", [n.value for n in Notion]))
@@ -87,6 +102,7 @@ class Budget:
         if epsilon is not None:  # a budget's total, not a release's cost: any finite positive amount
             epsilon = _validate.real(epsilon, "epsilon", minimum=0.0, strict=True)
         delta = _validate.delta(delta, pure=False, method="Budget")
+        principal = _principal(ledger, principal)
         state = ledger.open_scope(scope, epsilon=epsilon, delta=delta, notion=notion, w=w)
         self = object.__new__(cls)
         self._ledger = ledger
@@ -94,6 +110,7 @@ class Budget:
         self.notion = state.notion
         self.w = state.w
         self.caches = bool(cache)
+        self.principal = principal
         return self
 
     # -- public view -------------------------------------------------------------------
@@ -133,13 +150,13 @@ class Budget:
         """One row per charge and per identical repeat answered from the ledger (``kind``:
         ``release``, ``stream`` or ``cache hit``, which costs 0), oldest first, as a Polars
         DataFrame: time, kind, method, epsilon, delta, rows, note; ``full=True`` adds
-        release_id, params (JSON), partitions, neighbour, private, stream and, for a cache hit,
-        the release it answered with."""
+        release_id, params (JSON), partitions, neighbour, private, stream, for a cache hit the
+        release it answered with, and the principal who charged (or was answered)."""
         import polars as pl
 
         rows = self._ledger.history(self.scope)
         names = ["time", "kind", "release_id", "method", "params", "epsilon", "delta", "rows", "partitions",
-                 "neighbour", "private", "note", "stream", "answers"]
+                 "neighbour", "private", "note", "stream", "answers", "principal"]
         data = {name: [row[k] for row in rows] for k, name in enumerate(names)}
         data["epsilon"] = [float(x) for x in data["epsilon"]]
         data["delta"] = [float(x) for x in data["delta"]]
@@ -216,8 +233,9 @@ class Budget:
         return pl.DataFrame(rows, schema=schema, orient="row")
 
     def clear_cache(self) -> int:
-        """Forget the stored answers of this scope (later repeats are charged); returns how many."""
-        return self._ledger.clear_answers(self.scope)
+        """Forget this principal's stored answers in this scope (later repeats are charged), and
+        those stored before answers had principals; returns how many."""
+        return self._ledger.clear_answers(self.scope, principal=self.principal)
 
     def plot(self, *, ax=None):
         """The budget's burn-down (matplotlib): epsilon spent over time, stacked by method, under
@@ -236,7 +254,7 @@ class Budget:
         where = self.location
         return (f"Budget(scope={self.scope!r}, notion={self.notion.value!r}, epsilon {float(state.spent_epsilon):g}/"
                 f"{float(state.epsilon):g} spent, delta {float(state.spent_delta):g}/{float(state.delta):g} spent, "
-                f"{where})")
+                f"principal={self.principal!r}, {where})")
 
     # -- charging (dpsql.publish and continual streams only) ---------------------------------
 
@@ -246,7 +264,7 @@ class Budget:
         refuse_overspend(self._ledger.scope(self.scope), exact(charge.epsilon), exact(charge.delta), charge)
 
     def charge(self, charge: Charge, *, handles: int = 0, description: dict | None = None,
-               answer: tuple[str, bytes] | None = None, then=None) -> Receipt:
+               answer: CachedAnswer | None = None, then=None) -> Receipt:
         """Atomically check the budget and record one release (see :meth:`Ledger.charge`).
 
         Called only by :func:`dpsql.publishing.publish` (after the release is computed, before any
@@ -256,14 +274,15 @@ class Budget:
         """
         self._refuse_incompatible(charge)
         packed = None if description is None else _state.pack(description)
-        return self._ledger.charge(self.scope, charge, handles=handles, description=packed,
+        return self._ledger.charge(self.scope, charge, principal=self.principal, handles=handles, description=packed,
                                    answer=answer if self.caches else None, then=then)
 
-    def stored_answer(self, fingerprint: str) -> tuple[ReleaseRecord, bytes] | None:
-        """The record and stored answer of an identical earlier release, or None."""
+    def stored_answer(self, fingerprint: str, *, private: bool) -> tuple[ReleaseRecord, CachedAnswer] | None:
+        """The record and cached answer of this principal's identical earlier release (``private``
+        or seeded, as asked), or None."""
         if not self.caches:
             return None
-        found = self._ledger.answer(self.scope, fingerprint)
+        found = self._ledger.answer(self.scope, fingerprint, principal=self.principal, private=private)
         if found is None:
             return None
         release_id, answer = found
@@ -277,7 +296,7 @@ class Budget:
                         rows=rows, partitions=len(parts),
                         params=json.loads(json.dumps(parts[0]["params"], default=str)),
                         private=record.description["private"], note=note, kind=Kind.CACHE_HIT)
-        self._ledger.record_hit(self.scope, charge, record.release_id)
+        self._ledger.record_hit(self.scope, charge, record.release_id, principal=self.principal)
 
     def _refuse_incompatible(self, charge: Charge) -> None:
         if self.persistent and not charge.private:
@@ -288,6 +307,19 @@ class Budget:
             theirs = Notion(charge.notion).value + ("" if charge.w is None else f" (w={charge.w})")
             raise NotionMismatch(f"budget scope {self.scope!r} accounts for {mine}; a {theirs} release "
                                  "cannot be composed with it")
+
+
+def _principal(ledger: Ledger, named: str | None) -> str:
+    """The principal of a budget on ``ledger``: ``named``, or the ledger's own (see :meth:`Budget.open`)."""
+    if named is None:
+        return ledger.principal
+    if not isinstance(named, str) or not named:
+        raise InvalidParameter(f"principal must be a non-empty string, got {named!r}")
+    if named != ledger.principal and not ledger.backend.names_principals:
+        raise InvalidParameter(f"principal={named!r} is refused: ledger {ledger.location} knows its principals "
+                               f"by their database role, and this connection's is {ledger.principal!r} (connect "
+                               "as that role instead)")
+    return named
 
 
 # -- the default budget ------------------------------------------------------------------------------

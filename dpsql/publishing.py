@@ -8,10 +8,14 @@ its answer) and only then returns the release. Python functions, the DuckDB and 
 ends all call it; Spark, whose partitions are released on other machines, plans and charges its
 release through :class:`DistributedRelease`. No front end charges or draws noise by itself.
 
-Identical repeats cost nothing: the fingerprint of the request (method, parameters, scope and
-the exact data consumed, :mod:`dpsql._fingerprint`) finds the recorded answer of an earlier
-identical release, which is returned again and recorded as a free cache hit; it publishes
-nothing new. ``fresh=True`` makes a new, charged release instead.
+Identical repeats by the same principal cost nothing: the fingerprint of the request (method,
+parameters, scope, principal, private or seeded, and the exact data consumed,
+:mod:`dpsql._fingerprint`) finds the cached answer of their earlier identical release. The
+ledger keeps that release's secret key, not its values: the release is recomputed from the key
+over the same data, checked against the digest of the values released, returned again and
+recorded as a free cache hit; it publishes nothing new. ``fresh=True`` makes a new, charged
+release instead; so does another principal's identical call (a free answer would confirm their
+guess of the data), a seeded call after a private release and the reverse.
 
 A refused or failed call leaves nothing noisy behind: everything drawn lives in one inner
 call whose frames are dropped, and the caller gets a fresh exception of the same type and
@@ -26,14 +30,14 @@ from collections.abc import Mapping, Sequence
 from typing import overload
 
 import numpy as np
-import pyarrow as pa
 
-from dpsql import _progress, _state, _validate
-from dpsql._fingerprint import fingerprint
+from dpsql import _progress, _validate
+from dpsql._fingerprint import fingerprint, values_digest
 from dpsql._memory import pooled_array
 from dpsql.accounting import Charge, Neighbour, Notion, compose
 from dpsql.budget import Budget, default_budget
 from dpsql.errors import InvalidParameter, scrubbed
+from dpsql.ledger import CachedAnswer
 from dpsql.methods import machine_for, unsized_charge
 from dpsql.noise import DrawsBatch, Keystream, partition_address
 from dpsql.records import describe
@@ -126,17 +130,12 @@ class _Request:
         self.method, self.data, self.offsets, self.addresses = method, data, offsets, addresses
         self.partitioned, self.keys, self.levels, self.order_keys = partitioned, keys, levels, order_keys
         self.params, self.note = params, note
+        self.lengths = np.diff(offsets).tolist()
 
     def release(self, budget: Budget | None, *, fresh: bool) -> Release | PartitionedRelease:
         keystream = Keystream.fresh()
-        lengths = np.diff(self.offsets).tolist()
-        # one template machine per partition length: machines of one length (and these
-        # parameters) are identical until fed, and cost the same
-        templates: dict[int, StreamMachine] = {}
-        for k, n in enumerate(lengths):
-            if n not in templates:
-                templates[n] = machine_for(self.method, n, keystream.partition(self.addresses[k]), self.params)
-        machines = [templates[n] for n in lengths]
+        templates = self._templates(keystream)
+        machines = [templates[n] for n in self.lengths]
         levels = [0] * len(machines) if self.levels is None else list(self.levels)
         if len(levels) != len(machines):
             raise InvalidParameter(f"partition_levels must give one level per partition ({len(machines)}), "
@@ -153,19 +152,45 @@ class _Request:
             return self._assemble(parts, values, charge, release_id=None, first_handle=None)
         digest = self._fingerprint(budget, charge) if budget.caches else None
         if digest is not None and not fresh:
-            stored = budget.stored_answer(digest)
-            if stored is not None:
-                record, answer = stored
-                budget.record_hit(record, rows=len(self.data), note=self.note)
-                return record.with_values(_unpacked_values(answer))
+            answered = self._answered(budget, digest, private=keystream.private)
+            if answered is not None:
+                return answered
         budget.check(charge)
         parts, values = _run_partitions(self.method, templates, self.data, self.offsets, keystream, self.addresses,
                                         self.params)
         release = self._assemble(parts, values, charge, release_id=None, first_handle=None)
         charge = Charge(**{**charge.__dict__, "method": parts[0].method, "params": _public(parts[0].params)})
-        receipt = budget.charge(charge, handles=len(values), description=describe(release),
-                                answer=None if digest is None else (digest, _packed_values(values)))
+        answer = None if digest is None else CachedAnswer(digest, keystream.private, keystream.key,
+                                                          values_digest(values))
+        receipt = budget.charge(charge, handles=len(values), description=describe(release), answer=answer)
         return self._assemble(parts, values, charge, release_id=receipt.release_id, first_handle=receipt.first_handle)
+
+    def _templates(self, keystream: Keystream) -> dict[int, StreamMachine]:
+        """One unfed machine per partition length, drawing from the first partition of that
+        length: machines of one length (and these parameters) are identical until fed, and cost
+        the same."""
+        templates: dict[int, StreamMachine] = {}
+        for k, n in enumerate(self.lengths):
+            if n not in templates:
+                templates[n] = machine_for(self.method, n, keystream.partition(self.addresses[k]), self.params)
+        return templates
+
+    def _answered(self, budget: Budget, digest: str, *, private: bool) -> Release | PartitionedRelease | None:
+        """The budget's principal's identical earlier release, recomputed from its key over these
+        (fingerprinted, so identical) data and recorded as a free cache hit; None when there is
+        none, or when the recomputation is not exactly the values released (another version of
+        an algorithm): that would be a second release of the data, so the call is charged anew."""
+        stored = budget.stored_answer(digest, private=private)
+        if stored is None:
+            return None
+        record, answer = stored
+        keystream = Keystream(answer.key, private=answer.private)
+        _, values = _run_partitions(self.method, self._templates(keystream), self.data, self.offsets, keystream,
+                                    self.addresses, self.params)
+        if values_digest(values) != answer.digest:
+            return None
+        budget.record_hit(record, rows=len(self.data), note=self.note)
+        return record.with_values(values)
 
     def _assemble(self, parts: Parts, values: np.ndarray, charge: Charge, *, release_id, first_handle):
         if release_id is not None:
@@ -177,8 +202,9 @@ class _Request:
                                   release_id=release_id, keys=self.keys, first_handle=first_handle)
 
     def _fingerprint(self, budget: Budget, charge: Charge) -> str:
-        header = {"version": 1, "scope": budget.scope, "notion": charge.notion.value, "method": self.method,
-                  "params": _canonical(self.params), "levels": self.levels, "partitioned": self.partitioned}
+        header = {"version": 2, "scope": budget.scope, "principal": budget.principal, "private": charge.private,
+                  "notion": charge.notion.value, "method": self.method, "params": _canonical(self.params),
+                  "levels": _exact(self.levels), "partitioned": self.partitioned}
         addresses = np.frombuffer(b"".join(len(a).to_bytes(4, "big") + a for a in self.addresses), dtype=np.uint8)
         return fingerprint(header, [self.data, self.offsets, addresses, *self.order_keys])
 
@@ -254,31 +280,28 @@ def _refuse_private_without_budget(keystream: Keystream) -> None:
 
 def _canonical(params: Mapping) -> dict:
     """Parameters as the answer cache compares them: a parameter left at its default (None) is
-    the same as one not given, and a number the same whatever its type (SQL's ``upper := 8000``
-    and Python's ``upper=8000.0`` ask for one release)."""
-    def number(v):
-        return float(v) if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) else v
+    the same as one not given; values compare by :func:`_exact`."""
+    return {k: _exact(v) for k, v in params.items() if v is not None}
 
-    return {k: number(v) for k, v in _public(params).items() if v is not None}
+
+def _exact(value):
+    """``value`` as the answer cache compares it, exactly: an integer is itself, whatever its
+    size (``2**53 + 1`` is not ``2**53``); a float is its exact value, and a float that is an
+    integer equals that integer (SQL's ``upper := 8000`` and Python's ``upper=8000.0`` ask for
+    one release), never a neighbour; a bool is a bool, never 1 or 0; numpy scalars are the
+    Python number they hold; sequences and arrays compare element by element."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [_exact(v) for v in value]
+    return value
 
 
 def _public(params: Mapping) -> dict:
     """Parameters as plain JSON-able values (numpy scalars as Python numbers)."""
     return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in params.items()}
-
-
-def _packed_values(values: np.ndarray) -> bytes:
-    """A release's values as the ledger stores its answer (compressed by :func:`dpsql._state.pack`)."""
-    return _state.pack({"values": np.ascontiguousarray(values, dtype=np.float64)})
-
-
-def _unpacked_values(answer: bytes) -> np.ndarray:
-    stored = _state.unpack(answer)
-    if "codec" not in stored:
-        return stored["values"]
-    # answers stored by earlier versions: the values compressed on their own
-    raw = pa.Codec(stored["codec"]).decompress(stored["values"], decompressed_size=stored["size"])
-    return np.frombuffer(raw, dtype=np.float64).copy()
 
 
 def _run_partitions(method: str, templates: dict[int, StreamMachine], data: np.ndarray, offsets: np.ndarray,

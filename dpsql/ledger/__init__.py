@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dpsql.errors import InvalidParameter
 from dpsql.ledger.sqlite import SqliteBackend
-from dpsql.ledger.store import Ledger, Receipt, ReleaseRow, ScopeState
+from dpsql.ledger.store import CachedAnswer, Ledger, Receipt, ReleaseRow, ScopeState
 
 
 def open_ledger(location: str | Path) -> Ledger:
@@ -35,4 +35,4 @@ def memory_ledger() -> Ledger:
     return Ledger(SqliteBackend(None))
 
 
-__all__ = ["Ledger", "Receipt", "ReleaseRow", "ScopeState", "memory_ledger", "open_ledger"]
+__all__ = ["CachedAnswer", "Ledger", "Receipt", "ReleaseRow", "ScopeState", "memory_ledger", "open_ledger"]

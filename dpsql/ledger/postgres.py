@@ -35,6 +35,8 @@ class PostgresBackend:
     errors = (psycopg.Error,)
     lock_row = " FOR UPDATE"
     persistent = True
+    #: The principal is the database role, authenticated by the server: naming another is refused.
+    names_principals = False
 
     def __init__(self, url: str):
         self._url = url
@@ -81,6 +83,19 @@ class PostgresBackend:
     def prepare(self, conn) -> None:
         """Serialise the creation of a new ledger's tables between clients."""
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_CREATE_LOCK,))
+
+    def principal(self, conn) -> str:
+        """Who uses the ledger: the database role this connection acts as (``current_user``)."""
+        return conn.execute("SELECT current_user").fetchone()[0]
+
+    def secure(self, conn) -> None:
+        """Let each role see only its own stored answers (they hold release keys), table owner included:
+        row-level security on ``answers``. Answers stored before principals were kept (NULL) are nobody's."""
+        conn.execute("ALTER TABLE answers ENABLE ROW LEVEL SECURITY")
+        conn.execute("ALTER TABLE answers FORCE ROW LEVEL SECURITY")
+        conn.execute("DROP POLICY IF EXISTS answers_of_their_principal ON answers")
+        conn.execute("CREATE POLICY answers_of_their_principal ON answers "
+                     "USING (principal = current_user) WITH CHECK (principal = current_user)")
 
     def columns(self, conn) -> dict[str, set[str]]:
         rows = conn.execute("SELECT table_name, column_name FROM information_schema.columns "

@@ -10,8 +10,10 @@ from __future__ import annotations
 #: Version of the table layout; older ledgers are upgraded when opened (see :func:`upgrades`).
 #: 2: running totals, streams, release records. 3: released rows stored by :mod:`dpsql._chunks`
 #: (keys as differences from a first key in the field's metadata), which dpsql of version 2
-#: would misread: it refuses a ledger of version 3 instead. Tables are the same.
-VERSION = 3
+#: would misread: it refuses a ledger of version 3 instead. Tables are the same. 4: the answer cache
+#: keeps, per principal, what recomputes a release (its key), not its values; charges record their
+#: principal. Answers stored before (their values, no principal) are kept but answer no one.
+VERSION = 4
 
 TABLES = [
     # key/value facts about the ledger itself: version, id, next row handle
@@ -45,7 +47,8 @@ TABLES = [
         note TEXT,
         kind TEXT NOT NULL DEFAULT 'release',
         stream TEXT,
-        answers TEXT)""",
+        answers TEXT,
+        principal TEXT)""",
     "CREATE INDEX IF NOT EXISTS charges_scope ON charges(scope, seq)",
     # the public record of a release: description and error models (never data), its row handles
     """CREATE TABLE IF NOT EXISTS releases (
@@ -55,13 +58,18 @@ TABLES = [
         handles {bigint} NOT NULL,
         description {blob} NOT NULL)""",
     "CREATE INDEX IF NOT EXISTS releases_handle ON releases(first_handle)",
-    # stored answers of releases, for identical repeats (fingerprint of release and data)
+    # the answer cache: for an identical repeat by the same principal (fingerprint of request, principal
+    # and data), the release's secret key that recomputes it and the digest of its values that checks the
+    # recomputation (``answer``; before version 4: the values themselves, with no principal)
     """CREATE TABLE IF NOT EXISTS answers (
         fingerprint TEXT PRIMARY KEY,
         scope TEXT NOT NULL,
         release_id TEXT NOT NULL,
         created TEXT NOT NULL,
-        answer {blob} NOT NULL)""",
+        answer {blob} NOT NULL,
+        principal TEXT,
+        private INTEGER,
+        secret {blob})""",
     "CREATE INDEX IF NOT EXISTS answers_scope ON answers(scope)",
     # continual streams: registration, secret key, open state per partition, released rows
     """CREATE TABLE IF NOT EXISTS streams (
@@ -99,7 +107,9 @@ TABLES = [
 _ADDED = {
     "scopes": [("spent_epsilon", "TEXT NOT NULL DEFAULT '0/1'"), ("spent_delta", "TEXT NOT NULL DEFAULT '0/1'"),
                ("charges", "{bigint} NOT NULL DEFAULT 0")],
-    "charges": [("kind", "TEXT NOT NULL DEFAULT 'release'"), ("stream", "TEXT"), ("answers", "TEXT")],
+    "charges": [("kind", "TEXT NOT NULL DEFAULT 'release'"), ("stream", "TEXT"), ("answers", "TEXT"),
+                ("principal", "TEXT")],
+    "answers": [("principal", "TEXT"), ("private", "INTEGER"), ("secret", "{blob}")],
 }
 
 

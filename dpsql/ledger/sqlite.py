@@ -7,6 +7,7 @@ concurrent charges can never overspend. Persistent ledgers use write-ahead loggi
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import uuid
 from pathlib import Path
@@ -37,6 +38,9 @@ _OUTCOME = "Nothing was charged or released."
 class SqliteBackend:
     errors = (sqlite3.Error,)
     lock_row = ""  # BEGIN IMMEDIATE already holds the database's write lock
+    #: Whoever can write the file can read all of it: a principal other than the OS user may be named
+    #: (several people sharing one file, each under their own name).
+    names_principals = True
 
     def __init__(self, path: str | Path | None):
         """``path``: the ledger file; None for a ledger in this process's memory."""
@@ -83,6 +87,13 @@ class SqliteBackend:
         """A local file's connection never breaks: errors leave it usable."""
         return False
 
+    def principal(self, conn) -> str:
+        """Who uses the ledger: the operating system's user of this process."""
+        return os_user()
+
+    def secure(self, conn) -> None:
+        """Nothing to do: a file's permissions are all there is to restrict."""
+
     def columns(self, conn) -> dict[str, set[str]]:
         tables = [row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
         return {t: {row[1] for row in conn.execute(f'PRAGMA table_info("{t}")')} for t in tables}
@@ -91,3 +102,19 @@ class SqliteBackend:
         text = str(error)
         cause = next((c for needle, c in _CAUSES if needle in text.lower()), text).format(timeout=LOCK_TIMEOUT)
         return LedgerError(f"ledger {self.location}: cannot {what}: {cause} (SQLite: {text}). {_OUTCOME}")
+
+
+def os_user() -> str:
+    """The name of this process's user, found by its uid (HOME, USER and LOGNAME may be unset or
+    say anything); ``uid <n>`` for a uid without a name."""
+    try:
+        import pwd
+    except ImportError:  # no uids (Windows): the login name
+        import getpass
+
+        return getpass.getuser()
+    uid = os.getuid()
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:  # e.g. a container run with an arbitrary uid
+        return f"uid {uid}"

@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 from dpsql.accounting import Charge, Notion, exact, fraction_text, parse_fraction
@@ -64,6 +64,19 @@ class Receipt:
 
 
 @dataclass(frozen=True)
+class CachedAnswer:
+    """What the answer cache keeps of a release so that an identical repeat by the same principal
+    gets it again: the fingerprint of the request (principal included), whether the release is
+    private, its secret key, which recomputes its values from the same data (a secret: never
+    shown), and the digest of its values, which checks the recomputation."""
+
+    fingerprint: str
+    private: bool
+    key: bytes = field(repr=False)
+    digest: bytes
+
+
+@dataclass(frozen=True)
 class ReleaseRow:
     release_id: str
     scope: str
@@ -86,6 +99,8 @@ class Ledger:
         self._created_in = os.getpid()
         with self.reading("open the ledger") as conn:
             ready = self._current(conn)
+            #: Who charges through this object: the backend's principal (the OS user, the database role).
+            self.principal: str = self.backend.principal(conn)
         if not ready:
             with self.transaction("create the ledger's tables") as conn:
                 self._prepare(conn)
@@ -160,11 +175,11 @@ class Ledger:
     def _prepare(self, conn) -> None:
         self.backend.prepare(conn)
         existing = self.backend.columns(conn)
-        if "ledger_meta" not in existing:
-            for statement in schema.upgrades(existing):
-                self.execute(conn, self.backend.ddl(statement))
+        for statement in schema.upgrades(existing):
+            self.execute(conn, self.backend.ddl(statement))
         for statement in schema.TABLES:
             self.execute(conn, self.backend.ddl(statement))
+        self.backend.secure(conn)
         meta = dict(self.execute(conn, "SELECT key, value FROM ledger_meta").fetchall())
         if "version" not in meta:
             origin = (secrets.randbits(_HANDLE_ORIGIN_BITS) + (1 << _HANDLE_ORIGIN_BITS)) << 32
@@ -173,7 +188,7 @@ class Ledger:
             if "charges" in existing:  # a version-1 ledger: running totals from its history
                 for (scope,) in self.execute(conn, "SELECT scope FROM scopes").fetchall():
                     self._recount(conn, scope)
-        elif int(meta["version"]) < schema.VERSION:  # the same tables: a new version keeps out older dpsql
+        elif int(meta["version"]) < schema.VERSION:  # its columns added above; the version keeps out older dpsql
             self.execute(conn, "UPDATE ledger_meta SET value = ? WHERE key = 'version'", (str(schema.VERSION),))
 
     def _recount(self, conn, scope: str) -> None:
@@ -239,13 +254,13 @@ class Ledger:
 
     # -- charging: the one path ------------------------------------------------------------
 
-    def charge(self, scope: str, charge: Charge, *, handles: int = 0, description: bytes | None = None,
-               answer: tuple[str, bytes] | None = None, then=None) -> Receipt:
-        """Check and charge ``charge`` to ``scope`` in one transaction, recording the release:
-        its description (with ``handles`` row handles allocated to it) and, for an identical
-        repeat later, its ``answer`` (fingerprint, stored values). ``then(conn, receipt)`` runs
-        inside the same transaction (a stream's registration). Raises
-        :class:`BudgetExhausted` and records nothing when the budget cannot pay."""
+    def charge(self, scope: str, charge: Charge, *, principal: str, handles: int = 0,
+               description: bytes | None = None, answer: CachedAnswer | None = None, then=None) -> Receipt:
+        """Check and charge ``charge`` to ``scope`` in one transaction, recording the release
+        (made by ``principal``): its description (with ``handles`` row handles allocated to it)
+        and, for an identical repeat by the same principal later, its ``answer``.
+        ``then(conn, receipt)`` runs inside the same transaction (a stream's registration).
+        Raises :class:`BudgetExhausted` and records nothing when the budget cannot pay."""
         want_eps, want_delta = exact(charge.epsilon), exact(charge.delta)
         with self.transaction(f"charge scope {scope!r}") as conn:
             state = self._scope(conn, scope, lock=True)
@@ -254,7 +269,7 @@ class Ledger:
             refuse_overspend(state, want_eps, want_delta, charge)
             release_id = str(uuid.uuid4())
             first_handle = self.allocate_handles(conn, handles)
-            self._insert_charge(conn, scope, release_id, charge, charge.epsilon, charge.delta)
+            self._insert_charge(conn, scope, release_id, charge, charge.epsilon, charge.delta, principal)
             self.execute(conn, "UPDATE scopes SET spent_epsilon = ?, spent_delta = ?, charges = charges + 1 "
                                "WHERE scope = ?",
                          (fraction_text(state.spent_epsilon + want_eps), fraction_text(state.spent_delta + want_delta),
@@ -264,25 +279,27 @@ class Ledger:
                                    "VALUES (?, ?, ?, ?, ?)",
                              (release_id, scope, first_handle, handles, self.backend.blob(description)))
             if answer is not None:
-                self.execute(conn, "INSERT INTO answers (fingerprint, scope, release_id, created, answer) "
-                                   "VALUES (?, ?, ?, ?, ?) ON CONFLICT (fingerprint) DO UPDATE SET "
-                                   "release_id = excluded.release_id, created = excluded.created, "
-                                   "answer = excluded.answer",
-                             (answer[0], scope, release_id, _now(), self.backend.blob(answer[1])))
+                self.execute(conn, "INSERT INTO answers (fingerprint, scope, release_id, created, answer, principal, "
+                                   "private, secret) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (fingerprint) DO "
+                                   "UPDATE SET release_id = excluded.release_id, created = excluded.created, "
+                                   "answer = excluded.answer, principal = excluded.principal, "
+                                   "private = excluded.private, secret = excluded.secret",
+                             (answer.fingerprint, scope, release_id, _now(), self.backend.blob(answer.digest),
+                              principal, int(answer.private), self.backend.blob(answer.key)))
             receipt = Receipt(release_id, first_handle)
             if then is not None:
                 then(conn, receipt)
             return receipt
 
     def _insert_charge(self, conn, scope: str, release_id: str, charge: Charge, epsilon: float, delta: float,
-                       answers: str | None = None) -> None:
+                       principal: str, answers: str | None = None) -> None:
         self.execute(conn, "INSERT INTO charges (release_id, scope, time, method, params, epsilon, delta, rows, "
-                           "partitions, neighbour, private, note, kind, stream, answers) "
-                           "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                           "partitions, neighbour, private, note, kind, stream, answers, principal) "
+                           "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                      (release_id, scope, _now(), charge.method, json.dumps(charge.params, sort_keys=True, default=str),
                       repr(float(epsilon)), repr(float(delta)), int(charge.rows), int(charge.partitions),
                       charge.neighbour.value, int(charge.private), charge.note, charge.kind.value, charge.stream,
-                      answers))
+                      answers, principal))
 
     def allocate_handles(self, conn, count: int) -> int:
         """Reserve ``count`` consecutive row handles (inside a write transaction); the first."""
@@ -292,17 +309,17 @@ class Ledger:
             self.execute(conn, "UPDATE ledger_meta SET value = ? WHERE key = 'next_handle'", (str(first + count),))
         return first
 
-    def record_hit(self, scope: str, charge: Charge, release_id: str) -> None:
-        """Record that an identical repeat of ``release_id`` was answered from the ledger (free)."""
+    def record_hit(self, scope: str, charge: Charge, release_id: str, *, principal: str) -> None:
+        """Record that ``principal``'s identical repeat of ``release_id`` was answered from the ledger (free)."""
         with self.transaction(f"record a cache hit in scope {scope!r}") as conn:
-            self._insert_charge(conn, scope, str(uuid.uuid4()), charge, 0.0, 0.0, answers=release_id)
+            self._insert_charge(conn, scope, str(uuid.uuid4()), charge, 0.0, 0.0, principal, answers=release_id)
 
     # -- reading --------------------------------------------------------------------------
 
     def history(self, scope: str) -> list[tuple]:
         with self.reading(f"read the history of scope {scope!r}") as conn:
             return self.execute(conn, "SELECT time, kind, release_id, method, params, epsilon, delta, rows, "
-                                      "partitions, neighbour, private, note, stream, answers FROM charges "
+                                      "partitions, neighbour, private, note, stream, answers, principal FROM charges "
                                       "WHERE scope = ? ORDER BY seq", (scope,)).fetchall()
 
     def release(self, release_id: str) -> ReleaseRow:
@@ -325,16 +342,22 @@ class Ledger:
             return None
         return ReleaseRow(row[0], row[1], int(row[2]), int(row[3]), bytes(row[4]))
 
-    def answer(self, scope: str, fingerprint: str) -> tuple[str, bytes] | None:
-        """The stored answer of an identical earlier release in ``scope``: (release id, answer)."""
+    def answer(self, scope: str, fingerprint: str, *, principal: str, private: bool) -> tuple[str, CachedAnswer] | None:
+        """What answers ``principal``'s identical repeat (``private`` or seeded, as the release was)
+        of an earlier release in ``scope``: (release id, answer). Another principal's answer, one of
+        the other kind and one stored before answers had principals are never found."""
         with self.reading("look up a stored answer") as conn:
-            row = self.execute(conn, "SELECT release_id, answer FROM answers WHERE fingerprint = ? AND scope = ?",
-                               (fingerprint, scope)).fetchone()
-        return None if row is None else (row[0], bytes(row[1]))
+            row = self.execute(conn, "SELECT release_id, secret, answer FROM answers WHERE fingerprint = ? AND "
+                                     "scope = ? AND principal = ? AND private = ?",
+                               (fingerprint, scope, principal, int(private))).fetchone()
+        return None if row is None else (row[0], CachedAnswer(fingerprint, private, bytes(row[1]), bytes(row[2])))
 
-    def clear_answers(self, scope: str) -> int:
+    def clear_answers(self, scope: str, *, principal: str) -> int:
+        """Forget ``principal``'s stored answers in ``scope``, and those stored before answers had
+        principals (which answer no one); how many."""
         with self.transaction(f"clear the stored answers of scope {scope!r}") as conn:
-            return self.execute(conn, "DELETE FROM answers WHERE scope = ?", (scope,)).rowcount
+            return self.execute(conn, "DELETE FROM answers WHERE scope = ? AND (principal = ? OR principal IS NULL)",
+                                (scope, principal)).rowcount
 
     def close(self) -> None:
         with self._lock:

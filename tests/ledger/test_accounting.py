@@ -253,8 +253,8 @@ def test_a_version_one_ledger_is_upgraded_with_its_totals(tmp_path):
 
 def test_a_version_two_ledger_is_upgraded_and_a_newer_one_refused(tmp_path):
     """Version 3 changed how released rows are stored, not the tables: opening a version-2 ledger
-    marks it version 3 (which version-2 dpsql refuses, instead of misreading its rows); a ledger
-    newer than this dpsql is refused before anything is written."""
+    marks it with this version (which version-2 dpsql refuses, instead of misreading its rows); a
+    ledger newer than this dpsql is refused before anything is written."""
     from dpsql.ledger import schema
 
     path = tmp_path / "l.sqlite"
@@ -268,13 +268,13 @@ def test_a_version_two_ledger_is_upgraded_and_a_newer_one_refused(tmp_path):
         with contextlib.closing(sqlite3.connect(path)) as conn, conn:
             conn.execute("UPDATE ledger_meta SET value = ? WHERE key = 'version'", (str(v),))
 
-    assert version() == schema.VERSION == 3
+    assert version() == schema.VERSION == 4
     set_version(2)
-    assert dpsql.Budget.open(path).spent == (0.25, 0.0) and version() == 3
-    set_version(4)
-    with pytest.raises(dpsql.LedgerError, match="version 4, newer than this dpsql understands"):
+    assert dpsql.Budget.open(path).spent == (0.25, 0.0) and version() == 4
+    set_version(5)
+    with pytest.raises(dpsql.LedgerError, match="version 5, newer than this dpsql understands"):
         dpsql.Budget.open(path)
-    assert version() == 4
+    assert version() == 5
 
 
 def test_a_charge_reads_the_running_total_not_the_history(tmp_path):
