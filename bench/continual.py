@@ -136,7 +136,7 @@ def breakdown(table: pa.Table, values: np.ndarray, batch: int, directory: Path) 
     append_rows.append(["**all appends**", total, 1.0])
 
     phases = Phases()
-    phases.wrap(publishing, "fingerprint", "fingerprint of the data (BLAKE2b)")
+    phases.wrap(publishing, "fingerprint", "fingerprint of the data (SHA-256)")
     phases.wrap(publishing, "_run_partitions", "ToPS mechanism")
     phases.wrap(publishing, "values_digest", "answer: digest of the values for the ledger")
     phases.wrap(dpsql.Budget, "charge", "charge: one transaction (record, answer), committed")

@@ -207,7 +207,7 @@ def main() -> None:
             "BIGINT row handle for error bars (the row without it isolates its cost). Partitions of methods with "
             "independent rows are released in one run; ToPS partitions of equal length are released together, "
             "vectorised over partitions. Every release here is fresh (`fresh := true`): charged, its data "
-            "fingerprinted (BLAKE2b) and its answer stored in the in-memory ledger. For laplace, the mechanism "
+            "fingerprinted (SHA-256) and its answer stored in the in-memory ledger. For laplace, the mechanism "
             "is one AES-256-CTR keystream block per row (the `keystream alone` row) turned into a discrete "
             "Laplace draw. The last column is the CPU time all threads spent in the kernel "
             "(`getrusage`): mostly page faults on fresh memory, which on a virtual machine "

@@ -190,7 +190,7 @@ def fingerprint_share(args) -> str:
             "`Budget.in_memory(..., cache=False)` (no fingerprint, no cached answer). Method 2: the fingerprint "
             "call itself (`dpsql._fingerprint.fingerprint` over the values in stream order, partition bounds and "
             "the order keys, wrapped with a timer inside the cached runs) and the digest of the released values "
-            "that the cached answer keeps (`values_digest`, BLAKE2b) likewise.\n\n"
+            "that the cached answer keeps (`values_digest`, SHA-256) likewise.\n\n"
             + markdown_table(["method", "release with cache s", "release with cache=False s",
                               "(with - without) / with", "fingerprint s", "fingerprint / release",
                               "values digest s", "digest / release"], rows)
