@@ -4,8 +4,8 @@ Every release has a secret 32-byte key from the operating system's CSPRNG
 (``os.urandom``). Every noise draw of the release is a function of that key and of the
 draw's *address*: the partition it belongs to, the component of the algorithm that
 draws it (a :class:`Lane`), a level and an index (a row, a tree node, a time step).
-Nothing is drawn "next": a draw is computed, by AES-256 in counter mode (OpenSSL, via
-``cryptography``), from its address. Hence
+Nothing is drawn "next": a draw is computed, by AES-256 (OpenSSL, via ``cryptography``),
+from its address. Hence
 
 * a row's noise does not depend on how the table was cut into chunks, appends or
   partitions, nor on the order in which partitions run (a continual stream appended a
@@ -13,69 +13,70 @@ Nothing is drawn "next": a draw is computed, by AES-256 in counter mode (OpenSSL
 * a retried or re-executed computation (a Spark task, a crashed append) recomputes the
   same values instead of drawing fresh noise, which would release the data twice.
 
+Addresses
+---------
+A partition is named by its canonical address bytes (:mod:`dpsql.addresses`: exact and
+injective for every key type). Within a partition, a draw's place is the 128-bit counter
+``C = lane (16 bits) | level (16 bits) | attempt (32 bits) | index (64 bits)``.
+
+Two AES-256 keys are derived from the release key (BLAKE2b keyed by it): a *mask key* and a
+*draw key*. A partition's mask ``T`` is the CBC-MAC, under the mask key, of its address
+preceded by one block holding its length (a prefix-free encoding, on which CBC-MAC is a
+pseudorandom function of variable-length input). The draw at ``C`` is the AES block, under
+the draw key, of ``T + C mod 2**128``: the tweakable block cipher XE(T) of Rogaway (2004),
+the partition as the tweak. Within a partition, distinct counters are distinct inputs, and
+consecutive indices are consecutive inputs, so a range of draws is AES in counter mode
+starting at ``T + C``; the draws of many partitions are one ECB pass over their inputs, so a
+release of a million partitions needs no per-partition key schedule. Two partitions' inputs
+meet only if their masks differ by the difference of two counters used: for random 128-bit
+masks, over all the draws of a release, a probability below ``draws**2 / 2**128``.
+
+Streams registered before this scheme (:data:`LEGACY_SCHEME`) keep theirs: a sub-key per
+partition (BLAKE2b keyed by the release key over the address), counters ``C`` unmasked. A
+stream's later noise must be drawn as its earlier noise was: mixing the two would release a
+block's forest twice.
+
 Keys. ``Keystream.fresh()`` gives a release its key: ``os.urandom(32)``, or, inside
 :func:`dpsql.testing.seeded`, a key derived from the seed (non-private; a persistent
-ledger refuses such releases). A partition's draws use a sub-key, BLAKE2b keyed by the
-release key over the partition's canonical address (:func:`partition_address`), so
-partitions never share a counter space whatever their number. Within a partition the
-128-bit counter block is ``lane (16 bits) | level (16 bits) | attempt (32 bits) | index
-(64 bits)``, each draw using one block: distinct addresses never share keystream.
+ledger refuses such releases).
 
-Float safety
-------------
-Textbook ``x + laplace()`` on doubles leaks ``x`` through the rounding of the sum
-(Mironov, CCS 2012). dpsql never adds continuous noise to a private float: mechanisms
-snap the private quantity to a lattice ``gamma * Z`` whose power-of-two spacing depends
-only on public parameters and add *integer* noise from :meth:`LaneDraws.discrete_laplace`
-(see :class:`dpsql.mechanisms.LaplaceLattice`).
-
-The discrete Laplace draw ``P(Z = k) ∝ exp(-|k| / scale)`` takes one 128-bit block: one
-bit of its first word for the sign, 53 bits for a uniform ``U`` in (0, 1], and
-``|Z| = floor(-scale * ln U)`` (a geometric variable); the pair (negative sign, 0) is
-rejected and redrawn from the same address with the next *attempt*, so that zero is not
-counted twice. Every ``U < 2^-20`` (one draw in a million) is refined with the 53 bits of
-the block's second word, ``U = (k + V) * 2^-53``: the relative spacing of ``U`` is then
-at most ``2^-33`` everywhere, so every integer magnitude is reachable for scales up to
-``2^33`` lattice units (:data:`MAX_SCALE`); which outputs are unreachable could otherwise
-depend on the input. What remains is the rounding of ``log`` (relative error about
-1e-16 on each probability), computed from public quantities only.
+Draws become noise in :mod:`dpsql.sampling` (float safety is explained there).
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
-import decimal
 import enum
 import hashlib
-import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
+import pyarrow as pa
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from dpsql.addresses import masks
 from dpsql.errors import InvalidParameter
+from dpsql.sampling import (
+    check_indices,
+    check_range,
+    check_scale,
+    fill_discrete_laplace,
+    redraw,
+    uniform_of,
+)
 
 KEY_BYTES = 32
-_TWO_POW_M53 = 2.0**-53
-_MASK53 = np.uint64((1 << 53) - 1)
-# Uniforms below 2^-20 (53-bit grid values below 2^33) are refined; see the module docstring.
-_REFINE_BELOW = np.uint64(1 << 33)
-_SIGN_BIT = np.uint64(1 << 63)
-#: Every uniform the discrete Laplace draw inverts is at least ``2^-106`` (a refined
-#: one's smallest value), so every draw has ``|Z| <= scale * MAX_NEG_LOG_UNIFORM``.
-MAX_NEG_LOG_UNIFORM = 106 * math.log(2)
-#: The largest scale :meth:`LaneDraws.discrete_laplace` accepts: up to it every integer
-#: magnitude is reachable (see "Float safety" above).
-MAX_SCALE = 2.0**33
-#: Indices must stay below this (the counter block's index field, with room to spare).
-MAX_INDEX = 1 << 62
+#: The noise scheme of releases made now (see "Addresses" above).
+SCHEME = 2
+#: The scheme of streams registered before :data:`SCHEME`: a sub-key per partition.
+LEGACY_SCHEME = 1
+_MASK64 = (1 << 64) - 1
+_MASK128 = (1 << 128) - 1
 # Draws per keystream call: large enough to amortise a call, small enough that the block
 # buffer and its temporaries stay in L2 cache while they are turned into noise.
 _PIECE = 1 << 14
-_MAX_ATTEMPTS = 1 << 31
 
 
 class Lane(enum.IntEnum):
@@ -96,26 +97,41 @@ class Lane(enum.IntEnum):
     VALUE_TAG = 12  #: keyed tags of a continual stream's appended values (no noise: equality checks)
 
 
+def _derived_key(key: bytes, purpose: bytes) -> bytes:
+    return hashlib.blake2b(b"", key=key, digest_size=KEY_BYTES, person=purpose).digest()
+
+
 class Keystream:
     """The noise of one release: a secret key and, per partition, addressed draws.
 
     Examples
     --------
     >>> ks = Keystream(bytes(32), private=False)
-    >>> lane = ks.partition(partition_address(7)).lane(Lane.ROWS)
+    >>> lane = ks.partition(b"i7").lane(Lane.ROWS)
     >>> a = lane.discrete_laplace(100.0, start=0, count=10)
     >>> b = np.concatenate([lane.discrete_laplace(100.0, start=0, count=4),
     ...                     lane.discrete_laplace(100.0, start=4, count=6)])
     >>> bool((a == b).all())   # chunking never changes a draw
     True
+    >>> batch = ks.partitions([b"i6", b"i7"]).lane(Lane.ROWS).discrete_laplace(100.0, 0, 10)
+    >>> bool((batch[1] == a).all())   # nor does the company a partition is released in
+    True
     """
 
-    def __init__(self, key: bytes, *, private: bool):
+    def __init__(self, key: bytes, *, private: bool, scheme: int = SCHEME):
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             raise InvalidParameter(f"a release key is {KEY_BYTES} bytes")
+        if scheme not in (SCHEME, LEGACY_SCHEME):
+            raise InvalidParameter(f"unknown noise scheme {scheme!r}: this dpsql draws with schemes "
+                                   f"{LEGACY_SCHEME} and {SCHEME}")
         self._key = key
         #: False for test (seeded) keys: releases inherit this flag.
         self.private = private
+        #: How draws are derived from the key (see the module docstring).
+        self.scheme = scheme
+        if scheme == SCHEME:
+            self._draw_aes = algorithms.AES(_derived_key(key, b"dpsql-draws"))
+            self._mask_aes = algorithms.AES(_derived_key(key, b"dpsql-masks"))
 
     @classmethod
     def fresh(cls) -> Keystream:
@@ -133,34 +149,49 @@ class Keystream:
 
     def partition(self, address: bytes = b"") -> Draws:
         """The draws of the partition with canonical ``address`` (``b""``: an unpartitioned stream)."""
-        sub_key = hashlib.blake2b(address, key=self._key, digest_size=KEY_BYTES, person=b"dpsql-partition").digest()
-        return Draws(sub_key, self.private)
+        if self.scheme == LEGACY_SCHEME:
+            sub_key = hashlib.blake2b(address, key=self._key, digest_size=KEY_BYTES,
+                                      person=b"dpsql-partition").digest()
+            return Draws(algorithms.AES(sub_key), 0, self.private)
+        hi, lo = masks(self._mask_aes, [address])[0].tolist()
+        return Draws(self._draw_aes, (hi << 64) | lo, self.private)
 
-    def partitions(self, addresses: Sequence[bytes]) -> DrawsBatch:
-        """The draws of several partitions, drawn together (see :class:`DrawsBatch`)."""
-        return DrawsBatch([self.partition(a) for a in addresses])
+    def partitions(self, addresses: Sequence[bytes] | pa.Array) -> DrawsBatch:
+        """The draws of several partitions (canonical ``addresses``: bytes, or an Arrow binary
+        array of them), drawn together (see :class:`DrawsBatch`); no per-partition objects are
+        made, so a million partitions cost a few array passes."""
+        if self.scheme == LEGACY_SCHEME:
+            listed = addresses.to_pylist() if isinstance(addresses, pa.Array) else addresses
+            return DrawsBatch([self.partition(a) for a in listed])
+        return DrawsBatch.masked(self._draw_aes, masks(self._mask_aes, addresses), self.private)
 
     def __repr__(self) -> str:
         return f"Keystream(private={self.private})"  # never the key
 
     def __reduce__(self):
         # A Spark task carries the key inside its closure: that is where it is meant to go.
-        return _keystream, (self._key, self.private)
+        return _keystream, (self._key, self.private, self.scheme)
 
 
-def _keystream(key: bytes, private: bool) -> Keystream:
-    return Keystream(key, private=private)
+def _keystream(key: bytes, private: bool, scheme: int = LEGACY_SCHEME) -> Keystream:
+    return Keystream(key, private=private, scheme=scheme)
 
 
-#: Blocks' first words computed per cipher call by :meth:`Draws._blocks_at` (value tags).
+#: Blocks' first words computed per cipher call at scattered addresses (value tags).
 _STEP_AT = 4096
 
 
 class Draws:
-    """One partition's addressed draws; :meth:`lane` selects a component."""
+    """One partition's addressed draws; :meth:`lane` selects a component.
 
-    def __init__(self, sub_key: bytes, private: bool):
-        self._aes = algorithms.AES(sub_key)
+    ``aes`` is the release's draw key (its sub-key, for the legacy scheme) and ``mask`` the
+    partition's 128-bit mask (0 for the legacy scheme): the block at counter ``C`` is AES of
+    ``mask + C``.
+    """
+
+    def __init__(self, aes: algorithms.AES, mask: int, private: bool):
+        self._aes = aes
+        self._mask = mask
         self.private = private
 
     def lane(self, lane: Lane, level: int = 0) -> LaneDraws:
@@ -172,7 +203,7 @@ class Draws:
         if out is None:
             out = np.empty((count, 2), dtype=np.uint64)
         if count:
-            nonce = header.to_bytes(8, "big") + start.to_bytes(8, "big")
+            nonce = ((self._mask + ((header << 64) | start)) & _MASK128).to_bytes(16, "big")
             encryptor = Cipher(self._aes, modes.CTR(nonce)).encryptor()
             encryptor.update_into(_zeros(count), out.view(np.uint8).reshape(-1))
         return out
@@ -180,30 +211,49 @@ class Draws:
     def tags(self, values: np.ndarray) -> np.ndarray:
         """A keyed 64-bit tag of each float64 value (AES of its bits under the ``VALUE_TAG``
         lane): equal values get equal tags, and without the key a tag says nothing about its
-        value. A continual stream keeps tags, not values, to recognise a row appended twice."""
-        bits = np.ascontiguousarray(values, dtype=np.float64).reshape(-1).view(np.uint64)
+        value. A continual stream keeps tags, not values, to recognise a row appended twice.
+        ``-0.0`` is tagged as ``0.0``: the two are the same reading."""
+        bits = (np.ascontiguousarray(values, dtype=np.float64).reshape(-1) + 0.0).view(np.uint64)
         return self._blocks_at(int(Lane.VALUE_TAG) << 48, bits, first_word=True)
 
     def _blocks_at(self, header: int, indices: np.ndarray, *, first_word: bool = False) -> np.ndarray:
         """The keystream blocks at scattered ``indices`` (equal to :meth:`_blocks` there) as
-        ``(n, 2)`` words, or only each block's first word: AES of the counter blocks themselves,
-        which is what counter mode computes."""
-        n = len(indices)
-        # first words: a few thousand at a time, so that counters and cipher blocks stay in cache
-        # (not two arrays of 16 bytes an index); whole blocks: one call, the cipher's output is the result
-        step = min(n, _STEP_AT) if first_word else n
-        counters = np.empty((step, 2), dtype=">u8")
-        counters[:, 0] = header
-        out = np.empty(2 * step + 2, dtype="<u8")  # update_into wants a block to spare
-        result = np.empty(n, dtype=np.uint64) if first_word else out[:2 * n].reshape(n, 2).view(np.uint64)
-        encryptor = Cipher(self._aes, modes.ECB()).encryptor()
-        for at in range(0, n, max(step, 1)):
-            m = min(step, n - at)
-            counters[:m, 1] = indices[at:at + m]
-            encryptor.update_into(counters[:m].view(np.uint8).reshape(-1), out[:2 * m + 2].view(np.uint8))
-            if first_word:
-                result[at:at + m] = out[:2 * m:2]
-        return result
+        ``(n, 2)`` words, or only each block's first word."""
+        return _blocks_at(self._aes, np.uint64(self._mask >> 64), np.uint64(self._mask & _MASK64), header,
+                          indices, first_word=first_word)
+
+
+def _blocks_at(aes: algorithms.AES, mask_high, mask_low, header: int, indices: np.ndarray, *,
+               first_word: bool = False) -> np.ndarray:
+    """AES (``aes``, ECB) of the counters ``mask + (header << 64 | index)`` for each of
+    ``indices`` (uint64 or int64), ``mask_high`` and ``mask_low`` one mask's words or one per
+    index: what counter mode computes at those counters. ``(n, 2)`` little-endian words, or
+    each block's first word; a few thousand at a time, so counters and blocks stay in cache."""
+    indices = np.asarray(indices).view(np.uint64) if np.asarray(indices).dtype == np.int64 else np.asarray(
+        indices, dtype=np.uint64)
+    n = len(indices)
+    per_index = np.ndim(mask_high) > 0
+    step = max(min(n, _STEP_AT if first_word else _PIECE), 1)
+    counters = np.empty((step, 2), dtype=np.uint64)
+    cipher_in = np.empty((step, 2), dtype=">u8")
+    out = np.empty(2 * step + 2, dtype="<u8")  # update_into wants a block to spare
+    result = np.empty(n, dtype=np.uint64) if first_word else np.empty((n, 2), dtype=np.uint64)
+    encryptor = Cipher(aes, modes.ECB()).encryptor()
+    header_word = np.uint64(header & _MASK64)
+    for at in range(0, n, step):
+        m = min(step, n - at)
+        high = mask_high[at:at + m] if per_index else mask_high
+        low = mask_low[at:at + m] if per_index else mask_low
+        np.add(indices[at:at + m], low, out=counters[:m, 1])
+        np.add(high, header_word, out=counters[:m, 0])
+        counters[:m, 0] += counters[:m, 1] < indices[at:at + m]  # the carry of the low words' sum
+        cipher_in[:m] = counters[:m]
+        encryptor.update_into(cipher_in[:m].view(np.uint8).reshape(-1), out[:2 * m + 2].view(np.uint8))
+        if first_word:
+            result[at:at + m] = out[:2 * m:2]
+        else:
+            result[at:at + m] = out[:2 * m].reshape(m, 2)
+    return result
 
 
 class LaneDraws:
@@ -220,24 +270,24 @@ class LaneDraws:
         return self._draws.private
 
     def blocks(self, start: int, count: int, attempt: int = 0) -> np.ndarray:
-        _check_range(start, count)
+        check_range(start, count)
         return self._draws._blocks(self._header | attempt, start, count)
 
     def uniform(self, start: int, count: int) -> np.ndarray:
         """Uniform doubles in (0, 1) on the ``2^-53`` grid shifted by half a step, one per index."""
-        return _uniform_of(self.blocks(start, count))
+        return uniform_of(self.blocks(start, count))
 
     def uniform_at(self, indices: np.ndarray) -> np.ndarray:
         """:meth:`uniform` at scattered ``indices``."""
-        indices = _check_indices(indices)
-        return _uniform_of(self._draws._blocks_at(self._header, indices))
+        indices = check_indices(indices)
+        return uniform_of(self._draws._blocks_at(self._header, indices))
 
     def discrete_laplace(self, scale: float, start: int, count: int) -> np.ndarray:
         """``count`` draws ``P(Z = k) = (1-a)/(1+a) * a**|k|``, ``a = exp(-1/scale)``, at indices
         ``start ..``: int64, mean 0, variance ``2a / (1-a)**2`` (about ``2 scale**2``).
-        ``scale = 0`` gives zeros; scales above :data:`MAX_SCALE` are refused."""
-        _check_range(start, count)
-        _check_scale(scale)
+        ``scale = 0`` gives zeros; scales above :data:`dpsql.sampling.MAX_SCALE` are refused."""
+        check_range(start, count)
+        check_scale(scale)
         out = np.empty(count, dtype=np.int64)
         if scale == 0:
             out[:] = 0
@@ -246,166 +296,218 @@ class LaneDraws:
         for a in range(0, count, _PIECE):
             b = min(count, a + _PIECE)
             piece = self._draws._blocks(self._header, start + a, b - a, blocks[: b - a])
-            rejected = _fill_discrete_laplace(piece, scale, out[a:b])
+            rejected = fill_discrete_laplace(piece, scale, out[a:b])
             if rejected.size:
                 self._redraw(scale, start + a + rejected, out[a:b], rejected)
         return out
 
     def discrete_laplace_at(self, scale: float, indices: np.ndarray) -> np.ndarray:
         """:meth:`discrete_laplace` at scattered ``indices`` (the same draw as at a range)."""
-        indices = _check_indices(indices)
-        _check_scale(scale)
+        indices = check_indices(indices)
+        check_scale(scale)
         out = np.zeros(len(indices), dtype=np.int64)
         if scale == 0 or not len(indices):
             return out
-        rejected = _fill_discrete_laplace(self._draws._blocks_at(self._header, indices), scale, out)
+        rejected = fill_discrete_laplace(self._draws._blocks_at(self._header, indices), scale, out)
         if rejected.size:
             self._redraw(scale, indices[rejected], out, rejected)
         return out
 
     def _redraw(self, scale: float, indices: np.ndarray, out: np.ndarray, where: np.ndarray) -> None:
         """Redraw the rejected draws at ``indices`` (``out[where]``) with the next attempts."""
-        attempt = 1
-        while where.size:
-            if attempt >= _MAX_ATTEMPTS:  # probability below 2**-(2**31): never
-                raise RuntimeError("discrete Laplace: too many rejections")
-            blocks = self._draws._blocks_at(self._header | attempt, indices)
-            redraw = np.empty(len(indices), dtype=np.int64)
-            still = _fill_discrete_laplace(blocks, scale, redraw)
-            keep = np.ones(len(indices), dtype=bool)
-            keep[still] = False
-            out[where[keep]] = redraw[keep]
-            where, indices = where[still], indices[still]
-            attempt += 1
+        redraw(lambda attempt, chosen: self._draws._blocks_at(self._header | attempt, indices[chosen]), scale,
+                out, where)
 
 
 class DrawsBatch:
-    """Several partitions' draws, for machines that release equal-length partitions
-    together: each partition's draws are exactly its own :class:`Draws`' (computed from
-    its own sub-key); only the arithmetic turning blocks into noise is shared."""
+    """Several partitions' draws, drawn together: each partition's draws are exactly its own
+    :class:`Draws`' (from its own mask); only the arithmetic turning blocks into noise is shared.
+
+    Made by :meth:`Keystream.partitions` (masks only, no per-partition objects: the draws of
+    all partitions come from one cipher pass) or from any :class:`Draws` (test doubles, the
+    legacy scheme's sub-keys), which are then drawn from one by one.
+    """
 
     def __init__(self, partitions: Sequence[Draws]):
-        self.partitions = list(partitions)
-        self.private = all(p.private for p in self.partitions)
+        parts = list(partitions)
+        self.private = all(p.private for p in parts)
+        aes = parts[0]._aes if parts and type(parts[0]) is Draws else None
+        if aes is not None and all(type(p) is Draws and p._aes is aes for p in parts):
+            self._aes: algorithms.AES | None = aes
+            self._masks = np.array([[p._mask >> 64, p._mask & _MASK64] for p in parts], dtype=np.uint64)
+            self._parts: list[Draws] | None = None
+        else:
+            self._aes, self._masks, self._parts = None, np.empty((len(parts), 2), np.uint64), parts
+
+    @classmethod
+    def masked(cls, aes: algorithms.AES, masks: np.ndarray, private: bool) -> DrawsBatch:
+        """The partitions whose masks are the rows of ``masks`` (``(k, 2)`` words) under ``aes``."""
+        batch = cls.__new__(cls)
+        batch.private, batch._aes, batch._masks, batch._parts = private, aes, masks, None
+        return batch
 
     def __len__(self) -> int:
-        return len(self.partitions)
+        return len(self._masks)
 
     def __getitem__(self, k: int) -> Draws:
-        return self.partitions[k]
+        if self._parts is not None:
+            return self._parts[k]
+        high, low = self._masks[k].tolist()
+        return Draws(self._aes, (high << 64) | low, self.private)  # type: ignore[arg-type]
+
+    def take(self, indices: np.ndarray) -> DrawsBatch:
+        """The partitions at positions ``indices``, as a batch."""
+        if self._parts is not None:
+            return DrawsBatch([self._parts[int(k)] for k in np.asarray(indices).tolist()])
+        return DrawsBatch.masked(self._aes, self._masks[np.asarray(indices, dtype=np.intp)], self.private)  # type: ignore[arg-type]
 
     def lane(self, lane: Lane, level: int = 0) -> BatchLaneDraws:
-        return BatchLaneDraws([p.lane(lane, level) for p in self.partitions])
+        if self._parts is not None:
+            return BatchLaneDraws([p.lane(lane, level) for p in self._parts])
+        header = (int(lane) << 48) | (int(level) << 32)
+        return BatchLaneDraws.masked(self._aes, self._masks, header, self.private)  # type: ignore[arg-type]
+
+    def tags(self, rows: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """:meth:`Draws.tags` of each value, ``values[i]`` in partition ``rows[i]``."""
+        bits = (np.ascontiguousarray(values, dtype=np.float64).reshape(-1) + 0.0).view(np.uint64)
+        header = int(Lane.VALUE_TAG) << 48
+        if self._parts is not None:
+            return _per_partition(rows, len(self), lambda j, at: self._parts[j]._blocks_at(  # type: ignore[index]
+                header, bits[at], first_word=True), np.uint64)
+        masks = self._masks[np.asarray(rows, dtype=np.intp)]
+        return _blocks_at(self._aes, masks[:, 0], masks[:, 1], header, bits, first_word=True)  # type: ignore[arg-type]
+
+
+def _per_partition(rows: np.ndarray, partitions: int, draw: Callable[[int, np.ndarray], np.ndarray],
+                   dtype) -> np.ndarray:
+    """``out[i] = draw(rows[i], ...)``: ``draw(j, at)`` gives partition ``j``'s values at the
+    positions ``at`` (where ``rows == j``), partition by partition."""
+    rows = np.asarray(rows)
+    out = np.empty(len(rows), dtype=dtype)
+    order = np.argsort(rows, kind="stable")
+    bounds = np.searchsorted(rows[order], np.arange(partitions + 1)).tolist()
+    for j in range(partitions):
+        if bounds[j + 1] > bounds[j]:
+            at = order[bounds[j]:bounds[j + 1]]
+            out[at] = draw(j, at)
+    return out
 
 
 class BatchLaneDraws:
-    """:class:`LaneDraws` of every partition of a batch; results are ``(partitions, count)``."""
+    """:class:`LaneDraws` of every partition of a batch; results are ``(partitions, count)``.
+
+    Made from any lanes, one per partition (drawn from one by one), or by
+    :meth:`DrawsBatch.lane` from a batch's masks (drawn together, one cipher pass).
+    """
 
     def __init__(self, lanes: Sequence[LaneDraws]):
-        self.lanes = list(lanes)
+        self._lanes: list[LaneDraws] | None = list(lanes)
+        self._aes: algorithms.AES | None = None
+        self._masks = np.empty((len(self._lanes), 2), dtype=np.uint64)
+        self._header, self._private = 0, False  # (the lanes say it themselves)
+
+    @classmethod
+    def masked(cls, aes: algorithms.AES, masks: np.ndarray, header: int, private: bool) -> BatchLaneDraws:
+        """The lane ``header`` of the partitions whose masks are the rows of ``masks``."""
+        batch = cls.__new__(cls)
+        batch._lanes, batch._aes, batch._masks, batch._header, batch._private = None, aes, masks, header, private
+        return batch
+
+    @classmethod
+    def of(cls, lane: LaneDraws) -> BatchLaneDraws:
+        """One partition's lane as a batch of one."""
+        return cls([lane])
+
+    def __len__(self) -> int:
+        return len(self._masks)
+
+    def _lane_of(self, j: int) -> LaneDraws:
+        if self._lanes is not None:
+            return self._lanes[j]
+        high, low = self._masks[j].tolist()
+        draws = Draws(self._aes, (high << 64) | low, self._private)  # type: ignore[arg-type]
+        return LaneDraws(draws, self._header >> 48, (self._header >> 32) & 0xFFFF)
+
+    def _masked_blocks(self, rows: np.ndarray, indices: np.ndarray, attempt: int = 0) -> np.ndarray:
+        masks = self._masks[rows]
+        return _blocks_at(self._aes, masks[:, 0], masks[:, 1], self._header | attempt, indices)  # type: ignore[arg-type]
 
     def discrete_laplace(self, scale: float | np.ndarray, start: int, count: int) -> np.ndarray:
         """Partition ``j``'s row is ``lanes[j].discrete_laplace(scale[j], start, count)``
         (``scale`` one value per partition, or one for all)."""
-        scales = np.broadcast_to(np.asarray(scale, dtype=np.float64), (len(self.lanes),))
-        out = np.empty((len(self.lanes), count), dtype=np.int64)
-        if len(self.lanes) == 1 or count >= _PIECE:
-            for j, lane in enumerate(self.lanes):
-                out[j] = lane.discrete_laplace(float(scales[j]), start, count)
+        k = len(self)
+        scales = np.broadcast_to(np.asarray(scale, dtype=np.float64), (k,))
+        out = np.empty((k, count), dtype=np.int64)
+        if k == 1 or count >= _PIECE:  # long rows: counter mode, partition by partition
+            for j in range(k):
+                out[j] = self._lane_of(j).discrete_laplace(float(scales[j]), start, count)
             return out
-        group = _PIECE // max(count, 1)
-        if len(self.lanes) > group:  # cache-sized groups of partitions: the arithmetic's arrays stay small
-            for g in range(0, len(self.lanes), group):
-                out[g:g + group] = BatchLaneDraws(self.lanes[g:g + group]).discrete_laplace(
-                    scales[g:g + group], start, count)
-            return out
-        _check_range(start, count)
+        check_range(start, count)
         for s in np.unique(scales).tolist():
-            _check_scale(s)
-        blocks = np.empty((len(self.lanes), count, 2), dtype=np.uint64)
-        for j, lane in enumerate(self.lanes):
-            lane._draws._blocks(lane._header, start, count, blocks[j])
-        flat_scale = np.repeat(scales, count)
-        zero = flat_scale == 0
-        rejected = _fill_discrete_laplace(blocks.reshape(-1, 2), np.where(zero, 1.0, flat_scale), out.reshape(-1))
-        out.reshape(-1)[zero] = 0
-        rejected = rejected[~zero[rejected]]
-        for j in np.unique(rejected // count).tolist():
-            mine = rejected[rejected // count == j] - j * count
-            self.lanes[j]._redraw(float(scales[j]), start + mine, out[j], mine)
+            check_scale(s)
+        group = max(_PIECE // max(count, 1), 1)  # cache-sized groups of partitions
+        indices = np.tile(np.arange(start, start + count, dtype=np.uint64), min(group, k))
+        for g in range(0, k, group):
+            members = np.arange(g, min(g + group, k))
+            flat = out[g:g + len(members)].reshape(-1)
+            if self._aes is not None:
+                rows = np.repeat(members, count)
+                blocks = self._masked_blocks(rows, indices[:len(rows)])
+            else:
+                blocks = np.empty((len(members), count, 2), dtype=np.uint64)
+                for j in members.tolist():
+                    lane = self._lane_of(j)
+                    lane._draws._blocks(lane._header, start, count, blocks[j - g])
+                blocks = blocks.reshape(-1, 2)
+            flat_scale = np.repeat(scales[g:g + len(members)], count)
+            zero = flat_scale == 0
+            rejected = fill_discrete_laplace(blocks, np.where(zero, 1.0, flat_scale), flat)
+            flat[zero] = 0
+            rejected = rejected[~zero[rejected]]
+            if rejected.size:
+                self._redraw(flat_scale[rejected], g + rejected // count, start + rejected % count, flat, rejected)
         return out
+
+    def _redraw(self, scale: np.ndarray, rows: np.ndarray, indices: np.ndarray, out: np.ndarray,
+                where: np.ndarray) -> None:
+        """Redraw ``out[where]``, rejected draws of partitions ``rows`` at ``indices``."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if self._aes is not None:
+            redraw(lambda attempt, chosen: self._masked_blocks(rows[chosen], indices[chosen], attempt), scale, out,
+                    where)
+            return
+        for j in np.unique(rows).tolist():
+            mine = np.flatnonzero(rows == j)
+            self._lane_of(j)._redraw(float(scale[mine[0]]), indices[mine], out, where[mine])
 
     def uniform(self, start: int, count: int) -> np.ndarray:
         """``(partitions, count)``: row ``j`` is ``lanes[j].uniform(start, count)``."""
-        out = np.empty((len(self.lanes), count))
-        for j, lane in enumerate(self.lanes):
-            out[j] = lane.uniform(start, count)
-        return out
+        k = len(self)
+        if self._aes is None or k == 1 or count >= _PIECE:
+            out = np.empty((k, count))
+            for j in range(k):
+                out[j] = self._lane_of(j).uniform(start, count)
+            return out
+        check_range(start, count)
+        rows = np.repeat(np.arange(k), count)
+        indices = np.tile(np.arange(start, start + count, dtype=np.uint64), k)
+        return uniform_of(self._masked_blocks(rows, indices)).reshape(k, count)
 
     def discrete_laplace_at(self, scale: float, rows: np.ndarray, indices: np.ndarray) -> np.ndarray:
         """One draw per pair: partition ``rows[i]`` at index ``indices[i]`` (one scale for all)."""
-        out = np.empty(len(indices), dtype=np.int64)
-        rows = np.asarray(rows)
-        if not len(rows):
-            return out
-        if not (rows[1:] < rows[:-1]).any():  # grouped by partition already (Noisy Max's contenders): slices
-            bounds = np.searchsorted(rows, np.arange(len(self.lanes) + 1)).tolist()
-            indices = np.asarray(indices)
-            for j in range(int(rows[0]), int(rows[-1]) + 1):  # the partitions asked for
-                if bounds[j + 1] > bounds[j]:
-                    out[bounds[j]:bounds[j + 1]] = self.lanes[j].discrete_laplace_at(
-                        scale, indices[bounds[j]:bounds[j + 1]])
-            return out
-        order = np.argsort(rows, kind="stable")
-        bounds = np.searchsorted(rows[order], np.arange(len(self.lanes) + 1))
-        for j in range(len(self.lanes)):
-            picked = order[bounds[j]:bounds[j + 1]]
-            if picked.size:
-                out[picked] = self.lanes[j].discrete_laplace_at(scale, indices[picked])
+        rows = np.asarray(rows, dtype=np.intp)
+        indices = check_indices(indices)
+        check_scale(scale)
+        if not len(rows) or scale == 0:
+            return np.zeros(len(rows), dtype=np.int64)
+        if self._aes is None:
+            return _per_partition(rows, len(self), lambda j, at: self._lane_of(j).discrete_laplace_at(
+                scale, indices[at]), np.int64)
+        out = np.empty(len(rows), dtype=np.int64)
+        rejected = fill_discrete_laplace(self._masked_blocks(rows, indices), scale, out)
+        if rejected.size:
+            self._redraw(np.full(len(rejected), scale), rows[rejected], indices[rejected], out, rejected)
         return out
-
-
-def _fill_discrete_laplace(blocks: np.ndarray, scale, out: np.ndarray) -> np.ndarray:
-    """Signed geometric draws from ``blocks`` (``(n, 2)`` words) into ``out``; the indices
-    to redraw (negative zeros). ``scale`` is one value or one per draw (all positive)."""
-    first = blocks[:, 0]
-    bits = first & _MASK53
-    u = np.add(bits, 1.0)
-    if bits.min(initial=_REFINE_BELOW) < _REFINE_BELOW:
-        coarse = np.flatnonzero(bits < _REFINE_BELOW)
-        refinement = (blocks[coarse, 1] & _MASK53).astype(np.float64)
-        u[coarse] = bits[coarse].astype(np.float64) + (refinement + 1.0) * _TWO_POW_M53
-    u *= _TWO_POW_M53
-    np.log(u, out=u)
-    u *= -np.asarray(scale)
-    # The word's top bit becomes the float's sign bit; the conversion to int64 then truncates
-    # toward zero, i.e. gives -floor(x) for negative x.
-    u.view(np.uint64)[:] |= first & _SIGN_BIT
-    out[:] = u
-    zeros = np.flatnonzero(out == 0)
-    return zeros[first[zeros] >= _SIGN_BIT]
-
-
-def _uniform_of(blocks: np.ndarray) -> np.ndarray:
-    return ((blocks[:, 0] >> np.uint64(11)).astype(np.float64) + 0.5) * _TWO_POW_M53
-
-
-def _check_range(start: int, count: int) -> None:
-    if not (start >= 0 and count >= 0 and start + count <= MAX_INDEX):
-        raise ValueError(f"draw indices {start}..{start + count} out of range")
-
-
-def _check_indices(indices) -> np.ndarray:
-    indices = np.asarray(indices, dtype=np.int64)
-    if indices.size and (indices.min() < 0 or indices.max() >= MAX_INDEX):
-        raise ValueError("draw indices out of range")
-    return indices
-
-
-def _check_scale(scale: float) -> None:
-    if not 0 <= scale <= MAX_SCALE:
-        raise InvalidParameter(f"discrete_laplace scale must be in [0, 2**33] (the sampler's resolution limit), "
-                               f"got {scale!r}")
 
 
 _ZEROS = threading.local()
@@ -417,52 +519,6 @@ def _zeros(count: int) -> memoryview:
     if len(buffer) < 16 * count:
         buffer = _ZEROS.buffer = bytes(16 * max(count, _PIECE))
     return memoryview(buffer)[: 16 * count]
-
-
-# -- Partition addresses ---------------------------------------------------------------------------
-
-_EPOCH = _dt.datetime(1970, 1, 1)
-_EPOCH_DATE = _dt.date(1970, 1, 1)
-
-
-def partition_address(key) -> bytes:
-    """The canonical bytes of a partition key: equal for equal keys whichever engine
-    produced them (an int from DuckDB, Polars, Spark or Python; a date; a timestamp as its
-    microseconds), distinct for distinct keys. A tuple is a multi-column key.
-
-    >>> partition_address(3) == partition_address(np.int8(3)), partition_address("3") == partition_address(3)
-    (True, False)
-    """
-    if key is None:  # null keys form one partition where a front end allows them
-        return b"n"
-    if isinstance(key, tuple):
-        return b"T" + b"".join(len(p).to_bytes(4, "big") + p for p in map(partition_address, key))
-    if isinstance(key, (bool, np.bool_)):
-        return b"b" + (b"1" if key else b"0")
-    if isinstance(key, (int, np.integer)):
-        return b"i" + str(int(key)).encode()
-    if isinstance(key, (float, np.floating)):
-        value = float(key)
-        if value.is_integer():
-            return b"i" + str(int(value)).encode()
-        return b"f" + value.hex().encode()
-    if isinstance(key, decimal.Decimal):
-        return b"i" + str(int(key)).encode() if key == key.to_integral_value() else b"f" + float(key).hex().encode()
-    if isinstance(key, str):
-        return b"s" + key.encode()
-    if isinstance(key, bytes):
-        return b"y" + key
-    if isinstance(key, _dt.datetime):
-        if key.tzinfo is not None:
-            key = key.astimezone(_dt.UTC).replace(tzinfo=None)
-        return b"t" + str((key - _EPOCH) // _dt.timedelta(microseconds=1)).encode()
-    if isinstance(key, _dt.date):
-        return b"d" + str((key - _EPOCH_DATE).days).encode()
-    if isinstance(key, _dt.time):
-        return b"h" + key.isoformat().encode()
-    if isinstance(key, np.datetime64):
-        return partition_address(key.astype("datetime64[us]").astype(_dt.datetime))
-    raise InvalidParameter(f"partition key {key!r} of type {type(key).__name__} is not supported")
 
 
 # -- Test mode -------------------------------------------------------------------------------------

@@ -35,11 +35,12 @@ from dpsql import _progress, _validate
 from dpsql._fingerprint import fingerprint, values_digest
 from dpsql._memory import pooled_array
 from dpsql.accounting import Charge, Neighbour, Notion, compose
+from dpsql.addresses import partition_address
 from dpsql.budget import Budget, default_budget
 from dpsql.errors import InvalidParameter, scrubbed
 from dpsql.ledger import CachedAnswer
 from dpsql.methods import machine_for, unsized_charge
-from dpsql.noise import DrawsBatch, Keystream, partition_address
+from dpsql.noise import DrawsBatch, Keystream
 from dpsql.records import describe
 from dpsql.release import (
     Descriptions,

@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 from dpsql import _validate
 from dpsql._chunks import distinct, index_type, table_bytes, table_of
 from dpsql._memory import pooled_array
+from dpsql.addresses import partition_address
 from dpsql.continual.state import (
     TAG,
     PartitionState,
@@ -32,7 +33,7 @@ from dpsql.continual.state import (
 )
 from dpsql.errors import ConflictingRow, InvalidData, InvalidParameter, InvalidTimeKey, LateRow
 from dpsql.ledger.streams import PartitionRow, StreamRow
-from dpsql.noise import Draws, partition_address
+from dpsql.noise import Draws
 from dpsql.release import feed_into
 from dpsql.timegrid import instant, ticks
 

@@ -48,6 +48,7 @@ from dpsql._chunks import table_of
 from dpsql._memory import count_into, pooled_array
 from dpsql._tables import arrow_batches
 from dpsql.accounting import Kind
+from dpsql.addresses import partition_address
 from dpsql.continual.appends import CountAppend, RangeAppend
 from dpsql.continual.state import (
     ROW_COLUMN,
@@ -64,7 +65,7 @@ from dpsql.error_models import check_level
 from dpsql.errors import BudgetExhausted, InvalidParameter, LedgerError, UnknownStream, scrubbed
 from dpsql.ledger.streams import PartitionRow, StreamRow, StreamStore
 from dpsql.methods import COUNT_METHODS, check_method, machine_for, unsized_charge
-from dpsql.noise import Draws, Keystream, partition_address
+from dpsql.noise import KEY_BYTES, LEGACY_SCHEME, Draws, Keystream
 from dpsql.release import Release
 from dpsql.timegrid import TimeGrid, duration, instant
 
@@ -102,7 +103,7 @@ def open_stream(budget, name: str, *, method: str | None = None, epsilon: float 
 
     def register(conn, receipt):
         store.register(conn, receipt, scope=budget.scope, name=name, method=method, spec=spec.to_json(),
-                       secret=keystream.key + (b"\x01" if keystream.private else b"\x00"))
+                       secret=keystream.key + bytes([keystream.private, keystream.scheme]))
 
     try:
         budget.charge(charge, then=register)
@@ -168,7 +169,10 @@ class Stream:
         return dict(self.spec.params)
 
     def _keystream(self) -> Keystream:
-        return Keystream(self._secret[:-1], private=self._secret[-1:] == b"\x01")
+        # key, private flag and (since the masked scheme) the noise scheme; a stream registered
+        # before keeps its legacy scheme: its later noise must be drawn as its earlier noise was
+        key, flags = self._secret[:KEY_BYTES], self._secret[KEY_BYTES:]
+        return Keystream(key, private=flags[0] == 1, scheme=flags[1] if len(flags) > 1 else LEGACY_SCHEME)
 
     def _machine(self, draws: Draws, state: dict | None):
         machine = machine_for(self.spec.method, None, draws, self.spec.params)

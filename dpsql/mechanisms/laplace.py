@@ -15,7 +15,7 @@ at most ``1 + 2**(1 - LATTICE_BITS)`` (0.05 %), and a deterministic rounding err
 at most ``gamma / 2`` per value.
 
 Limits (refused with :class:`~dpsql.errors.InvalidParameter`, before anything is drawn or
-charged): a scale above ``2**33`` units (:data:`dpsql.noise.MAX_SCALE`, the sampler's
+charged): a scale above ``2**33`` units (:data:`dpsql.sampling.MAX_SCALE`, the sampler's
 resolution limit), i.e. ``epsilon < s_units * 2**-33`` (about ``4.8e-7`` per unit of
 sensitivity); and a release of values so large that ``|k| + b >= 2**53``, ``b`` the
 largest possible draw, where ``gamma * (k + Z)`` would no longer be the exact lattice
@@ -32,7 +32,8 @@ from fractions import Fraction
 import numpy as np
 
 from dpsql.errors import InvalidParameter
-from dpsql.noise import MAX_NEG_LOG_UNIFORM, MAX_SCALE, BatchLaneDraws, LaneDraws
+from dpsql.noise import BatchLaneDraws, LaneDraws
+from dpsql.sampling import MAX_NEG_LOG_UNIFORM, MAX_SCALE
 
 LATTICE_BITS = 12
 # Relative slack on the draw bound: covers the rounding of log, of MAX_NEG_LOG_UNIFORM and

@@ -44,7 +44,7 @@ def report_noisy_max(scores: np.ndarray, *, epsilon: float, noise: LaneDraws,
     1
     """
     scores = np.asarray(scores, dtype=np.float64)
-    return int(report_noisy_max_rows(scores[None], epsilon=epsilon, noise=BatchLaneDraws([noise]),
+    return int(report_noisy_max_rows(scores[None], epsilon=epsilon, noise=BatchLaneDraws.of(noise),
                                      sensitivity=sensitivity, monotonic=monotonic)[0])
 
 
@@ -365,7 +365,7 @@ def nm_threshold(holdout_sorted: np.ndarray, *, epsilon: float, upper: float, ep
     """
     return float(nm_thresholds(np.asarray(holdout_sorted)[None], epsilon=epsilon, upper=upper,
                                epsilon_perturber=epsilon_perturber, r=r, fanout=fanout, c=c, step=step,
-                               levels_for_nm=levels_for_nm, noise=BatchLaneDraws([noise]))[0])
+                               levels_for_nm=levels_for_nm, noise=BatchLaneDraws.of(noise))[0])
 
 
 def nm_thresholds(holdouts: np.ndarray, *, epsilon: float, upper: float, epsilon_perturber: float, r: int,

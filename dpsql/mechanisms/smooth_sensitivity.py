@@ -32,7 +32,8 @@ import numpy as np
 
 from dpsql import _progress, _validate
 from dpsql.errors import InvalidData, InvalidParameter
-from dpsql.noise import MAX_SCALE, LaneDraws
+from dpsql.noise import LaneDraws
+from dpsql.sampling import MAX_SCALE
 
 # The threshold is released as gamma * integer; gamma is chosen from public quantities so
 # that the integer noise scale stays at most 2**28 + 2**8 / a units even when SS = upper.
@@ -52,7 +53,7 @@ _SENSITIVITY_FLOOR_UNITS = 2.0**8
 # reference machine): what decides whether a search shows a progress bar (10^8 values: ~40 s).
 _SECONDS_PER_VALUE_AND_LEVEL = 1.5e-8
 # The noise scale is at most 2**28 + 2**8 / a units whatever the data (see pak_threshold's
-# notes); with 2**8 / a <= 2**32 it stays below the sampler's limit (noise.MAX_SCALE).
+# notes); with 2**8 / a <= 2**32 it stays below the sampler's limit (sampling.MAX_SCALE).
 _SMALLEST_EPSILON = 2 * _SENSITIVITY_FLOOR_UNITS / (MAX_SCALE / 2)
 
 

@@ -23,8 +23,8 @@ import pytest
 from processes import in_forked_child
 
 import dpsql
+from dpsql.addresses import partition_address
 from dpsql.mechanisms.hierarchy import MAX_FLAT_BLOCK, flat_block
-from dpsql.noise import partition_address
 
 RANGE_METHODS = [
     ("laplace", {"upper": 60.0}),

@@ -8,9 +8,9 @@ import pytest
 import dpsql
 from dpsql import publishing
 from dpsql.accounting import compose
+from dpsql.addresses import partition_address
 from dpsql.errors import BudgetExhausted, DPError, InvalidData, InvalidParameter
 from dpsql.methods import machine_for
-from dpsql.noise import partition_address
 from dpsql.release import chunks_of, release_from
 
 

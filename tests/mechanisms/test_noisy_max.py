@@ -24,7 +24,8 @@ from dpsql.mechanisms.noisy_max import (
     noisy_max_lattice,
     report_noisy_max_rows,
 )
-from dpsql.noise import MAX_NEG_LOG_UNIFORM, BatchLaneDraws, Lane, _fill_discrete_laplace
+from dpsql.noise import BatchLaneDraws, Lane
+from dpsql.sampling import MAX_NEG_LOG_UNIFORM, fill_discrete_laplace
 from dpsql.testing import draws, keys
 
 TOY = np.array([1.0, 1, 2, 2, 3, 3, 4, 5, 9, 20])
@@ -112,7 +113,7 @@ def test_draw_bound_bounds_the_largest_draw_the_sampler_can_return():
     """Every word zero gives the smallest uniform (2**-106): the largest |Z| of all."""
     for scale in (1.0, 7.3, 4096.0 / 0.85, 2.0**20):
         out = np.empty(1, dtype=np.int64)
-        _fill_discrete_laplace(np.zeros((1, 2), dtype=np.uint64), scale, out)
+        fill_discrete_laplace(np.zeros((1, 2), dtype=np.uint64), scale, out)
         assert int(out[0]) == math.floor(scale * MAX_NEG_LOG_UNIFORM)
         assert int(out[0]) <= draw_bound(scale) <= int(out[0]) + 1
 

@@ -7,6 +7,7 @@ import pytest
 from scipy import stats
 
 import dpsql
+from dpsql.addresses import partition_address
 from dpsql.errors import InvalidData, InvalidParameter
 from dpsql.mechanisms.smooth_sensitivity import (
     _THRESHOLD_LATTICE_BITS,
@@ -17,7 +18,7 @@ from dpsql.mechanisms.smooth_sensitivity import (
     smooth_sensitivity_quantile,
     smoothing_parameter,
 )
-from dpsql.noise import Lane, partition_address
+from dpsql.noise import Lane
 
 
 def threshold_draws(seed: int, partition=0):

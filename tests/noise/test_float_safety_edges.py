@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dpsql
-from dpsql import noise
+from dpsql import noise, sampling
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms import LaplaceLattice, report_noisy_max
 from dpsql.mechanisms.laplace import LatticeBatch, draw_bound
@@ -67,7 +67,7 @@ def test_tops_threshold_beyond_2_53_units_is_the_exact_integer_argmax(pattern):
     slope = nm_slope(HOLDOUT, epsilon_perturber=EPSILON, r=RANGE)
     lap = noisy_max_lattice(EPSILON)
     assert slope * UPPER / lap.granularity > 2 * 2.0**53  # the regime the review found
-    largest = math.floor(lap.scale_units * noise.MAX_NEG_LOG_UNIFORM)  # the sampler's most extreme draw
+    largest = math.floor(lap.scale_units * sampling.MAX_NEG_LOG_UNIFORM)  # the sampler's most extreme draw
     bound = draw_bound(lap.scale_units)
     forced, expected, alive_pairs = [], [], []
     for row, holdout in enumerate(holdouts):

@@ -9,10 +9,11 @@ import pytest
 from scipy import stats
 
 import dpsql
-from dpsql import noise
+from dpsql import noise, sampling
+from dpsql.addresses import partition_address
 from dpsql.mechanisms import LATTICE_BITS, LaplaceLattice, report_noisy_max
 from dpsql.mechanisms.laplace import LatticeBatch, draw_bound
-from dpsql.noise import Keystream, Lane, partition_address
+from dpsql.noise import Keystream, Lane
 
 
 def rows(seed: int = 0, partition: bytes = b"") -> noise.LaneDraws:
@@ -216,7 +217,7 @@ def test_max_neg_log_uniform_bounds_the_largest_draw():
     2**-106) with a positive sign: the largest draw there is."""
     scale = 1000.0
     largest = scripted({}, scale, count=3)
-    assert np.all(largest == math.floor(scale * noise.MAX_NEG_LOG_UNIFORM))
+    assert np.all(largest == math.floor(scale * sampling.MAX_NEG_LOG_UNIFORM))
     assert largest[0] <= draw_bound(scale)
     z = rows(1).discrete_laplace(scale, 0, 100_000)
     assert np.abs(z).max() <= draw_bound(scale)
@@ -256,15 +257,15 @@ def test_top_bit_is_the_sign_and_negative_zero_is_redrawn_at_the_next_attempt():
 
 def test_scales_beyond_the_samplers_resolution_are_refused():
     lane = rows(0)
-    assert lane.discrete_laplace(noise.MAX_SCALE, 0, 3).dtype == np.int64
-    for bad in (math.nextafter(noise.MAX_SCALE, math.inf), -1.0, float("nan")):
+    assert lane.discrete_laplace(sampling.MAX_SCALE, 0, 3).dtype == np.int64
+    for bad in (math.nextafter(sampling.MAX_SCALE, math.inf), -1.0, float("nan")):
         with pytest.raises(dpsql.InvalidParameter, match=r"2\*\*33"):
             lane.discrete_laplace(bad, 0, 3)
     assert not lane.discrete_laplace(0.0, 0, 5).any()
     with pytest.raises(ValueError, match="out of range"):
         lane.discrete_laplace(1.0, -1, 3)
     with pytest.raises(ValueError, match="out of range"):
-        lane.discrete_laplace_at(1.0, np.array([noise.MAX_INDEX]))
+        lane.discrete_laplace_at(1.0, np.array([sampling.MAX_INDEX]))
 
 
 # -- the lattice ------------------------------------------------------------------------------------

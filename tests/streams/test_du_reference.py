@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 import dpsql
+from dpsql.addresses import partition_address
 from dpsql.mechanisms.ldp import SQUARE_WAVE
 from dpsql.mechanisms.ldp.feedback import PLAIN_LOOP_USERS
 from dpsql.methods import machine_for, run
-from dpsql.noise import Lane, partition_address
+from dpsql.noise import Lane
 from dpsql.streams.du.plan import budget_absorption_unit
 from dpsql.testing import keys, seeded
 

@@ -11,9 +11,10 @@ from oracles import reference_outputs
 
 import dpsql
 from dpsql.accounting import largest_share
+from dpsql.addresses import partition_address
 from dpsql.mechanisms import LaplaceLattice
 from dpsql.mechanisms.hierarchy import Layout, flat_block, predictive_depth
-from dpsql.noise import Lane, partition_address
+from dpsql.noise import Lane
 from dpsql.release import run_machine
 from dpsql.streams.hierarchy import MAX_BLOCK, PAPER_RANGE, HierarchyStream
 from dpsql.testing import draws, seeded

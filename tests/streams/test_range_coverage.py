@@ -79,7 +79,9 @@ def tops_release():
 def test_the_releases_have_their_own_thresholds(tops_release):
     _, release = tops_release
     thresholds = {part.threshold for part in release.parts}
-    assert len(thresholds) > 20 and min(thresholds) < 900.0  # the spikes are clipped in some partitions
+    # each partition chose its own (Noisy Max picks below the 900 spikes in about 0.1 % of partitions, so
+    # whether one of 2,000 did is up to the seed; the spread of the choices is not)
+    assert len(thresholds) > 20 and max(thresholds) - min(thresholds) > 50.0
 
 
 @pytest.mark.parametrize("where", ["inside the hold-out", "after the hold-out", "across the hold-out's end"])

@@ -37,7 +37,12 @@ def test_range_query_error_ordering_on_retail_matches_the_papers():
     mse = {}
     for method, extra in [("tops", {}), ("binary_tree", {}), ("laplace", {}), ("pak", {"delta": 1e-9})]:
         runs = [run(method, values, noise=keys(seed), epsilon=0.1, upper=76.0, **extra) for seed in range(3)]
-        mse[method] = np.mean([range_mse(r.values, values, starts, stops) for r in runs])
+        if method in ("binary_tree", "laplace"):
+            # unbiased (nothing above the bound): the MSE is the exact noise variance. Three runs' empirical
+            # MSE over 200 overlapping ranges is too noisy to order these two (they differ by 2x).
+            mse[method] = float(runs[0].range_variance(starts, stops).mean())
+        else:
+            mse[method] = np.mean([range_mse(r.values, values, starts, stops) for r in runs])
     assert 10 * mse["tops"] < mse["binary_tree"] < mse["laplace"]
     assert 10 * mse["tops"] < mse["pak"]
 

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 import dpsql
-from dpsql import api
+from dpsql import api, noise
+from dpsql.addresses import partition_address
 from dpsql.mechanisms.laplace import LaplaceLattice, LatticeBatch
 from dpsql.mechanisms.smoothers import SMOOTHERS
 from dpsql.methods import machine_for, run
-from dpsql.noise import Lane, partition_address
+from dpsql.noise import Keystream, Lane
 from dpsql.release import release_from, run_machine, written_in_place
 from dpsql.streams.hierarchy import HierarchyStream
 from dpsql.testing import draws, keys, seeded
@@ -101,11 +102,23 @@ def test_an_unpartitioned_release_is_the_single_stream_with_the_empty_address():
 
 
 def test_a_seeded_release_draws_the_same_noise_as_before():
-    """Pinned values of a seeded release (this branch's addressed draws): a continual stream
-    appended later must draw what it drew, so the noise of an address may never change."""
+    """Pinned values of a seeded release (the current noise scheme's addressed draws): a continual
+    stream appended later must draw what it drew, so the noise of an address may never change."""
     values = np.random.default_rng(0).gamma(2.0, 300.0, 60_000)
     with seeded(7):
         release = api.publish("tops", values, epsilon=0.7, upper=3000.0)
+    assert release.threshold == 2981.0
+    assert (release.values[123], release.values[-1]) == (485.58203125, 735.8177083333334)
+    assert release.values.sum() == pytest.approx(35979900.5, rel=1e-13)
+    assert release.range_variance(100, 40000) == pytest.approx(4237112935.326926, rel=1e-12)
+
+
+def test_the_legacy_scheme_still_draws_what_it_drew():
+    """Streams registered before the masked scheme keep drawing with per-partition sub-keys:
+    the values pinned under that scheme in round 2, exactly."""
+    values = np.random.default_rng(0).gamma(2.0, 300.0, 60_000)
+    legacy = Keystream(noise._SeededKeys(7).next_key(), private=False, scheme=noise.LEGACY_SCHEME)
+    release = run("tops", values, noise=legacy, epsilon=0.7, upper=3000.0)
     assert release.threshold == 2914.0
     assert (release.values[123], release.values[-1]) == (620.4296875, 726.65625)
     assert release.values.sum() == pytest.approx(36036294.5, rel=1e-13)
