@@ -250,36 +250,31 @@ def masks(aes: algorithms.AES, addresses: Sequence[bytes] | pa.Array) -> np.ndar
     """Each canonical address's 128-bit mask (:mod:`dpsql.noise`, "Addresses") as ``(n, 2)``
     uint64 words (high, low): CBC-MAC under ``aes`` of one block holding the address's length
     (big-endian) followed by the address, zero-padded to whole blocks. Addresses are handled in
-    groups of equal block counts, each group one ECB call per block."""
+    groups of equal block counts, each group padded by Arrow and chained with one ECB call per block."""
     if isinstance(addresses, pa.ChunkedArray):
         addresses = addresses.combine_chunks()
-    if isinstance(addresses, pa.Array):
-        addresses = addresses.cast(pa.large_binary())
-        offsets = np.frombuffer(addresses.buffers()[1], dtype=np.int64)[addresses.offset:][:len(addresses) + 1]
-        data_buffer = addresses.buffers()[2]
-        data = np.frombuffer(data_buffer, dtype=np.uint8) if data_buffer is not None else np.empty(0, np.uint8)
-    else:
-        lengths = np.fromiter(map(len, addresses), dtype=np.int64, count=len(addresses))
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        data = np.frombuffer(b"".join(addresses), dtype=np.uint8)
-    lengths = np.diff(offsets)
+    if not isinstance(addresses, pa.Array):
+        addresses = pa.array(list(addresses), pa.large_binary())
+    addresses = addresses.cast(pa.large_binary())
+    lengths = pc.binary_length(addresses).to_numpy(zero_copy_only=False).astype(np.int64)
     blocks = -(-lengths // 16)
     state = np.zeros((len(lengths), 16), dtype=np.uint8)
     state[:, 8:] = lengths.astype(">u8")[:, None].view(np.uint8)
     encryptor = Cipher(aes, modes.ECB()).encryptor()
     state = _encrypted(encryptor, state)
+    pads = pa.array([bytes(p) for p in range(16)], pa.large_binary())  # zeros to a whole block
     for count in np.unique(blocks).tolist():
         if count == 0:
             continue
         rows = np.flatnonzero(blocks == count)
-        # the group's addresses, zero-padded to ``count`` blocks: (rows, count * 16) bytes
-        columns = np.arange(count * 16)
-        positions = offsets[rows, None] + columns
-        inside = columns < lengths[rows, None]
-        padded = np.where(inside, data[np.minimum(positions, max(len(data) - 1, 0))] if len(data) else 0, 0)
+        chosen = addresses if len(rows) == len(addresses) else addresses.take(pa.array(rows))
+        padding = pads.take(pa.array(16 * count - lengths[rows]))
+        padded = pc.binary_join_element_wise(chosen, padding, pa.scalar(b"", pa.large_binary()))
+        # every padded address is ``count`` blocks long: its bytes are a (rows, count * 16) matrix
+        data = np.frombuffer(padded.buffers()[2], dtype=np.uint8)[:len(rows) * 16 * count].reshape(len(rows), -1)
         chained = state[rows]
         for b in range(count):
-            chained ^= padded[:, 16 * b:16 * (b + 1)].astype(np.uint8)
+            chained ^= data[:, 16 * b:16 * (b + 1)]
             chained = _encrypted(encryptor, chained)
         state[rows] = chained
     return state.view(">u8").astype(np.uint64)

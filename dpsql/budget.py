@@ -290,11 +290,10 @@ class Budget:
 
     def record_hit(self, record: ReleaseRecord, *, rows: int, note: str | None) -> None:
         """Record that ``record``'s answer was given again, free."""
-        parts = record.description["parts"]
         charge = Charge(method=record.method, epsilon=0.0, delta=0.0,
                         neighbour=Neighbour(record.description["neighbour"]), notion=self.notion, w=self.w,
-                        rows=rows, partitions=len(parts),
-                        params=json.loads(json.dumps(parts[0]["params"], default=str)),
+                        rows=rows, partitions=record.partitions,
+                        params=json.loads(json.dumps(record.params, default=str)),
                         private=record.description["private"], note=note, kind=Kind.CACHE_HIT)
         self._ledger.record_hit(self.scope, charge, record.release_id, principal=self.principal)
 

@@ -256,6 +256,20 @@ def _blocks_at(aes: algorithms.AES, mask_high, mask_low, header: int, indices: n
     return result
 
 
+def _grid_blocks(aes: algorithms.AES, masks: np.ndarray, header: int, indices: np.ndarray, out: np.ndarray) -> None:
+    """The blocks of every partition of ``masks`` (``(k, 2)`` words) at each of ``indices``
+    (uint64) under ``header``, into ``out`` (``(k, len(indices), 2)`` words): AES of the counters
+    ``mask + (header << 64 | index)``, built by broadcasting (no per-draw gather)."""
+    low = masks[:, 1:2] + indices  # the low words' sums wrap; their carry goes into the high words
+    counters = np.empty((*low.shape, 2), dtype=">u8")
+    counters[..., 1] = low
+    counters[..., 0] = masks[:, 0:1] + np.uint64(header & _MASK64) + (low < indices)
+    cipher_out = out.reshape(-1).view(np.uint8)
+    buffer = np.empty(cipher_out.size + 16, dtype=np.uint8)  # update_into wants a block to spare
+    Cipher(aes, modes.ECB()).encryptor().update_into(counters.reshape(-1).view(np.uint8), buffer)
+    cipher_out[:] = buffer[:cipher_out.size]
+
+
 class LaneDraws:
     """The draws of one component (lane) at one level of one partition, by index."""
 
@@ -446,26 +460,30 @@ class BatchLaneDraws:
         for s in np.unique(scales).tolist():
             check_scale(s)
         group = max(_PIECE // max(count, 1), 1)  # cache-sized groups of partitions
-        indices = np.tile(np.arange(start, start + count, dtype=np.uint64), min(group, k))
+        one_scale = scales[0] if (scales == scales[0]).all() else None
+        indices = np.arange(start, start + count, dtype=np.uint64)
+        blocks = np.empty((min(group, k), count, 2), dtype=np.uint64)
         for g in range(0, k, group):
-            members = np.arange(g, min(g + group, k))
-            flat = out[g:g + len(members)].reshape(-1)
+            members = min(group, k - g)
+            flat = out[g:g + members].reshape(-1)
             if self._aes is not None:
-                rows = np.repeat(members, count)
-                blocks = self._masked_blocks(rows, indices[:len(rows)])
+                _grid_blocks(self._aes, self._masks[g:g + members], self._header, indices, blocks[:members])
             else:
-                blocks = np.empty((len(members), count, 2), dtype=np.uint64)
-                for j in members.tolist():
-                    lane = self._lane_of(j)
-                    lane._draws._blocks(lane._header, start, count, blocks[j - g])
-                blocks = blocks.reshape(-1, 2)
-            flat_scale = np.repeat(scales[g:g + len(members)], count)
+                for j in range(members):
+                    lane = self._lane_of(g + j)
+                    lane._draws._blocks(lane._header, start, count, blocks[j])
+            flat_scale = one_scale if one_scale is not None else np.repeat(scales[g:g + members], count)
+            if one_scale == 0:
+                flat[:] = 0
+                continue
             zero = flat_scale == 0
-            rejected = fill_discrete_laplace(blocks, np.where(zero, 1.0, flat_scale), flat)
-            flat[zero] = 0
-            rejected = rejected[~zero[rejected]]
+            rejected = fill_discrete_laplace(blocks[:members].reshape(-1, 2), np.where(zero, 1.0, flat_scale), flat)
+            if one_scale is None:
+                flat[zero] = 0
+                rejected = rejected[~zero[rejected]]
             if rejected.size:
-                self._redraw(flat_scale[rejected], g + rejected // count, start + rejected % count, flat, rejected)
+                self._redraw(np.broadcast_to(flat_scale, flat.shape)[rejected], g + rejected // count,
+                             start + rejected % count, flat, rejected)
         return out
 
     def _redraw(self, scale: np.ndarray, rows: np.ndarray, indices: np.ndarray, out: np.ndarray,

@@ -30,28 +30,21 @@ from collections.abc import Mapping, Sequence
 from typing import overload
 
 import numpy as np
+import pyarrow as pa
 
 from dpsql import _progress, _validate
 from dpsql._fingerprint import fingerprint, values_digest
 from dpsql._memory import pooled_array
 from dpsql.accounting import Charge, Neighbour, Notion, compose
-from dpsql.addresses import partition_address
+from dpsql.addresses import partition_address, partition_addresses, refuse_repeated
 from dpsql.budget import Budget, default_budget
 from dpsql.errors import InvalidParameter, scrubbed
 from dpsql.ledger import CachedAnswer
 from dpsql.methods import machine_for, unsized_charge
 from dpsql.noise import DrawsBatch, Keystream
+from dpsql.parts import Descriptions, Keys, Parts
 from dpsql.records import describe
-from dpsql.release import (
-    Descriptions,
-    PartitionedRelease,
-    Parts,
-    Release,
-    StreamMachine,
-    chunks_of,
-    release_batched,
-    run_machine,
-)
+from dpsql.release import PartitionedRelease, Release, StreamMachine, chunks_of, release_batched, run_machine
 
 
 @overload
@@ -111,8 +104,8 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
     budget = _budget_or_default(budget)
     data = _validate.values(values, column)
     offsets = _offsets(partition_offsets, len(data))
-    addresses = _addresses(partition_offsets, partition_keys, len(offsets) - 1)
-    request = _Request(method, data, offsets, addresses, partition_offsets is not None, partition_keys,
+    addresses, keys = _addresses(partition_offsets, partition_keys, len(offsets) - 1)
+    request = _Request(method, data, offsets, addresses, partition_offsets is not None, keys,
                        partition_levels, list(order_keys), params, note)
     failure = None
     try:
@@ -131,21 +124,23 @@ class _Request:
         self.method, self.data, self.offsets, self.addresses = method, data, offsets, addresses
         self.partitioned, self.keys, self.levels, self.order_keys = partitioned, keys, levels, order_keys
         self.params, self.note = params, note
-        self.lengths = np.diff(offsets).tolist()
+        self.lengths = np.diff(offsets)
 
     def release(self, budget: Budget | None, *, fresh: bool) -> Release | PartitionedRelease:
         keystream = Keystream.fresh()
         templates = self._templates(keystream)
-        machines = [templates[n] for n in self.lengths]
-        levels = [0] * len(machines) if self.levels is None else list(self.levels)
-        if len(levels) != len(machines):
-            raise InvalidParameter(f"partition_levels must give one level per partition ({len(machines)}), "
+        levels = np.zeros(len(self.lengths), np.int64) if self.levels is None else np.asarray(self.levels, np.int64)
+        if levels.shape != self.lengths.shape:
+            raise InvalidParameter(f"partition_levels must give one level per partition ({len(self.lengths)}), "
                                    f"got {len(levels)}")
-        first = machines[0]
-        charge = Charge(method=self.method, epsilon=compose([m.cost[0] for m in machines], levels),
-                        delta=compose([m.cost[1] for m in machines], levels), neighbour=Neighbour(first.neighbour),
-                        notion=Notion(first.notion), w=first.w, rows=len(self.data), partitions=len(machines),
-                        private=keystream.private, note=self.note)
+        # the cost of each (level, length) pair present: machines of one length cost the same
+        pairs = np.unique(np.stack([levels, self.lengths], axis=1), axis=0).tolist()
+        costs = [templates[n].cost for _, n in pairs]
+        first = templates[int(self.lengths[0])]
+        charge = Charge(method=self.method, epsilon=compose([c[0] for c in costs], [lv for lv, _ in pairs]),
+                        delta=compose([c[1] for c in costs], [lv for lv, _ in pairs]),
+                        neighbour=Neighbour(first.neighbour), notion=Notion(first.notion), w=first.w,
+                        rows=len(self.data), partitions=len(self.lengths), private=keystream.private, note=self.note)
         if budget is None:
             _refuse_private_without_budget(keystream)
             parts, values = _run_partitions(self.method, templates, self.data, self.offsets, keystream,
@@ -170,11 +165,9 @@ class _Request:
         """One unfed machine per partition length, drawing from the first partition of that
         length: machines of one length (and these parameters) are identical until fed, and cost
         the same."""
-        templates: dict[int, StreamMachine] = {}
-        for k, n in enumerate(self.lengths):
-            if n not in templates:
-                templates[n] = machine_for(self.method, n, keystream.partition(self.addresses[k]), self.params)
-        return templates
+        lengths, first = np.unique(self.lengths, return_index=True)
+        return {n: machine_for(self.method, n, keystream.partition(self.addresses[k].as_py()), self.params)
+                for n, k in zip(lengths.tolist(), first.tolist())}
 
     def _answered(self, budget: Budget, digest: str, *, private: bool) -> Release | PartitionedRelease | None:
         """The budget's principal's identical earlier release, recomputed from its key over these
@@ -195,7 +188,7 @@ class _Request:
 
     def _assemble(self, parts: Parts, values: np.ndarray, charge: Charge, *, release_id, first_handle):
         if release_id is not None:
-            parts = parts.with_id(release_id, first_handle, self.offsets)
+            parts = parts.with_id(release_id, first_handle)
         if not self.partitioned:
             return parts[0]
         return PartitionedRelease(values=values, offsets=self.offsets, parts=parts, method=parts[0].method,
@@ -206,8 +199,10 @@ class _Request:
         header = {"version": 2, "scope": budget.scope, "principal": budget.principal, "private": charge.private,
                   "notion": charge.notion.value, "method": self.method, "params": _canonical(self.params),
                   "levels": _exact(self.levels), "partitioned": self.partitioned}
-        addresses = np.frombuffer(b"".join(len(a).to_bytes(4, "big") + a for a in self.addresses), dtype=np.uint8)
-        return fingerprint(header, [self.data, self.offsets, addresses, *self.order_keys])
+        data = self.addresses.buffers()[2]  # the addresses' bytes, and where each one ends
+        addresses = np.frombuffer(data, dtype=np.uint8) if data is not None else np.empty(0, np.uint8)
+        ends = np.frombuffer(self.addresses.buffers()[1], dtype=np.int64)
+        return fingerprint(header, [self.data, self.offsets, ends, addresses, *self.order_keys])
 
 
 class DistributedRelease:
@@ -306,70 +301,94 @@ def _public(params: Mapping) -> dict:
 
 
 def _run_partitions(method: str, templates: dict[int, StreamMachine], data: np.ndarray, offsets: np.ndarray,
-                    keystream: Keystream, addresses: list[bytes], params: dict) -> tuple[Parts, np.ndarray]:
-    """One :class:`Release` per partition (made when looked at), and all their values in one array.
+                    keystream: Keystream, addresses: pa.Array, params: dict) -> tuple[Parts, np.ndarray]:
+    """The partitions' :class:`~dpsql.parts.Parts` (made when looked at), and all their values in one array.
 
     ``templates`` holds one unfed machine per partition length (built with the draws of the
     first partition of that length). Batchable machines release each group of equal-length
     partitions in one run over a ``(k, n)`` view of their rows, each partition drawing from
-    its own address (a group of one is the ordinary single stream); the others run partition
-    by partition.
+    its own address (all partitions' masks computed in one pass; a group of one is the
+    ordinary single stream); the others run partition by partition.
     """
     lengths = np.diff(offsets)
-    spans = list(itertools.pairwise(offsets.tolist()))
-    first_of_length: dict[int, int] = {}
-    for k, n in enumerate(lengths.tolist()):
-        first_of_length.setdefault(n, k)
+    groups: list[tuple[int, np.ndarray]] = []  # (length, the partitions of that length)
+    order = np.argsort(lengths, kind="stable")
+    bounds = np.flatnonzero(np.diff(lengths[order])) + 1
+    for members in np.split(order, bounds):
+        groups.append((int(lengths[members[0]]), members))
+    kinds = np.empty(len(lengths), dtype=np.int64)
+    makers: list = []
     if next(iter(templates.values())).batchable and len(lengths) > 1:
         values = pooled_array(len(data))
-        sources: list = [None] * len(lengths)
-        for n, template in templates.items():
-            group = np.flatnonzero(lengths == n)
-            if len(group) == 1:
-                span = slice(int(offsets[group[0]]), int(offsets[group[0]]) + n)
+        draws = keystream.partitions(addresses)
+        for n, members in groups:
+            template = templates[n]
+            if len(members) == 1:
+                span = slice(int(offsets[members[0]]), int(offsets[members[0]]) + n)
                 run_machine(template, chunks_of(data[span]), n, values[span])
-                sources[group[0]] = (template, None)
+                kinds[members] = len(makers)
+                makers.append((template, None))
                 continue
-            draws = DrawsBatch([keystream.partition(addresses[j]) for j in group.tolist()])
-            for j, released in zip(group.tolist(), _release_group(template, data, values, offsets[group], n, draws)):
-                sources[j] = released
+            batch = _release_group(template, data, values, offsets[members], n, draws.take(members))
+            group_kinds = batch.partition_kinds()
+            if group_kinds is None:
+                kinds[members] = len(makers) + np.arange(len(members))
+                makers += [(batch, j) for j in range(len(members))]
+            else:
+                _, first, inverse = np.unique(group_kinds, return_index=True, return_inverse=True)
+                kinds[members] = len(makers) + inverse
+                makers += [(batch, int(j)) for j in first]
     else:
+        spans = list(itertools.pairwise(offsets.tolist()))
+        first_of_length = {n: int(members[0]) for n, members in groups}
         machines = [templates[b - a] if first_of_length[b - a] == k
-                    else machine_for(method, b - a, keystream.partition(addresses[k]), params)
+                    else machine_for(method, b - a, keystream.partition(addresses[k].as_py()), params)
                     for k, (a, b) in enumerate(spans)]
         pieces = [run_machine(m, chunks_of(data[a:b]), b - a) for m, (a, b) in zip(machines, spans)]
         values = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-        sources = [(m, None) for m in machines]
+        kinds[:] = np.arange(len(machines))
+        makers = [(m, None) for m in machines]
     # a partition's outputs: one per row, or the machine's fixed number (a threshold: one)
-    outputs = np.cumsum([0] + [templates[b - a].n_outputs or b - a for a, b in spans]).tolist()
-    parts = Parts(Descriptions(sources), [values[a:b] for a, b in itertools.pairwise(outputs)],
-                  private=keystream.private)
-    return parts, values
+    per_partition = np.array([templates[n].n_outputs or n for n in lengths.tolist()]) if \
+        any(t.n_outputs for t in templates.values()) else lengths
+    outputs = np.concatenate([[0], np.cumsum(per_partition)])
+    return Parts(Descriptions(kinds, makers), values, outputs, private=keystream.private), values
 
 
 def _release_group(machine: StreamMachine, data: np.ndarray, values: np.ndarray, starts: np.ndarray,
-                   n: int, draws: DrawsBatch) -> list[tuple[StreamMachine, int]]:
+                   n: int, draws: DrawsBatch) -> StreamMachine:
     """Release the partitions of length ``n`` starting at ``starts`` (two or more) with the
     batchable ``machine`` (unfed) and their ``draws``, writing their values into ``values``;
-    returns what describes each (see :class:`~dpsql.release.Descriptions`)."""
+    returns the driven batch machine, which describes them (``describe_partition``)."""
     if starts[-1] - starts[0] == (len(starts) - 1) * n:  # adjacent partitions: views, no copies
         span = slice(starts[0], starts[0] + len(starts) * n)
-        batch = release_batched(machine, data[span].reshape(-1, n), values[span].reshape(-1, n), draws)
-    else:
-        rows = starts[:, None] + np.arange(n)
-        out = np.empty(rows.shape)
-        batch = release_batched(machine, data[rows], out, draws)
-        values[rows] = out
-    return [(batch, j) for j in range(len(starts))]
+        return release_batched(machine, data[span].reshape(-1, n), values[span].reshape(-1, n), draws)
+    rows = starts[:, None] + np.arange(n)
+    out = np.empty(rows.shape)
+    batch = release_batched(machine, data[rows], out, draws)
+    values[rows] = out
+    return batch
 
 
-def _addresses(partition_offsets, partition_keys, count: int) -> list[bytes]:
+def _addresses(partition_offsets, partition_keys, count: int) -> tuple[pa.Array, Keys | list | None]:
+    """The partitions' canonical addresses (:mod:`dpsql.addresses`) and keys; a key given twice
+    is refused (two partitions would draw the same noise)."""
     if partition_offsets is None:
-        return [b""]
-    keys = range(count) if partition_keys is None else list(partition_keys)
+        return pa.array([b""], pa.large_binary()), None
+    if partition_keys is None:
+        return partition_addresses([pa.array(np.arange(count))]), None
+    if isinstance(partition_keys, (pa.Table, pa.RecordBatch)):
+        keys: Keys | list = Keys(partition_keys.columns)
+        addresses = partition_addresses(partition_keys.columns)
+    elif isinstance(partition_keys, (pa.Array, pa.ChunkedArray)):
+        keys, addresses = Keys([partition_keys]), partition_addresses([partition_keys])
+    else:
+        keys = list(partition_keys)
+        addresses = pa.array([partition_address(key) for key in keys], pa.large_binary())
     if len(keys) != count:
         raise InvalidParameter(f"partition_keys must give one key per partition ({count}), got {len(keys)}")
-    return [partition_address(key) for key in keys]
+    refuse_repeated(addresses, keys)
+    return addresses, keys
 
 
 def _offsets(partition_offsets, n: int) -> np.ndarray:

@@ -12,7 +12,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar, overload
+from typing import Any
 
 import numpy as np
 
@@ -344,6 +344,12 @@ class StreamMachine(ABC):
         """:meth:`describe` for partition ``partition`` of a batched machine."""
         raise NotImplementedError(f"{type(self).__name__} releases one partition at a time")
 
+    def partition_kinds(self) -> np.ndarray | None:
+        """Of a batched machine: a number per partition, equal for partitions whose
+        :meth:`describe_partition` is equal (described once, :mod:`dpsql.parts`); None when every
+        partition has its own description."""
+        return None
+
     def snapshot(self) -> dict:
         """The open state, as plain data (numbers, strings, lists, dicts, numpy arrays). A
         machine that does not override it has no online form (a threshold needs all its rows)."""
@@ -389,7 +395,7 @@ def written_in_place(piece: np.ndarray, target: np.ndarray) -> bool:
 def release_from(machine: StreamMachine, chunks, n: int, *, private: bool) -> Release:
     """Drive ``machine`` over ``chunks`` of ``n`` rows and wrap its outputs as a :class:`Release`."""
     values = run_machine(machine, chunks, n)
-    return Release(values=values, private=private, **_described(machine, machine.describe()))
+    return Release(values=values, private=private, **described(machine, machine.describe()))
 
 
 #: Values per chunk of a batched run (all partitions' columns together): a step's fixed cost
@@ -407,124 +413,11 @@ def release_batched(machine: StreamMachine, rows: np.ndarray, out: np.ndarray, d
     return batch
 
 
-Item = TypeVar("Item")
-
-
-class _Lazy(Sequence[Item]):
-    """A sequence whose items are made when first looked at (:meth:`_item`)."""
-
-    @overload
-    def __getitem__(self, k: int) -> Item: ...
-
-    @overload
-    def __getitem__(self, k: slice) -> tuple[Item, ...]: ...
-
-    def __getitem__(self, k: int | slice) -> Item | tuple[Item, ...]:
-        if isinstance(k, slice):
-            return tuple(self._item(i) for i in range(*k.indices(len(self))))
-        return self._item(k)
-
-    def _item(self, k: int) -> Item:
-        raise NotImplementedError
-
-
-class Descriptions(_Lazy[dict]):
-    """What :meth:`StreamMachine.describe` says of each partition of a partitioned release,
-    with the machine's cost, neighbour relation and notion: a :class:`Release`'s arguments
-    but its values, ``private`` and ``release_id``.
-
-    ``sources[k]`` is ``(machine, None)`` for a partition released by a machine of its own,
-    described at once (the machine is not kept), or ``(batch, j)`` for partition ``j`` of a
-    batched run, described from the driven batch machine the first time it is needed and
-    kept: a release of many partitions does not spend its time describing partitions nobody
-    looks at (1,000 ToPS partitions: about 15 ms of a 120 ms release). A closed batched
-    machine holds no secret state (see :attr:`StreamMachine.batchable`), so keeping it
-    reveals nothing the release does not.
-    """
-
-    def __init__(self, sources: Sequence[tuple[StreamMachine, int | None]]):
-        self._batches = [None if j is None else (machine, j) for machine, j in sources]
-        self._described = [_described(machine, machine.describe()) if j is None else None for machine, j in sources]
-
-    def __len__(self) -> int:
-        return len(self._described)
-
-    def _item(self, k: int) -> dict:
-        description = self._described[k]
-        if description is None:  # two threads at once would both describe, equally
-            machine, j = self._batches[k]  # type: ignore[misc]  # described later only for batched sources
-            description = self._described[k] = _described(machine, machine.describe_partition(j))
-        return description
-
-
-def _described(machine: StreamMachine, description: dict) -> dict:
+def described(machine: StreamMachine, description: dict) -> dict:
+    """A machine's ``description`` with its cost, neighbour relation and notion: a
+    :class:`Release`'s arguments but its values, ``private`` and ``release_id``."""
     return dict(epsilon=machine.cost[0], delta=machine.cost[1], neighbour=machine.neighbour, notion=machine.notion,
                 **description)
-
-
-class ErrorModels(_Lazy[ErrorModel]):
-    """The :class:`ErrorModel` of each partition (from its :class:`Descriptions`), holding
-    nothing else of the release: neither its values nor its other descriptions (local-DP
-    reports can be larger than the values)."""
-
-    def __init__(self, descriptions: Descriptions):
-        self._errors: list[ErrorModel | None] = [None if d is None else d["error"] for d in descriptions._described]
-        self._descriptions = descriptions if any(e is None for e in self._errors) else None
-
-    def __len__(self) -> int:
-        return len(self._errors)
-
-    def _item(self, k: int) -> ErrorModel:
-        error = self._errors[k]
-        if error is None:
-            assert self._descriptions is not None  # kept exactly while some error is still to describe
-            error = self._errors[k] = self._descriptions[k]["error"]
-        return error
-
-
-class Parts(_Lazy[Release]):
-    """The per-partition :class:`Release` objects of a partitioned release, each made the
-    first time it is looked at (see :class:`Descriptions`); ``values[k]`` are partition
-    ``k``'s released values and, with ``release_id``, every part carries that ledger id.
-    Pickled as a tuple of its releases (the machines it describes from hold a noise source)."""
-
-    def __init__(self, descriptions: Descriptions, values: Sequence[np.ndarray], *, private: bool,
-                 release_id: str | None = None, first_handles: Sequence[int] | None = None):
-        self.descriptions = descriptions
-        self._values = values
-        self._private = private
-        self._release_id = release_id
-        self._first_handles = first_handles
-        self._made: list[Release | None] = [None] * len(values)
-
-    def with_id(self, release_id: str, first_handle: int, offsets: np.ndarray) -> Parts:
-        """The same partitions, each given the ledger id ``release_id`` and its first row handle
-        (the release's ``first_handle`` plus the partition's offset)."""
-        return Parts(self.descriptions, self._values, private=self._private, release_id=release_id,
-                     first_handles=[first_handle + int(a) for a in offsets[:-1]])
-
-    @property
-    def errors(self) -> ErrorModels:
-        """Each partition's error model, without holding the released values."""
-        return ErrorModels(self.descriptions)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def _item(self, k: int) -> Release:
-        release = self._made[k]
-        if release is None:
-            release = Release(values=self._values[k], private=self._private, release_id=self._release_id,
-                              first_handle=None if self._first_handles is None else self._first_handles[k],
-                              **self.descriptions[k])
-            self._made[k] = release
-        return release
-
-    def __reduce__(self):
-        return tuple, (tuple(self),)
-
-    def __repr__(self) -> str:
-        return f"Parts({len(self)} partitions)"
 
 
 def chunks_of(values: np.ndarray, size: int = 1 << 20):

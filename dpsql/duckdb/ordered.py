@@ -87,28 +87,10 @@ def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedA
     fresh = bool(params.pop("fresh", False))
     partition_keys = None
     if offsets is not None:
-        partition_keys = _python_keys(pa.chunked_array(keys[plan.partition_by]).take(pa.array(offsets[:-1])))
+        partition_keys = pa.chunked_array(keys[plan.partition_by]).take(pa.array(offsets[:-1]))
     return keys, publish(plan.method, values, budget=context.budget, column=plan.value_col,
                                  partition_offsets=offsets, partition_keys=partition_keys,
                                  order_keys=list(keys.values()), fresh=fresh, note=plan.note, **params)
-
-
-def _python_keys(column: pa.ChunkedArray) -> list:
-    """The partition keys as Python values, as every engine gives them (so that a partition's
-    noise address is the same whichever engine released it); a date or timestamp beyond
-    Python's range (DuckDB's smallest timestamp, its infinities) as ``(Arrow type, raw
-    integer)``, which no in-range key's address can equal."""
-    try:
-        return column.to_pylist()
-    except (OverflowError, ValueError):
-        raw = column.cast(_storage_type(column.type)).to_pylist()
-        keys = []
-        for k in range(len(column)):
-            try:
-                keys.append(column[k].as_py())
-            except (OverflowError, ValueError):
-                keys.append((str(column.type), raw[k]))
-        return keys
 
 
 def orders_in_numpy(order_type: str, partition_type: str | None) -> bool:

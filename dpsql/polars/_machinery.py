@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 
 from dpsql import _validate
 from dpsql.errors import DPError, InvalidData, InvalidParameter
@@ -62,8 +63,8 @@ class RowsInTimeOrder:
         self.permutation = permutation
         self.offsets = offsets
         self.partitioned = partitioned
-        #: each partition's key (a tuple for several partition columns), set by :func:`time_order`
-        self.partition_keys: list | None = None
+        #: each partition's key (one row per partition, a column per partition column), set by :func:`time_order`
+        self.partition_keys: pa.Table | list | None = None
         #: the order key column in time order (what identifies the data for the answer cache)
         self.order_keys: list = []
 
@@ -145,11 +146,17 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
 
 
 def _set_partition_keys(rows: RowsInTimeOrder, frame: pl.DataFrame, partition_names: Sequence[str]) -> None:
+    """Each partition's key as Arrow columns (exact: nanoseconds stay nanoseconds; the noise
+    address of a partition is its exact key, :mod:`dpsql.addresses`)."""
     if not partition_names:
         return
     first_rows = frame.select(partition_names)[rows.permutation[rows.offsets[:-1]]]
-    keys = first_rows.rows()
-    rows.partition_keys = [key[0] for key in keys] if len(partition_names) == 1 else keys
+    if any(first_rows.schema[c] in (pl.Int128, pl.UInt128) for c in partition_names):
+        # Arrow has no 128-bit integers: Python's exact integers (and the other columns' values)
+        keys = first_rows.rows()
+        rows.partition_keys = [key[0] for key in keys] if len(partition_names) == 1 else keys
+        return
+    rows.partition_keys = first_rows.to_arrow()
 
 
 #: Integer types numpy holds that fit an int64 (the physical types of Date, Datetime,

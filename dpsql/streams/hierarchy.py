@@ -351,6 +351,12 @@ class HierarchyStream(StreamMachine):
         return dict(method="hierarchy", params=self.params(partition), error=self.error_model(partition),
                     components={"hierarchy": self.cost})
 
+    def partition_kinds(self) -> np.ndarray | None:
+        # partitions are described by their bounds, unless the smoother keeps each one's own history
+        if self.smoother_name == "median":
+            return None
+        return np.unique(self._uppers, return_inverse=True)[1]
+
     def error_model(self, partition: int) -> BlockStreamNoise | SegmentedNoise:
         """Partition ``partition``'s error model for the rows released so far: one model over
         a fixed layout's chunks (a predictive smoother's noise crosses chunk ends), one segment

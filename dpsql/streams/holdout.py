@@ -241,6 +241,16 @@ class ThresholdedStream(StreamMachine):
             self._begin_stream(thresholds, initials)
             self._stream.restore(state["stream"])
 
+    def partition_kinds(self) -> np.ndarray | None:
+        # the threshold (the hold-out's and the stream phase's bound) and the stream phase's own kinds
+        if self._stream is None:
+            return np.zeros(self.partitions, dtype=np.int64)
+        within = self._stream.partition_kinds()
+        if within is None:
+            return None
+        return np.unique(np.stack([np.unique(self.thresholds, return_inverse=True)[1], within]), axis=1,
+                         return_inverse=True)[1].reshape(-1)
+
     def describe(self) -> dict:
         return self.describe_partition(0)
 

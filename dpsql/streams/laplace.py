@@ -98,6 +98,10 @@ class LaplaceStream(RowNoiseStream):
         self.cost = (self.epsilon, 0.0)
         self._start(self.upper - self.lower, self.epsilon, noise)
 
+    def partition_kinds(self) -> np.ndarray:
+        # a partition's description is its lattice's variance and its row count (the same for all)
+        return np.unique(self._lattice.variance, return_inverse=True)[1]
+
     def _values_to_release(self, rows: np.ndarray) -> np.ndarray:
         # Shifted by the public lower bound, so that the lattice units stay small however far
         # the data lie from 0; adding it back is post-processing of the noisy units.
