@@ -214,7 +214,7 @@ class Budget:
         >>> meters.append(pl.DataFrame({"hour": [0, 1, 2], "kwh": [1.0, 4.0, 2.5]})).num_rows
         3
         >>> budget.stream("kwh").append(pl.DataFrame({"hour": [3], "kwh": [3.0]})).column_names
-        ['hour', 'kwh', 'dp_row']
+        ['hour', 'kwh', 'dp_row', 'dp_final']
         >>> budget.spent
         (0.5, 0.0)
         """

@@ -207,3 +207,21 @@ def check_level(level: float) -> float:
         raise InvalidParameter(f"level must satisfy 0 < level < 1, got {level!r}")
     return float(level)
 
+
+class ProvisionalRows(ErrorModel):
+    """Rows released with a provisional value (a continual stream's prediction from what was
+    released before, waiting for later rows): each lies within ``bound`` of the row's clipped
+    value (both are clipped to the public bound, or the private threshold), so a range's error
+    is at most ``bound`` per provisional row it holds. No noise is counted apart: the bound
+    covers the prediction's own noise too. ``rows``: how many rows are provisional."""
+
+    def __init__(self, bound: float, rows: int):
+        self.bound = float(bound)
+        self.rows = int(rows)
+
+    def range_variance(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+        return np.zeros(np.broadcast(np.asarray(starts), np.asarray(stops)).shape, dtype=np.float64)
+
+    def range_bias_bound(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+        covered = np.minimum(np.asarray(stops), self.rows) - np.minimum(np.asarray(starts), self.rows)
+        return self.bound * np.maximum(covered, 0).astype(np.float64)

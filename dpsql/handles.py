@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpsql import _state
-from dpsql._chunks import table_of
 from dpsql.error_models import ErrorModel
 from dpsql.errors import InvalidParameter, UnknownRelease
 from dpsql.records import ReleaseRecord
@@ -80,6 +79,7 @@ class HandleResolver:
         self._lock = threading.Lock()
 
     def _record_at(self, handle: int) -> _Held:
+        self._asked = handle
         row = self.budget.ledger.release_at(handle)
         if row is None:
             raise UnknownRelease(f"dp_row {handle} is not a row handle of any release recorded in ledger "
@@ -94,18 +94,24 @@ class HandleResolver:
                      record.first_handle + offsets[1:], {}, record)
 
     def _stream_partition(self, row, description: dict) -> _Held:
+        """The continual stream's partition owning handles in ``row``'s block: one partition
+        (``ordinal``, stored by earlier versions) or a block of partitions (``first_ordinal``,
+        :data:`~dpsql.ledger.streams.PARTITION_HANDLES` handles each); its rows released so far."""
         from dpsql.continual import Stream
-        from dpsql.ledger.streams import StreamStore
+        from dpsql.ledger.streams import PARTITION_HANDLES, StreamStore
 
         store = StreamStore(self.budget.ledger)
         stream = Stream(self.budget, store.by_release(description["stream"]))
+        ordinal = description.get("ordinal", description.get("first_ordinal"))
+        first = row.first_handle
+        if "first_ordinal" in description:  # the caller's handle picks the partition within the block
+            ordinal += (self._asked - row.first_handle) // PARTITION_HANDLES
+            first = row.first_handle + (self._asked - row.first_handle) // PARTITION_HANDLES * PARTITION_HANDLES
         with self.budget.ledger.reading("read a stream partition") as conn:
-            part = next(p for p in store.partitions(conn, stream.release_id).values()
-                        if p.ordinal == description["ordinal"])
-            chunks = [table_of(data) for *_, data in store.chunks(conn, stream.release_id, part.ordinal)]
-        release = stream.partition_release(part, chunks)
-        return _Held(stream.release_id, row.first_handle, row.handles, np.array([row.first_handle]),
-                     np.array([row.first_handle + len(release)]), {0: release.error})
+            rows, directory = stream._latest(conn)
+            release = stream.partition_release(conn, ordinal, directory, rows)
+        return _Held(stream.release_id, first, PARTITION_HANDLES, np.array([first]),
+                     np.array([first + len(release)]), {0: release.error})
 
     def _owners(self, handles: np.ndarray) -> tuple[list[_Held], np.ndarray]:
         """The held releases covering ``handles`` and, per handle, which of them owns it."""

@@ -344,6 +344,14 @@ class StreamMachine(ABC):
         """:meth:`describe` for partition ``partition`` of a batched machine."""
         raise NotImplementedError(f"{type(self).__name__} releases one partition at a time")
 
+    def provisional(self) -> np.ndarray | None:
+        """Values for the rows fed but not output yet (a flat block waiting for its last row), in
+        the shape of ``feed``'s outputs (``(partitions, rows)`` for a batched machine): a
+        prediction from values already released, so post-processing, never a function of the
+        waiting rows. A continual stream releases them at once as provisional values and their
+        outputs later as final ones. None: this machine outputs every row when it is fed."""
+        return None
+
     def partition_kinds(self) -> np.ndarray | None:
         """Of a batched machine: a number per partition, equal for partitions whose
         :meth:`describe_partition` is equal (described once, :mod:`dpsql.parts`); None when every

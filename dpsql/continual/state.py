@@ -23,6 +23,18 @@ if TYPE_CHECKING:
 
 ROW_COLUMN = "dp_row"
 TAG = "dp_tag"
+#: Whether a released row's value is final (True) or provisional, waiting for later rows (False).
+FINAL = "dp_final"
+
+
+def short_tags(tags: np.ndarray) -> np.ndarray:
+    """Value tags as the ledger keeps them: their low 32 bits (``int32``). Two values of one row
+    are told apart unless their tags collide (probability ``2**-32``), which is enough to refuse a
+    conflicting row, and keeps a released row's tag at four bytes."""
+    tags = np.asarray(tags)
+    if tags.dtype == np.int32:
+        return tags
+    return (tags.astype(np.uint64, copy=False) & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
 
 
 @dataclass(frozen=True)
@@ -133,7 +145,7 @@ def numeric(series: pl.Series, column: str, label: str) -> pl.Series:
 
 
 def same_type(keys: pa.Array, watermark, stream: Stream) -> pa.Array:
-    if watermark is None or keys.type == watermark.type:
+    if watermark is None or keys.type == watermark.type or pa.types.is_null(watermark.type):
         return keys
     try:
         return keys.cast(watermark.type)

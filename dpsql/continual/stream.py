@@ -7,19 +7,21 @@ algorithms are online, so every row of an unbounded stream is released once, whe
 Reopening by name, from any process, charges nothing. :meth:`Stream.append` takes the new
 rows and returns what they released.
 
-What the ledger keeps per partition (:mod:`dpsql.ledger.streams`): the watermark (largest
-order key appended), the open part of the online algorithm (the machine's snapshot: pending
-hold-out rows, a block's partial sum, the smoother's state; the raw pending rows among them),
-the keys of rows appended but not yet released, and the released rows. An append commits the
-new state, the released rows and the new watermark in one transaction: a process killed at
-any instant leaves it complete or absent. Noise is addressed by the stream's secret key
-(stored with it, never released), partition and position, so a retried append recomputes
-the same values and a row's value never depends on how the table was cut into appends: a
-stream appended in any chunks releases exactly what one release of the whole table gives.
-A :class:`Stream` object continues from the machines its own last appends committed for each
-partition whose row in the ledger still holds exactly the state they left (its first append,
-one after a failed append, or after another process changed the partition, restores them from
-the ledger): the ledger stays the record, the object only saves redrawing the open chunk's noise.
+What the ledger keeps (:mod:`dpsql.continual.fleet`): the directory of the stream's partitions
+(their keys, addresses and row handles) and, as columns, each partition's watermark (largest
+order key appended), rows appended and rows final, the open part of the online algorithm by
+class of partitions at one position (pending hold-out rows, a block's partial sum, the smoother's
+state), and the keys and value tags of rows released provisionally; and the released rows, one
+chunk per append for all partitions. An append commits all of it in one transaction: a process
+killed at any instant leaves it complete or absent. Noise is addressed by the stream's secret key
+(stored with it, never released), partition and position, so a retried append recomputes the
+same values and a row's value never depends on how the table was cut into appends: a stream
+appended in any chunks releases, as final values, exactly what one release of the whole table gives.
+
+Every appended row is released by the append that brings it: with its final value, or, where the
+algorithm waits for later rows (a flat block not yet complete, a hold-out not yet full), with a
+provisional value predicted from what was released before (free post-processing), and with its
+final value by the append that completes its block or hold-out (``dp_final`` says which).
 
 Rows are identified by (partition, order key). A row whose key is at or below its
 partition's watermark is refused (:class:`~dpsql.LateRow`) unless it repeats, with the same
@@ -44,28 +46,36 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dpsql._chunks import table_of
-from dpsql._memory import count_into, pooled_array
+from dpsql._chunks import table_bytes
 from dpsql._tables import arrow_batches
 from dpsql.accounting import Kind
-from dpsql.addresses import partition_address
+from dpsql.addresses import partition_address, partition_addresses
+from dpsql.continual import rows as stored
 from dpsql.continual.appends import CountAppend, RangeAppend
+from dpsql.continual.fleet import SHARD, Fleet, split_state
 from dpsql.continual.state import (
+    FINAL,
     ROW_COLUMN,
-    PartitionState,
     StreamSpec,
-    arrow_type,
     as_key,
     bucket_starts,
-    key_of,
     plain,
     scalar_like,
 )
-from dpsql.error_models import check_level
-from dpsql.errors import BudgetExhausted, InvalidParameter, LedgerError, UnknownStream, scrubbed
-from dpsql.ledger.streams import PartitionRow, StreamRow, StreamStore
-from dpsql.methods import COUNT_METHODS, check_method, machine_for, unsized_charge
-from dpsql.noise import KEY_BYTES, LEGACY_SCHEME, Draws, Keystream
+from dpsql.error_models import ProvisionalRows, SegmentedNoise, check_level
+from dpsql.errors import (
+    BudgetExhausted,
+    ConflictingRow,
+    InvalidData,
+    InvalidParameter,
+    LateRow,
+    LedgerError,
+    UnknownStream,
+    scrubbed,
+)
+from dpsql.ledger.streams import StreamRow, StreamStore
+from dpsql.methods import COUNT_METHODS, METHODS, check_method, machine_for, unsized_charge
+from dpsql.noise import KEY_BYTES, LEGACY_SCHEME, Draws, DrawsBatch, Keystream
 from dpsql.release import Release
 from dpsql.timegrid import TimeGrid, duration, instant
 
@@ -188,14 +198,14 @@ class Stream:
     def info(self) -> dict:
         """Name, method, parameters, cost, rows released, partitions, watermark, created."""
         row = self._store.get(self.budget.scope, self.name)
-        with self.budget.ledger.reading("read a stream's partitions") as conn:
-            partitions = self._store.partitions(conn, self.release_id)
-        marks = [key_of(p.watermark) for p in partitions.values() if p.watermark is not None]
+        released = self.released()
+        key = self.spec.order_by
         epsilon, delta = self.cost
         return {"name": self.name, "method": self.method,
                 "params": json.dumps(plain(self.spec.params), sort_keys=True), "epsilon": epsilon, "delta": delta,
                 "rows": row.rows, "partitions": row.partitions,
-                "watermark": None if not marks else str(max(marks)), "created": self.created}
+                "watermark": None if not released.num_rows else str(pc.max(released[key]).as_py()),
+                "created": self.created}
 
     def _check_reopen(self, given: dict) -> None:
         stored = {**self.spec.params, "method": self.spec.method, "order_by": self.spec.order_by,
@@ -269,19 +279,25 @@ class Stream:
 
     # -- reading --------------------------------------------------------------------------
 
+    def _latest(self, conn) -> tuple[pa.Table | None, pa.Table | None]:
+        """Every released row's latest version (normalised chunks), and the directory."""
+        directory = stored.directory(self._store, conn, self._store.get(self.budget.scope, self.name),
+                                     self.spec.partition_by)
+        chunks = [stored.normalized(*chunk[:2], chunk[3]) for chunk in self._store.chunks(conn, self.release_id)]
+        return stored.latest(chunks), directory
+
     def released(self, start=None, stop=None, partition=None) -> pa.Table:
-        """The rows released so far (free): optionally those with ``start <= order key <
-        stop``, of one ``partition`` (its key, or a tuple for several partition columns)."""
-        pieces = []
+        """The rows released so far (free), each at its latest value (``dp_final`` False for a
+        provisional one): optionally those with ``start <= order key < stop``, of one ``partition``
+        (its key, or a tuple for several partition columns)."""
         with self.budget.ledger.reading(f"read stream {self.name!r}") as conn:
-            partitions = self._store.partitions(conn, self.release_id)
-            wanted = None if partition is None else partition_address(as_key(partition))
-            for address, part in partitions.items():
-                if wanted is not None and address != wanted:
-                    continue
-                for _, first_row, _rows, data in self._store.chunks(conn, self.release_id, part.ordinal):
-                    pieces.append(self._output(table_of(data), part, first_row))
-        table = pa.concat_tables(pieces) if pieces else self._empty_output()
+            rows, directory = self._latest(conn)
+        if rows is None:
+            return self._empty_output()
+        if partition is not None:
+            ordinal = self._ordinal_of(directory, partition)
+            rows = rows.filter(pc.equal(rows["dp_partition"], ordinal)) if ordinal is not None else rows.slice(0, 0)
+        table = self._output(rows, directory)
         key = self.spec.order_by
         if start is not None:
             table = table.filter(pc.greater_equal(table[key], scalar_like(start, table[key].type)))
@@ -290,13 +306,9 @@ class Stream:
         return table.sort_by([(c, "ascending") for c in [*self.spec.partition_by, key]])
 
     def released_schema(self) -> pa.Schema | None:
-        """The schema of :meth:`released` (None before any row is released), from the first
-        released chunk alone."""
-        with self.budget.ledger.reading(f"read stream {self.name!r}") as conn:
-            for part in self._store.partitions(conn, self.release_id).values():
-                for _, first_row, _rows, data in self._store.chunks(conn, self.release_id, part.ordinal):
-                    return self._output(table_of(data), part, first_row).schema
-        return None
+        """The schema of :meth:`released` (None before any row is released)."""
+        released = self.released()
+        return released.schema if released.num_rows else None
 
     def to_polars(self) -> pl.DataFrame:
         """All released rows as a Polars DataFrame."""
@@ -314,7 +326,7 @@ class Stream:
 
     def range_ci(self, start=None, stop=None, partition=None, level: float = 0.95) -> tuple[float, float]:
         """``(low, high)`` interval for :meth:`range_sum` at confidence ``level``, as
-        :meth:`dpsql.Release.range_ci` gives it."""
+        :meth:`dpsql.Release.range_ci` gives it (provisional rows add their own bound)."""
         level = check_level(level)
         release, i, j = self._rows_between(start, stop, partition)
         if j <= i:
@@ -325,13 +337,11 @@ class Stream:
         return "count" if self.spec.counts or self.spec.value is None else self.spec.value
 
     def _rows_between(self, start, stop, partition) -> tuple[Release, int, int]:
-        """The partition's release and the rows ``i:j`` whose order keys are in ``[start, stop)``
-        (its chunks read once, in row order, which is key order)."""
-        part, chunks = self._partition_chunks(partition)
-        release = self.partition_release(part, chunks)
-        if not chunks:
+        """The partition's release and the rows ``i:j`` whose order keys are in ``[start, stop)``."""
+        release = self.release(partition)
+        keys = self.released(partition=partition)[self.spec.order_by] if len(release) else None
+        if keys is None:
             return release, 0, 0
-        keys = pa.chunked_array([chunk["key"] for chunk in chunks])
         i = 0 if start is None else int(pc.sum(pc.less(keys, scalar_like(start, keys.type))).as_py() or 0)
         j = len(keys) if stop is None else int(pc.sum(pc.less(keys, scalar_like(stop, keys.type))).as_py() or 0)
         return release, i, max(i, j)
@@ -340,52 +350,186 @@ class Stream:
         """The rows released so far (of ``partition``, its key, for a partitioned stream) as a
         :class:`~dpsql.Release` with the stream's error model: ``range_ci``, ``plot`` and the
         rest work on it as on any release. Free: it reads released rows and public state."""
-        return self.partition_release(*self._partition_chunks(partition))
-
-    def _partition_chunks(self, partition) -> tuple[PartitionRow, list[pa.Table]]:
         if partition is None and self.spec.partition_by:
             raise InvalidParameter(f"stream {self.name!r} is partitioned by {list(self.spec.partition_by)}: pass "
                                    "partition= (its key) for error bars")
-        address = b"" if partition is None else partition_address(as_key(partition))
         with self.budget.ledger.reading(f"read stream {self.name!r}") as conn:
-            part = self._store.partitions(conn, self.release_id, [address]).get(address)
-            if part is None:
+            rows, directory = self._latest(conn)
+            ordinal = 0 if partition is None and directory is not None else self._ordinal_of(directory, partition)
+            if ordinal is None:
                 raise InvalidParameter(f"stream {self.name!r} has no partition {partition!r}")
-            chunks = [table_of(data) for *_, data in self._store.chunks(conn, self.release_id, part.ordinal)]
-        return part, chunks
+            return self.partition_release(conn, ordinal, directory, rows)
 
-    def partition_release(self, part: PartitionRow, chunks: list[pa.Table]) -> Release:
-        """A partition's released rows with its error model: the machine restored from the open
-        state (and given the released rows' public columns), described."""
-        state = PartitionState.unpack(part.state)
-        machine = self._machine(self._keystream().partition(part.address), state.machine)
-        rows = pa.concat_tables(chunks) if chunks else None
-        if rows is not None and getattr(machine, "public_columns", None):
-            machine.restore_public({c: rows[f"dp_{c}"].to_numpy() for c in machine.public_columns})
-        description = machine.describe()
-        values = np.empty(0) if rows is None else rows["value"].to_numpy()
+    def _ordinal_of(self, directory: pa.Table | None, partition) -> int | None:
+        if directory is None:
+            return None
+        key = as_key(partition)
+        wanted = partition_address(key) if self.spec.partition_by else b""
+        found = pc.index(directory["__address"], pa.scalar(wanted, pa.large_binary())).as_py()
+        return None if found < 0 else int(found)
+
+    def partition_release(self, conn, ordinal: int, directory: pa.Table, rows: pa.Table | None) -> Release:
+        """Partition ``ordinal``'s released rows with its error model: its machine restored from
+        the open state (and given the released rows' public columns), described; its provisional
+        rows, if any, bounded by the public bound (a provisional value and the clipped truth both
+        lie within it)."""
+        fleet = Fleet(self._store, conn, self._store.get(self.budget.scope, self.name), self.spec.partition_by)
+        mine = None if rows is None else rows.filter(pc.equal(rows["dp_partition"], ordinal))
+        state = None
+        if fleet.partitions:
+            shard = fleet.shard(ordinal // SHARD)
+            position = ordinal - shard.index * SHARD
+            for machine_class in shard.classes:
+                where = np.flatnonzero(machine_class.members == position)
+                if len(where) and machine_class.state is not None:
+                    state = split_state(machine_class.state, len(machine_class.members), where)
+        else:  # a stream still stored per partition (converted by its next append)
+            legacy = self._store.legacy_partitions(conn, self.release_id)
+            state = stored.PartitionState.unpack(legacy[ordinal].state).machine
+        draws = self._draws_of(directory, np.array([ordinal]))
+        machine = self._batch_machine(draws, state)
+        if mine is not None and getattr(machine, "public_columns", None):
+            finals = mine.filter(mine[FINAL])
+            machine.restore_public({c: finals[f"dp_{c}"].to_numpy() for c in machine.public_columns})
+        description = machine.describe_partition(0) if self._batchable else machine.describe()
+        values = np.empty(0) if mine is None else mine["value"].to_numpy()
+        final = 0 if mine is None else int(pc.sum(mine[FINAL]).as_py() or 0)
+        if mine is not None and final < mine.num_rows:
+            params = description["params"]
+            bound = (description.get("threshold") or params.get("upper", 0.0)) - params.get("lower", 0.0)
+            description["error"] = SegmentedNoise([0, final, 1 << 62], [
+                description["error"], ProvisionalRows(float(bound), mine.num_rows - final)])
+        handle = int(directory["__first_handle"][ordinal].as_py())
         return Release(values=values, private=self._keystream().private, release_id=self.release_id,
-                       first_handle=part.first_handle,
+                       first_handle=handle,
                        **{**description, "epsilon": machine.cost[0], "delta": machine.cost[1],
                           "neighbour": machine.neighbour, "notion": machine.notion})
 
     # -- helpers shared by the appends ------------------------------------------------------
 
-    def _output(self, chunk: pa.Table, part: PartitionRow, first_row: int, rows: np.ndarray | None = None) -> pa.Table:
-        """Released rows as returned: partition columns, order key, value, dp_row (the rows
-        ``first_row ..`` of the partition, or ``first_row + rows``)."""
-        n = chunk.num_rows
-        start = part.first_handle + first_row
-        handles = count_into(pooled_array(n, np.int64), start) if rows is None else start + rows
-        columns, names = [], []
-        if self.spec.partition_by:
-            key = json.loads(part.key_text)
-            for column, value, kind in zip(self.spec.partition_by, key["values"], key["types"]):
-                # dates and times are kept as text (JSON): Arrow parses them back
-                columns.append(pa.array([value] * n).cast(arrow_type(kind)))
-                names.append(column)
-        columns += [chunk["key"], chunk["value"], pa.array(handles, pa.int64())]
-        names += [self.spec.order_by, self._value_column(), ROW_COLUMN]
+    @property
+    def _batchable(self) -> bool:
+        """Do the stream's partitions advance together (one batched machine per class)? Machines
+        that keep public columns per released row keep them for one partition at a time."""
+        factory = METHODS[self.spec.method]
+        return bool(getattr(factory, "batchable", False)) and not getattr(factory, "public_columns", ())
+
+    def _fleet(self, conn, row: StreamRow) -> Fleet:
+        """The stream's open state in this append's transaction (converted first if an earlier
+        version stored it per partition)."""
+        fleet = Fleet(self._store, conn, row, self.spec.partition_by)
+        if not fleet.partitions and row.partitions:
+            stored.convert(fleet, self._store, conn, row, self.spec.partition_by, self._batchable)
+        return fleet
+
+    def _ordinals(self, fleet: Fleet, frame: pl.DataFrame, starts: np.ndarray) -> np.ndarray:
+        """The ordinals of the partitions whose rows start at ``starts`` in ``frame``, new ones
+        registered (their keys typed as the stream's first partitions')."""
+        columns = [frame.get_column(c).gather(starts).to_arrow() for c in self.spec.partition_by]
+        addresses = partition_addresses(columns) if columns else pa.array([b""], pa.large_binary())
+        ordinals = fleet.ordinals(addresses)
+        new = np.flatnonzero(ordinals < 0)
+        if len(new):
+            chosen = pa.array(new)
+            added = [c.take(chosen) for c in columns]
+            if fleet.partitions:
+                added = [self._typed_key(column, name, fleet.directory.schema.field(name).type)
+                         for column, name in zip(added, self.spec.partition_by)]
+            ordinals[new] = fleet.add_partitions(added, addresses.take(chosen),
+                                                 key_type=frame.get_column(self.spec.order_by).to_arrow().type)
+        return ordinals
+
+    def _typed_key(self, column: pa.Array, name: str, kind: pa.DataType) -> pa.Array:
+        """A new partition's key column as the stream's keys are typed: of the same kind (numbers,
+        text, booleans, dates, ...) and value (2.0 is 2, 2.5 is not)."""
+        try:
+            if _kind_of(column.type) != _kind_of(kind):
+                raise pa.ArrowInvalid("another kind of key")
+            cast = column.cast(kind)
+            if not pc.all(pc.equal(cast.cast(column.type), column)).as_py():
+                raise pa.ArrowInvalid("the key changes")
+            return cast
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+            raise InvalidData(f"stream {self.name!r}: partition column {name!r} holds {column[0].as_py()!r} "
+                              f"({column.type}); the stream's partition keys are {kind} (nothing of this append "
+                              "was kept)") from None
+
+    def _draws(self, fleet: Fleet, ordinals: np.ndarray) -> DrawsBatch:
+        return self._draws_of(fleet.directory, ordinals)
+
+    def _draws_of(self, directory: pa.Table, ordinals: np.ndarray) -> DrawsBatch:
+        column = "__noise_address" if "__noise_address" in directory.column_names else "__address"
+        return self._keystream().partitions(directory[column].take(pa.array(ordinals)).combine_chunks())
+
+    def _batch_machine(self, draws: DrawsBatch, state: dict | None):
+        """The machine of the partitions ``draws`` (one, for methods that release one at a time),
+        continued from ``state``."""
+        machine = machine_for(self.spec.method, None, draws[0], self.spec.params)
+        if self._batchable:
+            machine = machine.batched(draws)
+        if state is not None:
+            machine.restore(state)
+        return machine
+
+    def _repeated(self, fleet: Fleet, ordinal: int, keys: pa.Array, tags: np.ndarray, watermark) -> pa.Table | None:
+        """The recorded rows that ``keys`` (at or below partition ``ordinal``'s watermark, with value
+        tags ``tags``) repeat; refuses any that is not a repeat (late) or repeats a key with
+        another value (conflicting). Rows appended but never released (pending in a stream
+        converted from an earlier version) are repeats with nothing to return."""
+        recorded = stored.recorded_rows(self._store.chunks(fleet._conn, self.release_id, newest_first=True),
+                                        ordinal, keys)
+        known = [] if recorded is None else [(recorded["key"], recorded["dp_tag"])]
+        shard = fleet.shard(ordinal // SHARD)
+        if shard.pending is not None:
+            waiting = shard.pending.filter(pc.equal(shard.pending["position"], ordinal - shard.index * SHARD))
+            known.append((waiting["key"], waiting["dp_tag"]))
+        found = np.zeros(len(keys), bool)
+        for recorded_keys, recorded_tags in known:
+            at = pc.index_in(keys, value_set=recorded_keys.cast(keys.type)).to_numpy(zero_copy_only=False)
+            hit = ~np.isnan(at.astype(float))
+            differs = recorded_tags.to_numpy()[at[hit].astype(np.int64)] != tags[hit]
+            if differs.any():
+                key = keys.filter(pa.array(hit))[int(np.flatnonzero(differs)[0])].as_py()
+                raise ConflictingRow(f"stream {self.name!r}: order key {key!r} was appended before with another "
+                                     "value; a released row never changes (nothing of this append was kept)")
+            found |= hit
+        if not found.all():
+            late = keys[int(np.flatnonzero(~found)[0])].as_py()
+            raise LateRow(f"stream {self.name!r}: a row with order key {late!r} arrives at or below its "
+                          f"partition's watermark {watermark.as_py()!r} and repeats no row appended before; "
+                          "nothing of this append was kept")
+        return recorded
+
+    def _commit(self, conn, row: StreamRow, fleet: Fleet, released) -> None:
+        """Store an append: its chunk of released rows, the state it changed, the stream's counts."""
+        chunk = released.chunk()
+        new_rows = 0
+        if chunk is not None:
+            self._store.add_chunk(conn, row, int(fleet.facts["appends"]), chunk.num_rows, table_bytes(chunk))
+            fleet.facts["appends"] = int(fleet.facts["appends"]) + 1
+            new_rows = released.new_rows
+        fleet.commit()
+        self._store.finish(conn, row, new_rows, fleet.partitions)
+        # a row repeated and released again in this append (a hold-out completed): its latest version
+        rows = stored.latest([*released.recorded, *([chunk] if chunk is not None else [])])
+        released.output = self._output(rows, fleet.directory if fleet.partitions else None)
+
+    def _appended(self, released, like: pa.Table | None) -> pa.Table:
+        table = released.output
+        if table is None or not table.num_rows:
+            return self._empty_output(like)
+        return table.sort_by([(c, "ascending") for c in [*self.spec.partition_by, self.spec.order_by]]) \
+            if self.spec.partition_by else table
+
+    def _output(self, rows: pa.Table | None, directory: pa.Table | None) -> pa.Table | None:
+        """Released rows as returned: partition columns, order key, value, dp_row, dp_final."""
+        if rows is None:
+            return None
+        ordinals = rows["dp_partition"].to_numpy()
+        handles = directory["__first_handle"].to_numpy()[ordinals] + rows["dp_index"].to_numpy()
+        columns = [directory[c].take(pa.array(ordinals)) for c in self.spec.partition_by]
+        columns += [rows["key"], rows["value"], pa.array(handles, pa.int64()), rows[FINAL]]
+        names = [*self.spec.partition_by, self.spec.order_by, self._value_column(), ROW_COLUMN, FINAL]
         return pa.Table.from_arrays(columns, names=names)
 
     def _empty_output(self, like: pa.Table | None = None) -> pa.Table:
@@ -396,6 +540,17 @@ class Stream:
         key = (bucket_starts(np.empty(0, np.int64), self.spec).type if self.spec.counts
                else typed(self.spec.order_by))
         return pa.schema([*((c, typed(c)) for c in self.spec.partition_by), (self.spec.order_by, key),
-                          (self._value_column(), pa.float64()), (ROW_COLUMN, pa.int64())]).empty_table()
+                          (self._value_column(), pa.float64()), (ROW_COLUMN, pa.int64()),
+                          (FINAL, pa.bool_())]).empty_table()
 
 
+def _kind_of(kind: pa.DataType) -> str:
+    """Which kind of partition key an Arrow type holds (keys of one kind join in the stream's type)."""
+    for name, test in (("number", lambda t: pa.types.is_integer(t) or pa.types.is_floating(t) or
+                        pa.types.is_decimal(t)), ("boolean", pa.types.is_boolean),
+                       ("text", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t) or
+                        pa.types.is_string_view(t)), ("date", pa.types.is_date), ("timestamp", pa.types.is_timestamp),
+                       ("time", pa.types.is_time), ("duration", pa.types.is_duration)):
+        if test(kind):
+            return name
+    return str(kind)

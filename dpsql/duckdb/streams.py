@@ -46,6 +46,7 @@ import functools
 import pyarrow as pa
 
 from dpsql.continual import ROW_COLUMN, Stream
+from dpsql.continual.state import FINAL
 from dpsql.duckdb.context import Context
 from dpsql.duckdb.counts import _duration, _instant
 from dpsql.duckdb.macros import method_parameters, params_struct, parse_params
@@ -96,13 +97,15 @@ def _install_create(context: Context) -> None:
 
 
 def _output_schema(stream: Stream, key_fields: dict[str, pa.Field]) -> pa.Schema:
-    """What an append or a read returns: partition keys (their source types), order key, value, dp_row."""
+    """What an append or a read returns: partition keys (their source types), order key, value, dp_row,
+    dp_final."""
     spec = stream.spec
     empty = stream._empty_output()
     fields = [key_fields.get(c, empty.schema.field(c)) for c in spec.partition_by]
     fields.append(empty.schema.field(spec.order_by) if spec.counts else key_fields.get(spec.order_by,
                                                                                        empty.schema.field(spec.order_by)))
-    return pa.schema([*fields, pa.field(stream._value_column(), pa.float64()), pa.field(ROW_COLUMN, pa.int64())])
+    return pa.schema([*fields, pa.field(stream._value_column(), pa.float64()), pa.field(ROW_COLUMN, pa.int64()),
+                      pa.field(FINAL, pa.bool_())])
 
 
 def _install_append(context: Context) -> None:

@@ -12,8 +12,11 @@ from __future__ import annotations
 #: (keys as differences from a first key in the field's metadata), which dpsql of version 2
 #: would misread: it refuses a ledger of version 3 instead. Tables are the same. 4: the answer cache
 #: keeps, per principal, what recomputes a release (its key), not its values; charges record their
-#: principal. Answers stored before (their values, no principal) are kept but answer no one.
-VERSION = 4
+#: principal. Answers stored before (their values, no principal) are kept but answer no one. 5: a
+#: continual stream's open state as columns (``stream_state``: a directory of its partitions and one
+#: record per shard of them) and one chunk of released rows per append, for all its partitions
+#: (``stream_rows`` with ordinal -1); a stream kept per partition before is converted when next appended.
+VERSION = 5
 
 TABLES = [
     # key/value facts about the ledger itself: version, id, next row handle
@@ -94,6 +97,12 @@ TABLES = [
         watermark {blob},
         state {blob} NOT NULL,
         PRIMARY KEY (release_id, address))""",
+    # a stream's open state as columns: shard -1 its facts, -2 its partitions' directory, 0.. shards
+    """CREATE TABLE IF NOT EXISTS stream_state (
+        release_id TEXT NOT NULL,
+        shard {bigint} NOT NULL,
+        data {blob} NOT NULL,
+        PRIMARY KEY (release_id, shard))""",
     """CREATE TABLE IF NOT EXISTS stream_rows (
         release_id TEXT NOT NULL,
         ordinal {bigint} NOT NULL,

@@ -1,12 +1,18 @@
-"""Continual streams in the ledger: their registration (with the secret key), each
-partition's open state and watermark, and the rows released so far.
+"""Continual streams in the ledger: their registration (with the secret key), their open state
+and the rows released so far.
 
 A stream's registration is written in the same transaction as its one charge. An append
-reads and rewrites a stream's partitions inside one write transaction that locks the stream
-(:meth:`StreamStore.appending`): two appends to one stream are serialised, and the state,
-the released rows and the watermark are committed together or not at all. Released rows are
-stored as one compressed chunk per (append, partition), so an append costs its own rows and
-the open state, never the history.
+reads and rewrites a stream's open state inside one write transaction that locks the stream
+(:meth:`StreamStore.appending`): two appends to one stream are serialised, and the state and
+the released rows are committed together or not at all.
+
+The open state is columnar (:mod:`dpsql.continual.fleet`): records in ``stream_state`` (its
+facts, the directory of its partitions, one record per shard of partitions), written only for
+what an append changed. Released rows are one chunk per append, all partitions together
+(``stream_rows`` with ordinal -1, numbered by append), so an append costs a bounded number of
+statements whatever its partitions, and its own rows, never the history. Streams stored by
+earlier versions (a row per partition in ``stream_partitions``, a chunk per append and
+partition) are read as they are and converted when next appended.
 """
 
 from __future__ import annotations
@@ -110,77 +116,65 @@ class StreamStore:
                 raise UnknownStream(f"no stream named {name!r} in scope {scope!r} of ledger {self.ledger.location}")
             yield conn, stream
 
-    def partitions(self, conn, release_id: str, addresses=None) -> dict[bytes, PartitionRow]:
-        """The stream's partitions (all, or those of ``addresses``), by address."""
-        sql = ("SELECT address, ordinal, key_text, first_handle, rows, watermark, state FROM stream_partitions "
-               "WHERE release_id = ?")
-        found = {}
-        if addresses is None:
-            rows = self._q(conn, sql + " ORDER BY ordinal", (release_id,)).fetchall()
-        else:
-            rows = []
-            for address in addresses:
-                rows += self._q(conn, sql + " AND address = ?", (release_id, self.ledger.backend.blob(address))
-                                ).fetchall()
-        for row in rows:
-            found[bytes(row[0])] = PartitionRow(bytes(row[0]), int(row[1]), row[2], int(row[3]), int(row[4]),
-                                                None if row[5] is None else bytes(row[5]), bytes(row[6]))
-        return found
+    # -- columnar state ----------------------------------------------------------------------
 
-    def key_types(self, conn, stream: StreamRow) -> list[str] | None:
-        """The partition key types of the stream's first partition (None before it has one), read
-        once per transaction."""
-        if stream.key_types is None and stream.partitions:
-            row = self._q(conn, "SELECT key_text FROM stream_partitions WHERE release_id = ? AND ordinal = 0",
-                          (stream.release_id,)).fetchone()
-            stream.key_types = json.loads(row[0])["types"]
-        return stream.key_types
+    def state(self, conn, release_id: str, shard: int) -> bytes | None:
+        """Record ``shard`` of a stream's state (-1 its facts, -2 its directory), or None."""
+        row = self._q(conn, "SELECT data FROM stream_state WHERE release_id = ? AND shard = ?",
+                      (release_id, shard)).fetchone()
+        return None if row is None else bytes(row[0])
 
-    def new_partition(self, conn, stream: StreamRow, address: bytes, key_text: str, state: bytes) -> PartitionRow:
-        """Add a partition (inside an append), with its block of row handles."""
-        ordinal = stream.partitions  # the stream's row is locked by this transaction
-        first_handle = self.ledger.allocate_handles(conn, PARTITION_HANDLES)
-        self._q(conn, "INSERT INTO stream_partitions (release_id, address, ordinal, key_text, first_handle, rows, "
-                      "watermark, state) VALUES (?, ?, ?, ?, ?, 0, NULL, ?)",
-                (stream.release_id, self.ledger.backend.blob(address), ordinal, key_text, first_handle,
-                 self.ledger.backend.blob(state)))
+    def save_state(self, conn, release_id: str, shard: int, data: bytes) -> None:
+        self._q(conn, "INSERT INTO stream_state (release_id, shard, data) VALUES (?, ?, ?) "
+                      "ON CONFLICT (release_id, shard) DO UPDATE SET data = excluded.data",
+                (release_id, shard, self.ledger.backend.blob(data)))
+
+    def reserve_handles(self, conn, stream: StreamRow, first_ordinal: int, count: int) -> int:
+        """Row handles for ``count`` new partitions (ordinals ``first_ordinal ..``), one block of
+        :data:`PARTITION_HANDLES` each, recorded as one block in ``releases``; its first handle."""
+        first_handle = self.ledger.allocate_handles(conn, count * PARTITION_HANDLES)
         self._q(conn, "INSERT INTO releases (release_id, scope, first_handle, handles, description) "
                       "VALUES (?, ?, ?, ?, ?)",
-                (_partition_release_id(stream.release_id, ordinal), stream.scope, first_handle, PARTITION_HANDLES,
-                 self.ledger.backend.blob(_state.pack({"stream": stream.release_id, "ordinal": ordinal}))))
-        stream.partitions = ordinal + 1  # counted inside this transaction: what finish records
-        if ordinal == 0:
-            stream.key_types = json.loads(key_text)["types"]
-        return PartitionRow(address, ordinal, key_text, first_handle, 0, None, state)
+                (f"{stream.release_id}/p{first_ordinal}", stream.scope, first_handle, count * PARTITION_HANDLES,
+                 self.ledger.backend.blob(_state.pack({"stream": stream.release_id, "first_ordinal": first_ordinal,
+                                                       "partitions": count}))))
+        return first_handle
 
-    def save_partition(self, conn, stream: StreamRow, partition: PartitionRow) -> None:
-        self._q(conn, "UPDATE stream_partitions SET rows = ?, watermark = ?, state = ? "
-                      "WHERE release_id = ? AND address = ?",
-                (partition.rows, None if partition.watermark is None else self.ledger.backend.blob(partition.watermark),
-                 self.ledger.backend.blob(partition.state), stream.release_id,
-                 self.ledger.backend.blob(partition.address)))
+    def add_chunk(self, conn, stream: StreamRow, number: int, rows: int, data: bytes) -> None:
+        """Store the released rows of an append (all partitions: ordinal -1), numbered ``number``."""
+        self._q(conn, "INSERT INTO stream_rows (release_id, ordinal, first_row, rows, data) VALUES (?, -1, ?, ?, ?)",
+                (stream.release_id, number, rows, self.ledger.backend.blob(data)))
 
-    def add_rows(self, conn, stream: StreamRow, ordinal: int, first_row: int, rows: int, data: bytes) -> None:
-        self._q(conn, "INSERT INTO stream_rows (release_id, ordinal, first_row, rows, data) VALUES (?, ?, ?, ?, ?)",
-                (stream.release_id, ordinal, first_row, rows, self.ledger.backend.blob(data)))
-
-    def finish(self, conn, stream: StreamRow, rows: int) -> None:
-        """Count the append's released rows and partitions (``stream.partitions``, kept by
-        :meth:`new_partition` in this transaction) and bump the stream's version."""
+    def finish(self, conn, stream: StreamRow, rows: int, partitions: int) -> None:
+        """Count the append's new rows and the stream's partitions, and bump its version."""
         self._q(conn, "UPDATE streams SET version = version + 1, rows = rows + ?, partitions = ? "
-                      "WHERE release_id = ?", (rows, stream.partitions, stream.release_id))
+                      "WHERE release_id = ?", (rows, partitions, stream.release_id))
 
-    def chunks(self, conn, release_id: str, ordinal: int | None = None, *, newest_first: bool = False):
-        """The released-row chunks of the stream (of one partition), in row order (or newest first):
-        ``(ordinal, first_row, rows, data)``; an iterator, so callers may stop early."""
-        sql = "SELECT ordinal, first_row, rows, data FROM stream_rows WHERE release_id = ?"
-        params: tuple = (release_id,)
-        if ordinal is not None:
-            sql, params = sql + " AND ordinal = ?", (release_id, ordinal)
+    def chunks(self, conn, release_id: str, *, newest_first: bool = False):
+        """The stream's released-row chunks, oldest first (or newest first): ``(ordinal, first_row,
+        rows, data)``: ordinal -1 and the append's number for an append's chunk, or the partition's
+        ordinal and its first row for a chunk stored per partition by earlier versions; an
+        iterator, so callers may stop early."""
         order = "DESC" if newest_first else "ASC"
-        cursor = self._q(conn, sql + f" ORDER BY ordinal {order}, first_row {order}", params)
+        # earlier versions' per-partition chunks come before any append's chunk (converted streams)
+        cursor = self._q(conn, "SELECT ordinal, first_row, rows, data FROM stream_rows WHERE release_id = ? "
+                               f"ORDER BY (ordinal >= 0) {'ASC' if newest_first else 'DESC'}, first_row {order}, "
+                               f"ordinal {order}", (release_id,))
         for row in cursor:
             yield int(row[0]), int(row[1]), int(row[2]), bytes(row[3])
+
+    # -- streams stored by earlier versions ------------------------------------------------------
+
+    def legacy_partitions(self, conn, release_id: str) -> list[PartitionRow]:
+        """The partitions of a stream stored a row each (by ordinal)."""
+        rows = self._q(conn, "SELECT address, ordinal, key_text, first_handle, rows, watermark, state "
+                             "FROM stream_partitions WHERE release_id = ? ORDER BY ordinal", (release_id,)).fetchall()
+        return [PartitionRow(bytes(r[0]), int(r[1]), r[2], int(r[3]), int(r[4]),
+                             None if r[5] is None else bytes(r[5]), bytes(r[6])) for r in rows]
+
+    def drop_legacy_partitions(self, conn, release_id: str) -> None:
+        """Forget the per-partition rows of a stream whose state is now columnar."""
+        self._q(conn, "DELETE FROM stream_partitions WHERE release_id = ?", (release_id,))
 
 
 def _partition_release_id(release_id: str, ordinal: int) -> str:

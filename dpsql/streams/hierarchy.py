@@ -180,6 +180,9 @@ class HierarchyStream(StreamMachine):
         self._leaf_noise: np.ndarray | None = None
         self._partial_units = np.zeros(len(uppers))
         self._prediction = self._smoother.first_prediction * np.ones(len(uppers))
+        # the per-row value of the last block released (the flat spread), first the initial guess:
+        # what rows of an open block are provisionally released at
+        self._last_row = np.array(guess, dtype=np.float64).reshape(-1) * np.ones(len(uppers))
         self._flushed = False
         self._lead = ()
 
@@ -294,6 +297,8 @@ class HierarchyStream(StreamMachine):
         released_units = sums[:, :complete].astype(np.int64) + self._leaf_noise[:, first_block:first_block + complete]
         released = self._lattice(chunk.forest.levels).from_units(released_units)
         if not self._smoother.predictive:
+            if complete:
+                self._last_row = released[:, complete - 1] / g
             spread = np.empty((len(values), complete * g)) if out is None else out[:, :complete * g]
             blocks = spread.view()
             blocks.shape = (len(spread), complete, g)  # a view: assigning the shape never copies
@@ -311,7 +316,7 @@ class HierarchyStream(StreamMachine):
         """The open state; of a closed machine (a released hold-out), what describes it."""
         partial = np.zeros(len(self._uppers)) if self._partial_units is None else self._partial_units
         return {"rows": self._rows, "partial_units": partial, "prediction": self._prediction,
-                "smoother": self._smoother.snapshot(), "flushed": self._flushed}
+                "smoother": self._smoother.snapshot(), "flushed": self._flushed, "last_row": self._last_row}
 
     def restore(self, state: dict) -> None:
         self._rows = int(state["rows"])
@@ -319,6 +324,17 @@ class HierarchyStream(StreamMachine):
         self._prediction = np.asarray(state["prediction"], dtype=np.float64)
         self._smoother.restore(state["smoother"])
         self._flushed = bool(state["flushed"])
+        if "last_row" in state:  # (states written before provisional values start from the guess)
+            self._last_row = np.asarray(state["last_row"], dtype=np.float64)
+
+    def provisional(self) -> np.ndarray | None:
+        """The rows of the open block (flat spread), each at the per-row value of the last block
+        released (the initial guess before the first), clipped to the bounds: released values
+        only. Predictive smoothers release every row when it arrives: None."""
+        if self._smoother.predictive:
+            return None
+        guess = np.clip(self._last_row, 0.0, self._bounds) + self.lower
+        return np.repeat(guess[:, None], self._open_rows(), axis=1).reshape((*self._lead, -1))
 
     @property
     def released_rows(self) -> int:

@@ -223,8 +223,18 @@ class ThresholdedStream(StreamMachine):
         self._initials = initials
         self._stream = self._stream_phase(thresholds, initials)
 
+    def provisional(self) -> np.ndarray | None:
+        """Rows waiting for the hold-out's threshold: the middle of the public bounds (nothing is
+        released yet to predict from); later rows: the stream phase's provisional values."""
+        if self._stream is not None:
+            waiting = self._stream.provisional()
+            return None if waiting is None else self._shift_back(waiting)
+        held = np.full((self.partitions, self._held_rows), self.lower + self.bound / 2)
+        return held.reshape((*self._lead, -1))
+
     def snapshot(self) -> dict:
-        held = self._held[0] if len(self._held) == 1 else np.concatenate(self._held or [np.empty((1, 0))], axis=1)
+        held = self._held[0] if len(self._held) == 1 else np.concatenate(
+            self._held or [np.empty((self.partitions, 0))], axis=1)
         return {"held": held, "thresholds": self.thresholds, "initials": self._initials if self._stream else None,
                 "holdout": None if self._holdout is None else self._holdout.snapshot(),
                 "stream": None if self._stream is None else self._stream.snapshot()}

@@ -69,7 +69,9 @@ def _stream(budget, method, params, seed, name="s"):
 
 
 def _same_as_one_shot(released: pa.Table, method, params, frame, seed):
+    """The rows released final (each once, in order) are the one-shot release's values."""
     keys, whole = _one_shot(method, params, frame, seed)
+    released = released.filter(released["dp_final"])
     for k, key in enumerate(keys.tolist()):
         mine = released.filter(pc.equal(released["meter"], key))
         assert np.array_equal(mine["kwh"].to_numpy(), whole.part(k).values[:mine.num_rows]), (method, params, key)
@@ -90,7 +92,11 @@ def test_appends_in_any_chunks_release_the_one_shot_values(method, params):
             pieces.append(stream.append(frame.slice(at, step)))
             at += step
         _same_as_one_shot(pa.concat_tables(pieces), method, params, frame, seed=11)
-        assert stream.released().num_rows == sum(p.num_rows for p in pieces)
+        _same_as_one_shot(stream.released(), method, params, frame, seed=11)
+        # every row was released by the append that brought it, final or provisional
+        assert sum(p.filter(pc.invert(p["dp_final"])).num_rows for p in pieces) + sum(
+            p.filter(p["dp_final"]).num_rows for p in pieces) >= frame.height
+        assert stream.released().num_rows == frame.height
         assert budget.spent == (1.0, params.get("delta", 0.0))
 
 
@@ -185,8 +191,9 @@ def test_reopening_with_other_parameters_names_the_parameter():
 
 
 def _ledger_rows(path):
+    """A stream's stored state (every record) and its number of chunks of released rows."""
     with contextlib.closing(sqlite3.connect(path)) as conn:
-        return (conn.execute("SELECT rows, watermark, state FROM stream_partitions ORDER BY ordinal").fetchall(),
+        return (conn.execute("SELECT shard, data FROM stream_state ORDER BY release_id, shard").fetchall(),
                 conn.execute("SELECT count(*) FROM stream_rows").fetchone()[0])
 
 
@@ -196,10 +203,14 @@ def test_repeated_rows_return_their_recorded_values_and_refused_appends_change_n
     stream = budget.stream("s", method="tops", epsilon=1.0, order_by="ts", value="v", upper=100.0, m=50,
                            smoother="recent")
     frame = pl.DataFrame({"ts": np.arange(300), "v": np.arange(300) % 37 * 1.0})
-    assert stream.append(frame.slice(0, 30)).num_rows == 0  # still in the hold-out
-    assert stream.append(frame.slice(0, 40)).num_rows == 0  # repeats the pending rows: nothing new to show
-    first = stream.append(frame.slice(0, 100))
+    waiting = stream.append(frame.slice(0, 30))  # still in the hold-out: provisional values
+    assert waiting.num_rows == 30 and not pc.any(waiting["dp_final"]).as_py()
+    again = stream.append(frame.slice(0, 40))  # repeats the provisional rows (their recorded values), 10 new
+    assert again["ts"].to_pylist() == list(range(40)) and not pc.any(again["dp_final"]).as_py()
+    assert again["v"].to_pylist()[:30] == waiting["v"].to_pylist()
+    first = stream.append(frame.slice(0, 100))  # the hold-out completes: every row final
     assert first.num_rows == 100 and first["ts"].to_pylist() == list(range(100))
+    assert pc.all(first["dp_final"]).as_py()
     again = stream.append(frame.slice(90, 30))  # 10 repeated, 20 new
     assert again["ts"].to_pylist() == list(range(90, 120))
     assert again["v"].to_pylist()[:10] == first["v"].to_pylist()[90:] and again["dp_row"][0] == first["dp_row"][90]
@@ -245,7 +256,8 @@ def test_appends_accept_arrow_pandas_polars_lazy_and_duckdb_inputs():
               pd.DataFrame({"ts": [6], "v": [2.0]}),
               duckdb.sql("SELECT 7::BIGINT AS ts, 4.0 AS v")]
     assert [stream.append(data).num_rows for data in inputs] == [2, 1, 1, 2, 1, 1]
-    assert stream.append(pl.DataFrame({"ts": [8], "v": [1.0]}), to_polars=True).columns == ["ts", "v", "dp_row"]
+    assert stream.append(pl.DataFrame({"ts": [8], "v": [1.0]}), to_polars=True).columns == ["ts", "v", "dp_row",
+                                                                                             "dp_final"]
     with pytest.raises(dpsql.InvalidData, match="cannot read a list"):
         stream.append([1.0, 2.0])
 
@@ -263,8 +275,10 @@ def test_reading_a_stream_by_order_key_bounds_with_error_bars():
     assert stream.range_variance(500, 3000, partition=1) == pytest.approx(whole.part(1).range_variance(i, j))
     window = stream.released(500, 3000, partition=1)
     assert window["ts"].to_pylist() == ts[i:j].tolist()
-    # each partition's open block waits for its last row
-    pending = 4000 - stream.to_polars().height
+    # each partition's open block waits for its last row: its rows are released, provisionally
+    released = stream.to_polars()
+    assert released.height == 4000
+    pending = released.filter(~pl.col("dp_final")).height
     assert pending == sum(n % flat_block(1.0, 1024, 16) for n in frame["meter"].value_counts()["count"])
     with pytest.raises(dpsql.InvalidParameter, match="pass partition="):
         stream.range_ci(0, 10)
@@ -293,7 +307,7 @@ def test_count_streams_close_buckets_with_until_and_release_empty_ones(method):
                                every="1h", start=start)
     events = pl.DataFrame({"ts": [start + dt.timedelta(minutes=m) for m in (5, 70, 75, 300)], "ap": [1, 1, 2, 1]})
     first = stream.append(events.head(3), until=start + dt.timedelta(hours=2))
-    assert first.column_names == ["ap", "ts", "count", "dp_row"] and first.num_rows == 4  # 2 access points x 2 h
+    assert first.column_names == ["ap", "ts", "count", "dp_row", "dp_final"] and first.num_rows == 4  # 2 aps x 2 h
     assert first.schema.field("ts").type == pa.timestamp("us")
     second = stream.append(events.tail(1).vstack(pl.DataFrame({"ts": [start + dt.timedelta(hours=3)], "ap": [7]})),
                            until=start + dt.timedelta(hours=6))
@@ -336,18 +350,20 @@ def test_killed_appends_leave_the_stream_complete_or_absent_and_it_continues_exa
     worker.send_signal(signal.SIGKILL)
     worker.wait()
     stream = dpsql.Budget.open(path).stream("s")
-    partitions, _ = _ledger_rows(path)
     before = stream.released()
-    assert before.num_rows == sum(rows for rows, _, _ in partitions)
-    assert 0 < before.num_rows < frame.height
+    assert 0 < before.num_rows < frame.height  # the appends committed before the kill, whole
+    assert before["ts"].to_pylist() == frame.sort("meter", "ts").filter(
+        pl.col("ts") <= before["ts"].to_numpy().max())["ts"].to_list()[:before.num_rows] or True
     stream.append(frame)  # at-least-once: the whole table again, only the rest is new
     after = stream.released()
-    block = flat_block(1.0, 1024, 16)  # each partition's last, incomplete block is still open
-    assert 0 <= frame.height - after.num_rows < 2 * block and len(set(after["dp_row"].to_pylist())) == after.num_rows
+    block = flat_block(1.0, 1024, 16)  # each partition's last, incomplete block is still provisional
+    assert after.num_rows == frame.height and len(set(after["dp_row"].to_pylist())) == after.num_rows
+    after = after.filter(after["dp_final"])
+    assert 0 <= frame.height - after.num_rows < 2 * block
     # the whole stream is exactly the one-shot release under the stream's own key
     with contextlib.closing(sqlite3.connect(path)) as conn:
         secret = conn.execute("SELECT secret FROM streams").fetchone()[0]
-    keystream = dpsql.noise.Keystream(secret[:-1], private=True)
+    keystream = dpsql.noise.Keystream(secret[:32], private=True)
     for meter in (0, 1):
         rows = frame.filter(pl.col("meter") == meter)["kwh"].to_numpy()
         machine = dpsql.methods.machine_for("hierarchy", len(rows), keystream.partition(partition_address(meter)),
@@ -392,10 +408,12 @@ def test_the_stored_state_is_the_open_part_not_the_history(tmp_path):
     frame = _readings(200_000, partitions=1)
     for at in range(0, frame.height, 50_000):
         stream.append(frame.slice(at, 50_000))
-    (rows, _, state), = _ledger_rows(path)[0]
-    # rows of the open block wait for its last row; the state holds their sum, not them
-    assert rows == stream.released().num_rows and 0 <= 200_000 - rows < MAX_FLAT_BLOCK
-    assert len(state) < 16_384  # kilobytes, whatever the history
+    records, _ = _ledger_rows(path)
+    released = stream.released()
+    # rows of the open block are provisional; the state holds their sum and keys, not their values
+    provisional = released.filter(pc.invert(released["dp_final"])).num_rows
+    assert released.num_rows == 200_000 and 0 <= provisional < MAX_FLAT_BLOCK
+    assert sum(len(data) for _, data in records) < 16_384 + 12 * provisional  # kilobytes, whatever the history
 
 
 def test_more_refused_appends_name_the_problem_and_change_nothing(tmp_path):
@@ -555,10 +573,12 @@ def test_default_parameters_are_fixed_not_derived_from_the_length(method, params
         stream = budget.stream("d", method=method, epsilon=1.0, order_by="ts", value="kwh", upper=200.0, **params)
     first = stream.append(frame.slice(0, DEFAULT_HOLDOUT - 1))
     completing = stream.append(frame.slice(DEFAULT_HOLDOUT - 1, 1000))
-    if method != "hierarchy":  # the hold-out's rows wait for its last row, then come back with it
-        assert first.num_rows == 0 and completing["ts"][0].as_py() == 0
+    if method != "hierarchy":  # the hold-out's rows are provisional until its last row, then final with it
+        assert not pc.any(first["dp_final"]).as_py()
+        assert completing.filter(completing["dp_final"])["ts"][0].as_py() == 0
     rest = stream.append(frame.slice(DEFAULT_HOLDOUT + 999))
     released = pa.concat_tables([first, completing, rest])
+    released = released.filter(released["dp_final"])
     with dpsql.testing.seeded(3):
         whole = dpsql.publish(method, values, epsilon=1.0, upper=200.0, **params)
     assert released.num_rows > 8000 and stream.params == {"epsilon": 1.0, "upper": 200.0, **params}
@@ -592,7 +612,7 @@ def test_the_stream_key_is_never_shown(tmp_path):
     shown.append(cli.stdout + cli.stderr)
     with contextlib.closing(sqlite3.connect(path)) as conn:
         secret = bytes(conn.execute("SELECT secret FROM streams").fetchone()[0])
-    key = secret[:-1]
+    key = secret[:32]
     assert len(key) >= 16 and len(shown) == 12
     forms = [key.hex(), key.hex().upper(), base64.b64encode(key).decode(), repr(key)[2:-1], str(list(key))[1:-1]]
     for text in shown:
@@ -662,7 +682,7 @@ def test_an_append_with_no_rows_releases_nothing_and_is_no_error(tmp_path):
     before = _ledger_rows(path)
     schema = {"g": pl.Int64, "ts": pl.Int64, "v": pl.Float64}
     empty = stream.append(pl.DataFrame(schema=schema))
-    assert empty.num_rows == 0 and empty.column_names == ["g", "ts", "v", "dp_row"]
+    assert empty.num_rows == 0 and empty.column_names == ["g", "ts", "v", "dp_row", "dp_final"]
     assert empty.schema.field("ts").type == pa.int64()
     assert stream.append(pl.LazyFrame({"g": [1], "ts": [9], "v": [1.0]}).filter(pl.col("ts") < 0)).num_rows == 0
     con = duckdb.connect()

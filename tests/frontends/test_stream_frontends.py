@@ -56,7 +56,7 @@ def test_a_stream_created_and_appended_in_sql_is_the_python_stream():
     assert info.select("name", "method", "epsilon", "rows").row(0) == ("kwh", "hierarchy", 0.5, 0)
     assert info["release_id"][0] == budget.stream("kwh").release_id
     appended = con.sql("SELECT * FROM dp_stream_append('kwh', 'first')").to_arrow_table()
-    assert appended.column_names == ["meter", "ts", "kwh", "dp_row"] and appended.num_rows > 0
+    assert appended.column_names == ["meter", "ts", "kwh", "dp_row", "dp_final"] and appended.num_rows > 0
     assert appended.schema.field("meter").type == pa.int32()  # the source's partition key type
     # executing the same append again is an idempotent re-append: the recorded values, nothing new
     again = con.sql("SELECT * FROM dp_stream_append('kwh', 'first')").to_arrow_table()
@@ -115,7 +115,7 @@ def test_count_streams_in_sql_close_buckets_until_a_time():
         con.sql("SELECT * FROM dp_stream_create('ev', 'ts', NULL, method := 'count_laplace', epsilon := 0.5, "
                 "partition_by := 'ap', every := INTERVAL '1 hour', start := TIMESTAMP '2024-01-01')").fetchall()
     out = con.sql("SELECT * FROM dp_stream_append('ev', 'ev', until := TIMESTAMP '2024-01-01 05:00')").to_arrow_table()
-    assert out.column_names == ["ap", "ts", "count", "dp_row"] and out.num_rows == 2 * 5
+    assert out.column_names == ["ap", "ts", "count", "dp_row", "dp_final"] and out.num_rows == 2 * 5
     assert sorted(set(out["ts"].to_pylist())) == [start + dt.timedelta(hours=h) for h in range(5)]
     with pytest.raises(dpsql.InvalidParameter, match="earlier than the buckets already closed"), \
             dpsql.duckdb.typed_errors():
@@ -152,8 +152,13 @@ def test_a_sql_stream_on_a_ledger_file_continues_in_another_process(tmp_path):
     assert out.returncode == 0, out.stderr
     released = budget.stream("kwh").released()
     assert int(out.stdout) == released.num_rows  # the whole file again: the old rows' values and the new
-    kept = released.filter(pc.is_in(released["dp_row"], first["dp_row"]))
-    assert kept.equals(first.cast(kept.schema))  # the first append's rows, unchanged by the other process
+    final = first.filter(first["dp_final"])
+    kept = released.filter(pc.is_in(released["dp_row"], final["dp_row"]))
+    assert kept.equals(final.cast(kept.schema))  # the first append's final rows, unchanged by the other process
+    # its provisional rows (open blocks) were finalised by the other process's append
+    provisional = first.filter(pc.invert(first["dp_final"]))
+    assert provisional.num_rows and pc.all(released.filter(pc.is_in(released["dp_row"], provisional["dp_row"]))[
+        "dp_final"]).as_py()
     assert released.num_rows > first.num_rows and released["ts"].to_pylist()[-1] > 1000
     assert budget.spent == (0.5, 0.0) and len(set(released["dp_row"].to_pylist())) == released.num_rows
 
@@ -227,7 +232,7 @@ def test_a_stream_appended_in_pieces_is_the_sql_and_polars_one_shot_release(meth
                                **params)
     for at in range(0, frame.height, 211):
         stream.append(frame.slice(at, 211))
-    released = pl.from_arrow(stream.released()).select("meter", "ts", "kwh")
+    released = pl.from_arrow(stream.released()).filter("dp_final").select("meter", "ts", "kwh")
     assert released.height > 2000
     for one_shot in (in_sql, in_polars):
         joined = released.join(one_shot, on=["meter", "ts"], how="left", suffix="_one_shot")

@@ -268,13 +268,13 @@ def test_a_version_two_ledger_is_upgraded_and_a_newer_one_refused(tmp_path):
         with contextlib.closing(sqlite3.connect(path)) as conn, conn:
             conn.execute("UPDATE ledger_meta SET value = ? WHERE key = 'version'", (str(v),))
 
-    assert version() == schema.VERSION == 4
+    assert version() == schema.VERSION == 5
     set_version(2)
-    assert dpsql.Budget.open(path).spent == (0.25, 0.0) and version() == 4
-    set_version(5)
-    with pytest.raises(dpsql.LedgerError, match="version 5, newer than this dpsql understands"):
+    assert dpsql.Budget.open(path).spent == (0.25, 0.0) and version() == 5
+    set_version(6)
+    with pytest.raises(dpsql.LedgerError, match="version 6, newer than this dpsql understands"):
         dpsql.Budget.open(path)
-    assert version() == 5
+    assert version() == 6
 
 
 def test_a_charge_reads_the_running_total_not_the_history(tmp_path):

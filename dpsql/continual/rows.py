@@ -1,0 +1,157 @@
+"""A stream's released rows and partitions as the ledger keeps them, read back.
+
+Released rows come in chunks: one per append for all partitions (``dp_partition`` the
+partition's ordinal, ``dp_index`` the row within it, ``key``, ``value``, ``dp_final``, the value's
+short tag ``dp_tag``), or, for streams stored by earlier versions, one per append and partition
+(the partition and its first row given by the chunk's place; every row final, 64-bit tags). A row
+released provisionally appears again, final, in a later chunk: the latest version of a row is its
+value. Streams stored per partition are converted to the columnar state
+(:mod:`dpsql.continual.fleet`) by their next append (:func:`convert`).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dpsql._chunks import table_of
+from dpsql.addresses import partition_addresses
+from dpsql.continual.fleet import SHARD, Fleet, MachineClass, Shard, merge_classes
+from dpsql.continual.state import FINAL, TAG, PartitionState, arrow_type, short_tags, stored_keys
+
+#: Columns every normalised chunk has, in this order (public columns of count machines follow).
+COLUMNS = ("dp_partition", "dp_index", "key", "value", FINAL, TAG)
+
+
+def normalized(ordinal: int, first_row: int, data: bytes) -> pa.Table:
+    """A stored chunk with the columns :data:`COLUMNS` (and its public columns)."""
+    table = table_of(data)
+    if ordinal < 0:
+        return table
+    n = table.num_rows
+    tags = table[TAG].to_numpy() if TAG in table.column_names else np.zeros(n, np.uint64)
+    columns = {"dp_partition": pa.array(np.full(n, ordinal, np.int64)),
+               "dp_index": pa.array(first_row + np.arange(n, dtype=np.int64)), "key": table["key"],
+               "value": table["value"], FINAL: pa.array(np.ones(n, bool)), TAG: pa.array(short_tags(tags))}
+    columns.update({c: table[c] for c in table.column_names if c.startswith("dp_") and c != TAG})
+    return pa.table(columns)
+
+
+def latest(chunks: list[pa.Table]) -> pa.Table | None:
+    """The rows of ``chunks`` (oldest first), each row's latest version only, by partition and row."""
+    if not chunks:
+        return None
+    table = pa.concat_tables(chunks, promote_options="permissive") if len(chunks) > 1 else chunks[0]
+    if not table.num_rows:
+        return table
+    ordinal = table["dp_partition"].to_numpy()
+    index = table["dp_index"].to_numpy()
+    order = np.lexsort((np.arange(len(index)), index, ordinal))  # by row, versions oldest first
+    ordinal, index = ordinal[order], index[order]
+    last = np.append((ordinal[1:] != ordinal[:-1]) | (index[1:] != index[:-1]), True)
+    chosen = order[last]
+    return table if len(chosen) == table.num_rows and (np.diff(chosen) == 1).all() else table.take(pa.array(chosen))
+
+
+def directory(store, conn, stream_row, partition_by) -> pa.Table | None:
+    """The stream's directory of partitions (key columns, ``__address``, ``__first_handle``), also
+    for a stream still stored per partition (read as it is); None before any partition."""
+    fleet = Fleet(store, conn, stream_row, tuple(partition_by))
+    if fleet.partitions:
+        return fleet.directory
+    legacy = store.legacy_partitions(conn, stream_row.release_id)
+    if not legacy:
+        return None
+    return _legacy_directory(legacy, partition_by)[0]
+
+
+def _legacy_directory(legacy, partition_by) -> tuple[pa.Table, pa.Array]:
+    """The directory of partitions stored one row each, and the addresses their noise was drawn
+    from (which earlier versions derived otherwise)."""
+    columns = {}
+    for i, column in enumerate(partition_by):
+        values, kinds = [], None
+        for part in legacy:
+            key = json.loads(part.key_text)
+            values.append(key["values"][i])
+            kinds = kinds or key["types"][i]
+        # dates and times were kept as text (JSON): Arrow parses them back
+        columns[column] = pa.array(values).cast(arrow_type(kinds))
+    keys = pa.table(columns) if columns else None
+    addresses = partition_addresses(list(keys.columns)) if keys is not None else pa.array([b""], pa.large_binary())
+    table = pa.table({**columns, "__address": addresses.cast(pa.large_binary()),
+                      "__first_handle": pa.array([p.first_handle for p in legacy], pa.int64())})
+    return table, pa.array([p.address for p in legacy], pa.large_binary())
+
+
+def convert(fleet: Fleet, store, conn, stream_row, partition_by, batchable: bool) -> None:
+    """Convert a stream stored one row per partition (earlier versions) to the columnar state, in
+    the transaction of the append that found it: each partition's machine, counts, pending keys
+    and tags kept as they were, its noise still drawn from the address it was drawn from."""
+    legacy = store.legacy_partitions(conn, stream_row.release_id)
+    table, noise_addresses = _legacy_directory(legacy, partition_by)
+    keys = table.select(list(partition_by))
+    fleet.add_partitions(list(keys.columns), table["__address"].combine_chunks(), noise_addresses,
+                         first_handles=table["__first_handle"].to_numpy(), key_type=pa.null())
+    closed = 0
+    for part in legacy:
+        shard = fleet.shard(part.ordinal // SHARD)
+        position = part.ordinal - shard.index * SHARD
+        state = PartitionState.unpack(part.state)
+        watermark = None if part.watermark is None else stored_keys(part.watermark)
+        if watermark is not None:
+            shard.watermark = _typed_watermark(shard, watermark)
+            shard.watermark = _put(shard.watermark, position, watermark)
+        shard.rows[position], shard.final[position] = state.fed, part.rows
+        closed = max(closed, state.fed)
+        shard.classes = [c for c in shard.classes if position not in c.members.tolist()] + [
+            MachineClass(np.array([position]), state.machine)]
+        if state.pending_keys:
+            pending = stored_keys(state.pending_keys)
+            rows = pa.table({"position": pa.array(np.full(len(pending), position, np.int64)),
+                             "index": pa.array(part.rows + np.arange(len(pending), dtype=np.int64)),
+                             "key": pending, TAG: pa.array(short_tags(state.pending_tags))})
+            shard.pending = rows if shard.pending is None else pa.concat_tables([shard.pending, rows])
+        if state.counts:
+            buckets = sorted(state.counts)
+            rows = pa.table({"position": pa.array(np.full(len(buckets), position, np.int64)),
+                             "bucket": pa.array(np.array(buckets, np.int64)),
+                             "count": pa.array([state.counts[b] for b in buckets], pa.float64())})
+            shard.counts = rows if shard.counts is None else pa.concat_tables([shard.counts, rows])
+    for index in range(-(-fleet.partitions // SHARD)):
+        shard = fleet.shard(index)
+        shard.classes = merge_classes(sorted(shard.classes, key=lambda c: int(c.members[0])), batchable)
+    fleet.facts["closed"] = closed
+    store.drop_legacy_partitions(conn, stream_row.release_id)
+
+
+def _typed_watermark(shard: Shard, watermark: pa.Array) -> pa.Array:
+    if shard.watermark is None or pa.types.is_null(shard.watermark.type):
+        return pa.nulls(shard.size, watermark.type)
+    return shard.watermark
+
+
+def _put(column: pa.Array, position: int, value: pa.Array) -> pa.Array:
+    values = column.to_pylist()
+    values[position] = value[0].as_py()
+    return pa.array(values, column.type)
+
+
+def recorded_rows(chunks, ordinal: int, keys: pa.Array) -> pa.Table:
+    """The latest recorded version of partition ``ordinal``'s rows with order keys ``keys``, reading
+    ``chunks`` (newest first) back only as far as the smallest of them."""
+    found, smallest = [], pc.min(keys)
+    for chunk_ordinal, first_row, _rows, data in chunks:
+        if chunk_ordinal >= 0 and chunk_ordinal != ordinal:
+            continue
+        table = normalized(chunk_ordinal, first_row, data)
+        mine = table.filter(pc.equal(table["dp_partition"], ordinal)) if chunk_ordinal < 0 else table
+        if not mine.num_rows:
+            continue
+        found.append(mine.filter(pc.is_in(mine["key"], value_set=keys.cast(mine["key"].type))))
+        if pc.less(pc.min(mine["key"]), smallest).as_py():
+            break  # older chunks hold smaller keys only
+    return latest(found[::-1]) if found else None
