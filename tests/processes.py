@@ -2,6 +2,7 @@
 running one of the programs below (:func:`program`), driven through its stdin and stdout."""
 
 import os
+import pwd
 import random
 import select
 import signal
@@ -31,6 +32,20 @@ def in_forked_child(action) -> str:
         message = pipe.read().decode()
     os.waitpid(pid, 0)
     return message
+
+
+def as_user(name: str, action) -> str:
+    """:func:`in_forked_child` as the OS user ``name`` (a test running as root gives its
+    privileges up in the child): what ``action()`` returned, or the error it raised."""
+    user = pwd.getpwnam(name)
+
+    def unprivileged():
+        os.setgroups([])
+        os.setgid(user.pw_gid)
+        os.setuid(user.pw_uid)
+        return action()
+
+    return in_forked_child(unprivileged)
 
 
 def program(name: str, *args) -> subprocess.Popen:

@@ -19,7 +19,7 @@ from fractions import Fraction
 import numpy as np
 import polars as pl
 import pytest
-from processes import answer, in_forked_child, program, say
+from processes import answer, as_user, in_forked_child, program, say
 
 import dpsql
 from dpsql.accounting import Charge, Neighbour, exact
@@ -228,23 +228,12 @@ def test_an_in_memory_budget_refuses_in_a_forked_child():
     assert budget.spent == (1e-4, 0.0)
 
 
-def _in_child_as_nobody(action) -> str:
-    """Run ``action()`` in a forked child without root's privileges; its error, if any."""
-    def as_nobody():
-        os.setgid(65534)
-        os.setuid(65534)
-        action()
-        return "no error"
-
-    return in_forked_child(as_nobody)
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="drops root's privileges to make the file read-only for the writer")
 def test_a_read_only_ledger_is_a_typed_error_naming_the_file(tmp_path):
     path = tmp_path / "l.sqlite"
     dpsql.Budget.open(path, epsilon=1.0).charge(CHARGE)
     os.chmod(tmp_path, 0o755)
-    message = _in_child_as_nobody(lambda: dpsql.Budget.open(path).charge(CHARGE))
+    message = as_user("nobody", lambda: dpsql.Budget.open(path).charge(CHARGE) and "no error")
     assert message.startswith("LedgerError") and str(path) in message
     assert "read-only" in message or "cannot be opened" in message
     assert _consistent(path)[0] == 1
