@@ -4,8 +4,9 @@ A KeyboardInterrupt (or whatever a Python signal handler raises) can arrive betw
 bytecodes, ``finally`` blocks and ``__exit__`` included: one arriving while a transaction is
 being opened, committed or rolled back would leave it open, and its lock held for as long as the
 process lives. So the functions that do those things are marked :func:`critical`: while one of
-them is on the main thread's stack, a signal is recorded and its handler is called once the
-outermost of them ends (:func:`hold`, :func:`release`). A function marked :func:`interruptible`
+them is on the main thread's stack, a signal is recorded, and its handler is called as soon as
+the critical function is done (:func:`hold`, :func:`release`, :func:`deliver`): the transaction
+then committed or rolled back, or open and its body about to run. A function marked :func:`interruptible`
 and called from a critical one (connecting to a server, waiting for another process's lock) is
 interrupted at once again, and the critical function that called it cleans up.
 
