@@ -19,8 +19,11 @@ import re
 from dpsql.errors import LedgerError
 
 try:
+    # submodules named in full: an import interrupted earlier can leave them off the package
     import psycopg
     from psycopg import errors as pg_errors
+    from psycopg.conninfo import conninfo_to_dict
+    from psycopg.pq import TransactionStatus
 except ImportError as missing:  # pragma: no cover - exercised only without the optional extra
     raise LedgerError("a postgresql:// ledger needs psycopg 3: pip install 'dpsql[postgres]'") from missing
 
@@ -43,7 +46,7 @@ class PostgresBackend:
         self.location = redacted(url)
         problem = None
         try:
-            self._password = psycopg.conninfo.conninfo_to_dict(url).get("password")
+            self._password = conninfo_to_dict(url).get("password")
         except psycopg.Error as error:
             # psycopg quotes the whole URL, password included: raised outside this block, redacted,
             # so that neither the message nor the exception's context holds the password
@@ -64,7 +67,7 @@ class PostgresBackend:
         conn.execute("COMMIT")
 
     def rollback(self, conn) -> None:
-        if not conn.closed and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        if not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE:
             conn.execute("ROLLBACK")
 
     def execute(self, conn, sql: str, params=()):

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 import uuid
 from pathlib import Path
 
 from dpsql.errors import LedgerError
+from dpsql.ledger.interrupts import interruptible
 
 #: Seconds a writer waits for another process's transaction before giving up (LedgerError).
 LOCK_TIMEOUT = 60.0
@@ -30,6 +32,9 @@ _CAUSES = [
     ("disk i/o error", "the disk failed to read or write the ledger"),
 ]
 
+
+# Seconds between tries for the write lock: short, so that a waiting writer gets its turn.
+_FIRST_PAUSE, _LAST_PAUSE = 0.0005, 0.004
 
 # An SQLite commit either happens or not, and the error says which: a failed call charged nothing.
 _OUTCOME = "Nothing was charged or released."
@@ -62,7 +67,24 @@ class SqliteBackend:
         return conn
 
     def begin(self, conn) -> None:
-        conn.execute("BEGIN IMMEDIATE")
+        """``BEGIN IMMEDIATE``, waiting up to :data:`LOCK_TIMEOUT` for another process's write
+        lock in short sleeps that an interrupt ends. (SQLite's own wait ignores signals and
+        backs off to 100 ms between tries, so a process writing in a loop could starve this one.)"""
+        deadline = time.monotonic() + LOCK_TIMEOUT
+        pause = _FIRST_PAUSE
+        conn.execute("PRAGMA busy_timeout = 0")
+        try:
+            while True:
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                    return
+                except sqlite3.OperationalError as error:
+                    if error.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
+                        raise
+                _pause(pause)
+                pause = min(2 * pause, _LAST_PAUSE)
+        finally:
+            conn.execute(f"PRAGMA busy_timeout = {int(LOCK_TIMEOUT * 1000)}")
 
     def prepare(self, conn) -> None:
         """Nothing to do: ``BEGIN IMMEDIATE`` already serialises the creation of the tables."""
@@ -118,3 +140,8 @@ def os_user() -> str:
         return pwd.getpwuid(uid).pw_name
     except KeyError:  # e.g. a container run with an arbitrary uid
         return f"uid {uid}"
+
+
+@interruptible  # waiting: the transaction is not open yet
+def _pause(seconds: float) -> None:
+    time.sleep(seconds)

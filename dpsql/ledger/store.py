@@ -4,11 +4,12 @@ row handles and the answer cache. A backend (:mod:`dpsql.ledger.sqlite`,
 
 Every write is one transaction, opened with the backend's write lock (SQLite ``BEGIN
 IMMEDIATE``; PostgreSQL a row lock on the scope) and committed durably before anything it
-paid for leaves the library. While a transaction is open, the signals Python turns into
-exceptions (Ctrl-C's SIGINT, SIGTERM, ...) are held back and delivered after it ends, so an
-interrupt can never leave a transaction open or half written; whatever else fails, the
-transaction is rolled back and the ledger is as before. A process killed outright (kill -9)
-leaves it to the backend's own atomicity: committed or absent.
+paid for leaves the library. Whatever fails, the transaction is rolled back and the ledger is
+as before. Ctrl-C (any signal a Python handler turns into an exception) is held back only while
+a transaction is opened, committed or rolled back (:mod:`dpsql.ledger.interrupts`), and handled
+right after: it can never leave a transaction open, a lock held or a statement half read, while
+the work inside a transaction (an append's computation) is interrupted at once and rolled back.
+A process killed outright (kill -9) leaves it to the backend's own atomicity: committed or absent.
 """
 
 from __future__ import annotations
@@ -17,16 +18,17 @@ import contextlib
 import json
 import os
 import secrets
-import signal
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from fractions import Fraction
 
 from dpsql.accounting import Charge, Notion, exact, fraction_text, parse_fraction
 from dpsql.errors import BudgetExhausted, InvalidParameter, LedgerError, NotionMismatch, UnknownRelease
-from dpsql.ledger import schema
+from dpsql.ledger import interrupts, schema
+from dpsql.ledger.interrupts import critical, interruptible
 
 #: Row handles start at a random multiple of 2**32 in [2**61, 2**62): handles of another
 #: ledger are then almost surely unknown here, and 2**62 handles remain to allocate.
@@ -94,6 +96,9 @@ class Ledger:
         self.backend = backend
         self.location = backend.location
         self._lock = threading.RLock()
+        self._depth = 0  # blocks open in the thread holding the lock
+        # the cursors of the blocks open (weak: no callback, whose interrupt Python would swallow)
+        self._cursors: list[weakref.ref] = []
         self._conn = None
         self._pid = os.getpid()
         self._created_in = os.getpid()
@@ -107,6 +112,7 @@ class Ledger:
 
     # -- connections and transactions --------------------------------------------------------
 
+    @interruptible  # opening may wait for a server: an interrupt ends it, and the block that asked cleans up
     def _connection(self):
         if os.getpid() != self._pid or self._conn is None:
             if os.getpid() != self._created_in and not self.backend.persistent:
@@ -115,6 +121,7 @@ class Ledger:
                                   "between processes with a persistent ledger (dpsql.Budget.open)")
             if self._conn is not None:
                 _ABANDONED.append(self._conn)
+                self._cursors = []  # the parent's: never closed from here
             self._conn = None
             self._conn = self._typed(self.backend.connect, "open the ledger")
             self._pid = os.getpid()
@@ -126,41 +133,36 @@ class Ledger:
         except self.backend.errors as error:
             raise self.backend.failure(error, what) from error
 
-    @contextlib.contextmanager
-    def transaction(self, what: str):
-        """A write transaction: committed when the block ends, rolled back (and every
-        backend failure raised as :class:`LedgerError` naming ``what``) if it raises."""
-        with self._lock, _signals_deferred():
-            conn = self._connection()
-            committing = False
-            try:
-                self.backend.begin(conn)
-                yield conn
-                committing = True
-                self.backend.commit(conn)
-            except BaseException as error:
-                if self.backend.broken(conn):
-                    self._conn = None  # the next call reconnects
-                else:
-                    self.backend.rollback(conn)
-                if isinstance(error, self.backend.errors):
-                    raise self.backend.failure(error, what, committing=committing) from error
-                raise
+    def transaction(self, what: str, *, opened=None) -> _Block:
+        """A write transaction, ``with ledger.transaction(what) as conn``: committed when the
+        block ends, rolled back (and every backend failure raised as :class:`LedgerError`
+        naming ``what``) if it raises. ``opened(conn)``, if given, runs once the transaction is
+        open, and what it returns is what the ``with`` statement gets."""
+        return _Block(self, what, writes=True, opened=opened)
 
-    @contextlib.contextmanager
-    def reading(self, what: str):
-        """A read-only view (one snapshot on backends that give one)."""
-        with self._lock:
-            conn = self._connection()
-            try:
-                yield conn
-            except self.backend.errors as error:
-                if self.backend.broken(conn):
-                    self._conn = None
-                raise self.backend.failure(error, what) from error
+    def reading(self, what: str) -> _Block:
+        """A block of reads, ``with ledger.reading(what) as conn``."""
+        return _Block(self, what, writes=False)
+
+    def _roll_back(self, conn) -> None:
+        """End whatever transaction ``conn`` is in. A connection that cannot (lost, or left
+        mid-statement by an interrupt) is closed, which ends it too, and replaced next time."""
+        with contextlib.suppress(*self.backend.errors):
+            if not self.backend.broken(conn):
+                self.backend.rollback(conn)
+                return
+        with contextlib.suppress(*self.backend.errors):
+            conn.close()
+        if self._conn is conn:
+            self._conn = None
 
     def execute(self, conn, sql: str, params=()):
-        return self.backend.execute(conn, sql, params)
+        """Run ``sql`` on a cursor that the block closes when it ends, whatever interrupts
+        reading it: an SQLite statement left unfinished keeps its snapshot, and then this
+        connection's next write fails as locked."""
+        cursor = conn.cursor()
+        self._cursors.append(weakref.ref(cursor))
+        return self.backend.execute(cursor, sql, params)
 
     def _current(self, conn) -> bool:
         """Does the ledger already have this version's tables (so opening writes nothing)?"""
@@ -384,23 +386,82 @@ def refuse_overspend(state: ScopeState, epsilon: Fraction, delta: Fraction, char
         remaining=(float(left_eps), float(left_delta)), requested=(float(epsilon), float(delta)))
 
 
-# Signals Python turns into exceptions by default or that a program may handle.
-_DEFERRED = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGALRM, signal.SIGUSR1,
-             signal.SIGUSR2}
+class _Block:
+    """One block of work on a ledger's connection (:meth:`Ledger.transaction`,
+    :meth:`Ledger.reading`), holding the ledger's thread lock.
+
+    Opening it and ending it are critical (:mod:`dpsql.ledger.interrupts`): a signal arriving
+    then is handled once the transaction is open (and if its handler raises, the block ends at
+    once), or once it is committed or rolled back, its cursors closed and the lock released. The
+    body between is interrupted at once, and its interrupt ends the block like any exception."""
+
+    def __init__(self, ledger: Ledger, what: str, *, writes: bool, opened=None):
+        self.ledger, self.what, self.writes, self.opened = ledger, what, writes, opened
+        self.held = self.began = False
+        self.conn = None
+
+    @critical
+    def __enter__(self):
+        self.held = interrupts.hold()
+        self.ledger._lock.acquire()
+        self.ledger._depth += 1
+        try:
+            self.conn = self.ledger._connection()
+            if self.writes:
+                self.ledger.backend.begin(self.conn)
+                self.began = True
+            entered = self.conn if self.opened is None else _interruptibly(self.opened, self.conn)
+            interrupts.deliver()
+        except BaseException as error:
+            self._finish(error)
+            raise
+        return entered
+
+    @critical
+    def __exit__(self, kind, error, traceback) -> None:
+        self._finish(error)
+
+    def _finish(self, error: BaseException | None) -> None:
+        """End the block after ``error`` (None: the body completed): commit or roll back, close
+        its cursors, release the lock and the signals held back; raise what replaces ``error``
+        (a :class:`LedgerError` for a backend failure), if anything."""
+        ledger = self.ledger
+        try:
+            failure = self._end(error)
+        finally:
+            ledger._depth -= 1
+            ledger._lock.release()
+            interrupts.release(self.held)
+        if failure is not None:
+            raise failure
+
+    def _end(self, error: BaseException | None) -> BaseException | None:
+        """Close the cursors (an outermost block), commit or roll back; what :meth:`_finish` raises."""
+        ledger, backend = self.ledger, self.ledger.backend
+        outermost = ledger._depth == 1
+        if outermost:
+            cursors, ledger._cursors = ledger._cursors, []
+            for cursor in filter(None, (ref() for ref in cursors)):
+                with contextlib.suppress(*backend.errors):
+                    cursor.close()
+        failure, committing = error, error is None and self.writes
+        if committing:
+            try:
+                backend.commit(self.conn)
+            except BaseException as failed:
+                failure = failed
+        if failure is not None and self.conn is not None and (self.began or outermost):
+            ledger._roll_back(self.conn)  # an inner block leaves the transaction to the block that began it
+        if isinstance(failure, backend.errors):
+            typed = backend.failure(failure, self.what, committing=committing)
+            typed.__cause__ = failure
+            return typed
+        return None if failure is error else failure
 
 
-@contextlib.contextmanager
-def _signals_deferred():
-    """Hold back catchable signals in the main thread (only it runs Python signal handlers)
-    while a transaction is open; they are delivered, and any exception they raise, when it ends."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+@interruptible  # the body of opening (a wait for a stream's lock): the block cleans up after an interrupt
+def _interruptibly(action, *args):
+    return action(*args)
 
 
 def _now() -> str:

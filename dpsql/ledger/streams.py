@@ -17,9 +17,7 @@ partition) are read as they are and converted when next appended.
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from dpsql import _state
@@ -107,14 +105,17 @@ class StreamStore:
         return StreamRow(row[0], row[1], row[2], row[3], json.loads(row[4]), bytes(row[5]), row[6], int(row[7]),
                          int(row[8]), int(row[9]))
 
-    @contextlib.contextmanager
-    def appending(self, scope: str, name: str) -> Iterator[tuple[object, StreamRow]]:
-        """A write transaction holding stream ``name``: ``(connection, stream row)``."""
-        with self.ledger.transaction(f"append to stream {name!r}") as conn:
+    def appending(self, scope: str, name: str):
+        """A write transaction holding stream ``name``: ``with store.appending(scope, name) as
+        (connection, stream row)``. (The ledger's own block, not a generator around it: an
+        interrupt between a generator's steps would leave the transaction open.)"""
+        def lock(conn) -> tuple[object, StreamRow]:
             stream = self._stream(conn, scope, name, lock=True)
             if stream is None:
                 raise UnknownStream(f"no stream named {name!r} in scope {scope!r} of ledger {self.ledger.location}")
-            yield conn, stream
+            return conn, stream
+
+        return self.ledger.transaction(f"append to stream {name!r}", opened=lock)
 
     # -- columnar state ----------------------------------------------------------------------
 

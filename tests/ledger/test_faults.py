@@ -12,13 +12,14 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from fractions import Fraction
 
 import numpy as np
 import polars as pl
 import pytest
-from processes import in_forked_child
+from processes import answer, as_user, in_forked_child, program, say
 
 import dpsql
 from dpsql.accounting import Charge, Neighbour, exact
@@ -27,10 +28,19 @@ from dpsql.ledger import sqlite as sqlite_backend
 CHARGE = Charge(method="laplace", epsilon=1e-4, delta=0.0, neighbour=Neighbour.REPLACE_ONE, rows=1)
 
 
-def _consistent(path) -> tuple[int, Fraction]:
-    """Number of charges and their sum, after checking that the running total equals it."""
-    with contextlib.closing(sqlite3.connect(path)) as conn:
-        rows = [exact(e) for (e,) in conn.execute("SELECT epsilon FROM charges")]
+def _consistent(location) -> tuple[int, Fraction]:
+    """Number of charges and their sum, after checking that the running total equals it (read
+    with the backend's own client, in one snapshot)."""
+    if str(location).startswith("postgresql://"):
+        import psycopg
+
+        connection = psycopg.connect(str(location))
+        connection.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+    else:
+        connection = sqlite3.connect(location, isolation_level=None)
+        connection.execute("BEGIN")
+    with contextlib.closing(connection) as conn:
+        rows = [exact(e) for (e,) in conn.execute("SELECT epsilon FROM charges WHERE kind != 'cache hit'")]
         spent, count = conn.execute("SELECT spent_epsilon, charges FROM scopes").fetchone()
     assert Fraction(spent) == sum(rows, Fraction(0))
     assert count == len(rows)
@@ -41,52 +51,141 @@ def _python(code: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], **kwargs)
 
 
-def test_interrupts_at_random_instants_leave_no_open_transaction(tmp_path):
+def _interrupted_while_another_releases(location: str, *, interrupts: int) -> None:
+    """``interrupts`` times, Ctrl-C a process that releases on the ledger at ``location`` at a
+    random instant; after each, with that process alive (going on, or idle after catching the
+    KeyboardInterrupt), a third process must release within a second. Then the ledger's
+    totals must equal its recorded charges."""
+    budget = dpsql.Budget.open(location, epsilon=1000.0)
+    budget.stream("meters", method="laplace", epsilon=1.0, order_by="hour", value="kwh", upper=10.0)
+    budget.ledger.close()
+    worker = program("releasing_until_killed", location, "meters", 1)
+    other = program("releasing_on_request", location, 2.0)
+    try:
+        assert answer(worker, 60) == "ready" and answer(other, 60) == "ready"
+        rng = random.Random(2)
+        for k in range(interrupts):
+            time.sleep(rng.uniform(0.0, 0.03))
+            worker.send_signal(signal.SIGINT)
+            state = answer(worker, 10)
+            assert state in ("idle", "busy"), state
+            say(other, "release")
+            took, outcome = answer(other, 10).split(" ", 1)
+            assert outcome == "released" and float(took) < 1.0, f"after interrupt {k} ({state}): {took} s, {outcome}"
+            if state == "idle":
+                say(worker, "go on")
+    finally:
+        for process in (worker, other):
+            process.kill()
+            process.communicate()
+    count, _ = _consistent(location)
+    assert count > interrupts  # the worker released between interrupts
+
+
+def test_interrupts_at_random_instants_never_leave_the_sqlite_ledger_locked(tmp_path):
+    _interrupted_while_another_releases(str(tmp_path / "l.sqlite"), interrupts=300)
+
+
+def test_interrupts_at_random_instants_never_leave_the_postgres_ledger_locked(postgres_url):
+    _interrupted_while_another_releases(postgres_url, interrupts=100)
+
+
+def test_an_interrupt_aborts_an_append_while_it_computes_and_leaves_nothing_locked(tmp_path):
+    """The append computes inside its transaction: Ctrl-C there must end it at once, rolled back,
+    not once it is done; and the process, alive, holds no lock."""
     path = tmp_path / "l.sqlite"
-    dpsql.Budget.open(path, epsilon=1000.0)
-    worker = _python(f"""
-        import dpsql, sys
-        from dpsql.accounting import Charge, Neighbour
-        charge = Charge(method="laplace", epsilon=1e-4, delta=0.0, neighbour=Neighbour.REPLACE_ONE, rows=1)
-        budget = None
-        print("ready", flush=True)
-        while True:
-            try:
-                if budget is None:  # interrupts reach opening too
-                    budget = dpsql.Budget.open({str(path)!r})
-                budget.charge(charge)
-            except KeyboardInterrupt:
-                if budget is not None and budget.ledger._conn is not None:
-                    assert not budget.ledger._conn.in_transaction, "interrupted inside a transaction"
-                budget = None if budget is None or hash(id(budget)) % 2 else budget
-    """, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert worker.stdout.readline().strip() == b"ready"
-    rng = random.Random(1)
-    for _ in range(300):
-        time.sleep(rng.uniform(0.0, 0.004))
+    budget = dpsql.Budget.open(path, epsilon=1.0)
+    meters = budget.stream("meters", method="laplace", epsilon=0.5, order_by="hour", value="kwh", upper=10.0,
+                           partition_by="meter")
+    budget.ledger.close()
+    other = program("releasing_on_request", str(path), 2.0)  # first: it releases once to warm up
+    assert answer(other, 60) == "ready"
+    worker = program("appending_once", str(path), "meters", 4_000_000)  # an append of ~10 s here
+    try:
+        assert answer(worker, 60) == "appending"
+        with contextlib.closing(sqlite3.connect(path, timeout=0, isolation_level=None)) as probe:
+            while True:  # until the append holds the write lock: inside its transaction
+                try:
+                    probe.execute("BEGIN IMMEDIATE")
+                    probe.execute("ROLLBACK")
+                except sqlite3.OperationalError:
+                    break
+        time.sleep(0.2)
+        sent = time.monotonic()
         worker.send_signal(signal.SIGINT)
-    worker.kill()
-    _, err = worker.communicate()
-    assert b"interrupted inside a transaction" not in err
-    count, _ = _consistent(path)
-    assert count > 0
-    started = time.monotonic()
-    other = _python(f"""
-        import dpsql
-        from dpsql.accounting import Charge, Neighbour
-        dpsql.Budget.open({str(path)!r}).charge(
-            Charge(method="laplace", epsilon=1e-4, delta=0.0, neighbour=Neighbour.REPLACE_ONE, rows=1))
-    """)
-    assert other.wait(timeout=30) == 0
-    assert time.monotonic() - started < 1.0 + _interpreter_start()
-    assert _consistent(path)[0] == count + 1
+        assert answer(worker, 30) == "interrupted"
+        assert time.monotonic() - sent < 3.0  # the end of one step of the computation, not of the append
+        say(other, "release")
+        took, outcome = answer(other, 10).split(" ", 1)
+        assert outcome == "released" and float(took) < 1.0
+    finally:
+        for process in (worker, other):
+            process.kill()
+            process.communicate()
+    assert meters.released().num_rows == 0 and budget.streams()["rows"].to_list() == [0]
+    assert _consistent(path)[0] == 3  # the stream and the other process's two releases
 
 
-def _interpreter_start() -> float:
-    """Seconds a fresh interpreter takes to import dpsql here (not the ledger's doing)."""
-    started = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import dpsql"], check=True)
-    return time.monotonic() - started
+@pytest.mark.parametrize("own_handler", [False, True])
+def test_an_interrupt_while_committing_is_handled_once_committed(tmp_path, monkeypatch, own_handler):
+    """Python's handler (KeyboardInterrupt) or the program's own: held while the charge commits,
+    handled right after, and the program's handler is installed again after."""
+    budget = dpsql.Budget.open(tmp_path / "l.sqlite", epsilon=1.0)
+    handled = []
+    commit = budget.ledger.backend.commit
+
+    def interrupted_commit(conn):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # Python's handlers run between bytecodes: here, unless held
+        handled.append("committing")
+        commit(conn)
+
+    def handler(number, frame):
+        handled.append("handled")
+
+    monkeypatch.setattr(budget.ledger.backend, "commit", interrupted_commit)
+    if own_handler:
+        previous = signal.signal(signal.SIGINT, handler)
+        try:
+            budget.charge(CHARGE)
+            assert signal.getsignal(signal.SIGINT) is handler
+        finally:
+            signal.signal(signal.SIGINT, previous)
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            budget.charge(CHARGE)
+        handled.append("handled")
+    assert handled == ["committing", "handled"]
+    assert _consistent(tmp_path / "l.sqlite")[0] == 1 and not budget.ledger._conn.in_transaction
+
+
+def test_the_body_of_a_transaction_is_interrupted_at_once_and_rolled_back(tmp_path):
+    budget = dpsql.Budget.open(tmp_path / "l.sqlite", epsilon=1.0)
+    with pytest.raises(KeyboardInterrupt), budget.ledger.transaction("compute inside a transaction") as conn:
+        budget.ledger.execute(conn, "UPDATE scopes SET spent_epsilon = '1/2'")
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # interrupted at once
+        raise AssertionError("not interrupted")
+    assert budget.spent == (0.0, 0.0) and not budget.ledger._conn.in_transaction
+
+
+def test_threads_charge_without_touching_signal_handlers(tmp_path):
+    budget = dpsql.Budget.open(tmp_path / "l.sqlite", epsilon=1.0)
+    installed = signal.getsignal(signal.SIGINT)
+    seen = []
+
+    def charge_twenty():
+        for _ in range(20):
+            budget.charge(CHARGE)
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    threads = [threading.Thread(target=charge_twenty) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(seen) == 80 and set(seen) == {installed}
+    assert _consistent(tmp_path / "l.sqlite")[0] == 80
 
 
 def test_kill_9_mid_charges_loses_nothing_and_charges_nothing_twice(tmp_path):
@@ -129,23 +228,12 @@ def test_an_in_memory_budget_refuses_in_a_forked_child():
     assert budget.spent == (1e-4, 0.0)
 
 
-def _in_child_as_nobody(action) -> str:
-    """Run ``action()`` in a forked child without root's privileges; its error, if any."""
-    def as_nobody():
-        os.setgid(65534)
-        os.setuid(65534)
-        action()
-        return "no error"
-
-    return in_forked_child(as_nobody)
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="drops root's privileges to make the file read-only for the writer")
 def test_a_read_only_ledger_is_a_typed_error_naming_the_file(tmp_path):
     path = tmp_path / "l.sqlite"
     dpsql.Budget.open(path, epsilon=1.0).charge(CHARGE)
     os.chmod(tmp_path, 0o755)
-    message = _in_child_as_nobody(lambda: dpsql.Budget.open(path).charge(CHARGE))
+    message = as_user("nobody", lambda: dpsql.Budget.open(path).charge(CHARGE) and "no error")
     assert message.startswith("LedgerError") and str(path) in message
     assert "read-only" in message or "cannot be opened" in message
     assert _consistent(path)[0] == 1
