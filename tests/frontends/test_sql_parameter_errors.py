@@ -119,9 +119,10 @@ def test_successful_statements_and_other_errors_are_untouched(con):
     with pytest.raises(duckdb.BinderException) as caught:
         con.sql("SELECT no_such_column FROM t")
     assert not isinstance(caught.value, dpsql.DPError)
-    # a dpsql error raised inside the release stays DuckDB's (typed_errors() unwraps it)
-    with pytest.raises(duckdb.InvalidInputException, match="epsilon must be > 0"):
+    # a dpsql error raised inside the release is dpsql's and stays DuckDB's too
+    with pytest.raises(duckdb.InvalidInputException, match=r"^epsilon must be > 0") as caught:
         con.sql(f"SELECT * FROM dp_range_sum({SOURCE}, method := 'laplace', epsilon := -1, upper := 5)").fetchall()
+    assert isinstance(caught.value, dpsql.InvalidParameter)
 
 
 def test_connections_that_were_not_registered_are_untouched():
