@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpsql import _validate, methods
+from dpsql._names import checked_call
 from dpsql.accounting import largest_share
 from dpsql.budget import Budget
 from dpsql.errors import InvalidData, InvalidParameter, RenamedParameter
@@ -51,6 +52,7 @@ from dpsql.timegrid import TimeDomain, ticks, time_domain
 RENAMED_METHODS = {"laplace": "count_laplace", "smoothed": "count_smoothed"}
 
 
+@checked_call()
 def pegasus(counts, *, epsilon: float, grouper_share: float | None = None, theta: float | None = None,
             smoother: str | None = None, sensitivity: float = 1.0, budget: Budget | None = None,
             note: str | None = None) -> Release:
