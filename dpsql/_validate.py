@@ -147,8 +147,8 @@ def _refuse_objects(items: np.ndarray, column: str) -> None:
             raise InvalidData(f"column {column!r} must be numeric: row {row} holds {type(item).__name__} {item!r}")
         whole = isinstance(item, numbers.Integral) or (isinstance(item, Decimal) and item.is_finite()
                                                         and item == item.to_integral_value())
-        if whole and abs(int(item)) > _EXACT_INTEGERS:
-            raise InvalidData(_inexact_integers(column, f" (row {row}: {int(item)})"))
+        if whole and abs(integer := int(item)) > _EXACT_INTEGERS:  # type: ignore[arg-type]
+            raise InvalidData(_inexact_integers(column, f" (row {row}: {integer})"))
 
 
 def values(data, column: str = "values") -> np.ndarray:

@@ -277,10 +277,16 @@ def budget_html(budget) -> str:
     history = budget.history()
     last = history.tail(5)
     if last.height:
-        cells = "".join(f"<tr><td>{t:%Y-%m-%d %H:%M}</td><td>{html.escape(str(k))}</td><td>{html.escape(str(m))}"
-                        f"</td><td>{e:g}</td></tr>"
-                        for t, k, m, e in zip(last["time"], last["kind"], last["method"], last["epsilon"]))
-        rows.append(("last releases", f"<table><tr><th>time</th><th>kind</th><th>method</th><th>epsilon</th></tr>"
+        columns = ["time", "kind", "method", "epsilon", "source", "note"]
+
+        def cell(name, value) -> str:
+            shown = "" if value is None else f"{value:%Y-%m-%d %H:%M}" if name == "time" else f"{value:g}" \
+                if name == "epsilon" else str(value)
+            return f"<td>{html.escape(shown)}</td>"
+
+        cells = "".join("<tr>" + "".join(cell(name, value) for name, value in zip(columns, row)) + "</tr>"
+                        for row in last.select(columns).iter_rows())
+        rows.append(("last releases", "<table><tr>" + "".join(f"<th>{name}</th>" for name in columns) + "</tr>"
                                       f"{cells}</table>"))
     return "<div><b>dpsql Budget</b>" + _table(rows) + "</div>"
 

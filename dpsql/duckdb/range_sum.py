@@ -134,7 +134,7 @@ def _install_error_bars(context: Context) -> None:
 
 
 def _install_threshold(context: Context) -> None:
-    names = [*(n for n in methods.named_parameters(THRESHOLD_METHOD) if n != ESTIMATOR), "fresh"]
+    names = [*(n for n in methods.named_parameters(THRESHOLD_METHOD) if n != ESTIMATOR), "fresh", "note"]
 
     def plan(table, value_col, method, params_json):
         value_col = column_name(value_col, "value_col")
@@ -145,8 +145,7 @@ def _install_threshold(context: Context) -> None:
         params = parse_params(params_json)
         params[ESTIMATOR] = THRESHOLD_ESTIMATOR if method is None else method
         threshold_plan = Plan(source=source, value_col=value_col, order_by=None, partition_by=None,
-                              method=THRESHOLD_METHOD, params=params,
-                              note=f"duckdb dp_threshold({table!r}, {value_col!r})")
+                              method=THRESHOLD_METHOD, params=params, reads=source.read([value_col]))
         return context.result_query(THRESHOLD_SCHEMA, functools.partial(run, threshold_plan))
 
     def run(plan: Plan) -> pa.Table:

@@ -107,7 +107,7 @@ def _wrapper(original):
 _ERROR_CLASSES: dict[tuple[type, type], type] = {}
 
 
-def _sql_error(dpsql_class: type, duckdb_class: type) -> type:
+def _sql_error(dpsql_class: type, duckdb_class: type) -> type[Exception]:
     """An error class that is both ``dpsql_class`` and ``duckdb_class``, named like the first."""
     key = (dpsql_class, duckdb_class)
     if key not in _ERROR_CLASSES:

@@ -114,7 +114,9 @@ def count_stream(frame: pl.DataFrame | pl.LazyFrame, order_by: str | None = None
         keys={k: events.get_column(k).to_numpy() for k in keys}, hierarchy=hierarchy,
         units=None if privacy_unit is None else events.get_column(privacy_unit).to_numpy(),
         cap=contribution_cap, window=window, alarm_threshold=alarm_threshold, budget=budget, note=note,
-        order_by=order_by, **params)
+        order_by=order_by, source=", ".join(["events", *(f"{parameter} {', '.join(columns)}"
+                                                      for parameter, columns in names.items() if columns)]),
+        **params)
     columns = result.columns()
     out = {}
     for name, values in columns.items():
