@@ -241,7 +241,8 @@ class Budget:
 
     def plot(self, *, ax=None):
         """The budget's burn-down (matplotlib): epsilon spent over time, stacked by method, under
-        its total; returns the figure."""
+        its total; returns the figure, which pyplot does not hold (a notebook shows it once, as a
+        cell's value; :mod:`dpsql.display`)."""
         from dpsql.display import plot_budget
 
         return plot_budget(self, ax=ax)

@@ -366,7 +366,8 @@ class _Tags:
     def of(cls, draws: Draws, values: np.ndarray, known: tuple[np.ndarray, np.ndarray] | None = None) -> _Tags:
         """``known``: ``(values, tags)`` of the partition's previous batch (:meth:`known`), looked
         up first and not hashed again: a stream's values keep their distribution from batch to batch."""
-        bits = np.ascontiguousarray(values, dtype=np.float64).view(np.int64)
+        values = np.ascontiguousarray(values, dtype=np.float64) + 0.0  # -0.0 + 0.0 is 0.0: equal values, equal tags
+        bits = values.view(np.int64)
         found = distinct(bits, None if known is None else known[0])
         if found is None:
             return cls(draws.tags(values))
