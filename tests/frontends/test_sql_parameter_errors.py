@@ -9,6 +9,7 @@ import re
 import duckdb
 import polars as pl
 import pytest
+from connections import registered
 
 import dpsql
 from dpsql.duckdb.sqltext import calls, signature
@@ -23,12 +24,11 @@ def budget():
 
 @pytest.fixture
 def con(budget):
-    con = duckdb.connect()
-    dpsql.duckdb.register(con, budget=budget)
-    con.execute("CREATE TABLE t AS SELECT range AS ts, (range % 7)::DOUBLE AS v, range % 3 AS g FROM range(200)")
-    con.execute("CREATE TABLE ev AS SELECT TIMESTAMP '2024-05-01' + INTERVAL (range) MINUTE AS ts FROM range(100)")
-    yield con
-    con.close()
+    with registered(budget, "CREATE TABLE t AS SELECT range AS ts, (range % 7)::DOUBLE AS v, range % 3 AS g "
+                            "FROM range(200)",
+                    "CREATE TABLE ev AS SELECT TIMESTAMP '2024-05-01' + INTERVAL (range) MINUTE AS ts "
+                    "FROM range(100)") as con:
+        yield con
 
 
 @pytest.mark.parametrize("call, wrong, right", [

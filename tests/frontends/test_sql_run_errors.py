@@ -6,6 +6,7 @@ import duckdb
 import numpy as np
 import polars as pl
 import pytest
+from connections import registered
 
 import dpsql
 
@@ -20,14 +21,11 @@ def budget():
 
 @pytest.fixture
 def con(budget):
-    con = duckdb.connect()
-    dpsql.register(con, budget=budget)
-    con.execute("CREATE TABLE hourly AS SELECT range AS ts, (range % 7)::DOUBLE AS volume FROM range(500)")
-    con.execute("CREATE TABLE broken AS SELECT range AS ts, CASE WHEN range = 30 THEN 'nan'::DOUBLE "
-                "ELSE 1.0 END AS volume FROM range(500)")
-    con.execute("CREATE TABLE repeated AS SELECT range // 2 AS ts, 1.0 AS volume FROM range(500)")
-    yield con
-    con.close()
+    with registered(budget, "CREATE TABLE hourly AS SELECT range AS ts, (range % 7)::DOUBLE AS volume FROM range(500)",
+                    "CREATE TABLE broken AS SELECT range AS ts, CASE WHEN range = 30 THEN 'nan'::DOUBLE ELSE 1.0 END "
+                    "AS volume FROM range(500)",
+                    "CREATE TABLE repeated AS SELECT range // 2 AS ts, 1.0 AS volume FROM range(500)") as con:
+        yield con
 
 
 def release(table: str, epsilon: float = 0.5) -> str:

@@ -7,10 +7,10 @@ import sqlite3
 import subprocess
 import sys
 
-import duckdb
 import numpy as np
 import polars as pl
 import pytest
+from connections import registered
 
 import dpsql
 
@@ -25,13 +25,10 @@ def budget():
 
 @pytest.fixture
 def con(budget):
-    con = duckdb.connect()
-    dpsql.register(con, budget=budget)
-    con.execute(f"CREATE TABLE hourly AS SELECT range AS ts, (range % 7)::DOUBLE AS volume, "
-                f"(range % 3)::DOUBLE AS speed, range % 2 AS meter FROM range({N})")
-    con.execute("CREATE VIEW weekdays AS SELECT * FROM hourly WHERE ts % 7 < 5")
-    yield con
-    con.close()
+    with registered(budget, f"CREATE TABLE hourly AS SELECT range AS ts, (range % 7)::DOUBLE AS volume, "
+                            f"(range % 3)::DOUBLE AS speed, range % 2 AS meter FROM range({N})",
+                    "CREATE VIEW weekdays AS SELECT * FROM hourly WHERE ts % 7 < 5") as con:
+        yield con
 
 
 def sources(budget) -> list[tuple[str, str | None]]:
