@@ -9,7 +9,8 @@ SQL surface (installed by :func:`dpsql.duckdb.register`):
     (``epsilon``, ``delta``, ``upper``, ``lower``, ``m``, ``r``, ``fanout``, ``smoother``,
     ``holdout_share`` and method-specific ones) as named parameters; NULL means the
     core default. ``note := '...'`` is recorded in the ledger with the release, beside what it
-    read (``table hourly (ts, volume)``: ``budget.history()``). Values outside ``[lower, upper]`` are clipped (part of the mechanism).
+    read (``table hourly (ts, volume)``: ``budget.history()``). Values outside ``[lower, upper]``
+    are clipped (part of the mechanism).
     Cost: the method's ``(epsilon, delta)``, under replace-one-value neighbours with the
     time order and partition keys public; with ``partition_by`` one stream per
     partition, charged once at the maximum (parallel composition). Returns, sorted by
