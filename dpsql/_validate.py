@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable
+from decimal import Decimal
 
 import numpy as np
 import pyarrow as pa
@@ -129,6 +130,27 @@ def _joined(column: pa.ChunkedArray) -> np.ndarray:
     return joined
 
 
+def _inexact_integers(column: str, where: str = "") -> str:
+    return (f"column {column!r} holds integers beyond 2**53{where}, which float64 arithmetic cannot hold exactly; "
+            "rescale them (or subtract a public offset) first")
+
+
+def _refuse_objects(items: np.ndarray, column: str) -> None:
+    """Python objects as values: numbers only (no None, no text or other objects) and no
+    integer beyond 2**53, which converting to float64 would round."""
+    nulls = sum(v is None for v in items)
+    if nulls:
+        raise InvalidData(f"column {column!r} contains {nulls} null value(s); "
+                          "drop or impute them before a private release")
+    for row, item in enumerate(items):
+        if not isinstance(item, numbers.Real | Decimal):
+            raise InvalidData(f"column {column!r} must be numeric: row {row} holds {type(item).__name__} {item!r}")
+        whole = isinstance(item, numbers.Integral) or (isinstance(item, Decimal) and item.is_finite()
+                                                        and item == item.to_integral_value())
+        if whole and abs(integer := int(item)) > _EXACT_INTEGERS:  # type: ignore[arg-type]
+            raise InvalidData(_inexact_integers(column, f" (row {row}: {integer})"))
+
+
 def values(data, column: str = "values") -> np.ndarray:
     """A non-empty, 1-D, finite float64 array; the message names ``column``.
 
@@ -163,16 +185,15 @@ def numeric(data, column: str = "values") -> np.ndarray:
         except TypeError:
             data = data.to_numpy()
     arr = np.asarray(data)
+    if arr.dtype.kind == "f" and isinstance(data, list | tuple) and arr.size and np.abs(arr).max() >= _EXACT_INTEGERS:
+        # Python integers among floats, made floats by numpy: those beyond 2**53 were rounded
+        _refuse_objects(np.asarray(data, dtype=object).ravel(), column)
     if arr.dtype == object:
-        nulls = sum(v is None for v in arr.ravel())
-        if nulls:
-            raise InvalidData(f"column {column!r} contains {nulls} null value(s); "
-                              "drop or impute them before a private release")
+        _refuse_objects(arr.ravel(), column)
     if arr.dtype.kind not in "biuf" and arr.dtype != object:
         raise InvalidData(f"column {column!r} must be numeric, got dtype {arr.dtype}")
     if arr.dtype.kind in "iu" and arr.size and max(int(arr.max()), -int(arr.min())) > _EXACT_INTEGERS:
-        raise InvalidData(f"column {column!r} holds integers beyond 2**53, which float64 arithmetic cannot hold "
-                          "exactly; rescale them (or subtract a public offset) first")
+        raise InvalidData(_inexact_integers(column))
     try:
         arr = arr.astype(np.float64, copy=False)
     except (TypeError, ValueError):

@@ -55,7 +55,8 @@ class Charge:
 
     ``params`` are the release's public parameters (JSON-able), ``rows`` and ``partitions``
     its size, ``private`` False for test (seeded) noise, ``stream`` the continual stream a
-    registration charge is for.
+    registration charge is for, ``source`` what the release read (``"table hourly (ts,
+    volume)"``, ``"array of 48204 values"``), ``note`` the user's words.
     """
 
     method: str
@@ -71,6 +72,7 @@ class Charge:
     note: str | None = None
     kind: Kind = Kind.RELEASE
     stream: str | None = None
+    source: str | None = None
 
 
 def exact(x: float | str) -> Fraction:

@@ -1,17 +1,21 @@
 """Private releases of numpy arrays (and anything array-like), one function per method.
 
 Each function validates its arguments and calls :func:`dpsql.publishing.publish`, the single
-charging path; see :mod:`dpsql.methods` for the algorithms behind the names.
+charging path; see :mod:`dpsql.methods` for the algorithms behind the names. A misspelt,
+old, missing or surplus argument is an :class:`dpsql.InvalidParameter` naming the closest
+valid name, as in SQL and Polars (:func:`dpsql._frontend.checked_call`), before anything is
+read or charged.
 """
 
 from __future__ import annotations
 
-from dpsql._frontend import THRESHOLD_ESTIMATOR, refuse_renamed
+from dpsql._frontend import THRESHOLD_ESTIMATOR, checked_call
 from dpsql.budget import Budget
 from dpsql.publishing import publish
 from dpsql.release import Release
 
 
+@checked_call()
 def laplace(values, *, epsilon: float, upper: float, lower: float = 0.0, budget: Budget | None = None,
             note: str | None = None, fresh: bool = False) -> Release:
     """Per-value Laplace baseline: every value clipped to ``[lower, upper]`` plus
@@ -35,6 +39,7 @@ def laplace(values, *, epsilon: float, upper: float, lower: float = 0.0, budget:
                    lower=lower)
 
 
+@checked_call()
 def binary_tree(values, *, epsilon: float, upper: float, lower: float = 0.0, horizon: int | None = None,
                 budget: Budget | None = None, note: str | None = None, fresh: bool = False) -> Release:
     """Binary-tree continual counter (Dwork et al. 2010, Chan et al. 2011) for real values.
@@ -65,6 +70,7 @@ def binary_tree(values, *, epsilon: float, upper: float, lower: float = 0.0, hor
                    lower=lower, horizon=horizon)
 
 
+@checked_call()
 def pak(values, *, epsilon: float, upper: float, delta: float | None = None, lower: float = 0.0,
         m: int | None = None, holdout_share: float = 0.15, tail_p: float = 0.005, lam: float = 0.85,
         beta_lt: float = 0.006, rho: float = 1.0, horizon: int | None = None, threshold: float | None = None,
@@ -102,6 +108,7 @@ def pak(values, *, epsilon: float, upper: float, delta: float | None = None, low
                    horizon=horizon, threshold=threshold)
 
 
+@checked_call()
 def tops(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | None = None,
          smoother: str = "none", window: int = 8, alpha: float = 0.6, r: int | None = None, fanout: int = 16,
          depth: int | None = None, block: int | None = None, holdout_share: float = 0.5, c: float = 60.0,
@@ -142,6 +149,7 @@ def tops(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | N
                    holdout_share=holdout_share, c=c, step=step, levels_for_nm=levels_for_nm, threshold=threshold)
 
 
+@checked_call()
 def hierarchy(values, *, epsilon: float, upper: float, lower: float = 0.0, smoother: str = "none", window: int = 8,
               alpha: float = 0.6, r: int | None = None, fanout: int = 16, consistency: bool = True,
               depth: int | None = None, block: int | None = None, initial: float | None = None,
@@ -179,6 +187,7 @@ def hierarchy(values, *, epsilon: float, upper: float, lower: float = 0.0, smoot
                    consistency=consistency, depth=depth, block=block, initial=initial)
 
 
+@checked_call(method="threshold")
 def threshold(values, *, epsilon: float, upper: float, lower: float = 0.0, method: str = THRESHOLD_ESTIMATOR,
               budget: Budget | None = None, note: str | None = None, fresh: bool = False, **params) -> Release:
     """A private clipping threshold for ``values`` in ``[lower, upper]``, released on its own.
@@ -205,6 +214,5 @@ def threshold(values, *, epsilon: float, upper: float, lower: float = 0.0, metho
     >>> rel.threshold, len(rel), budget.spent
     (20.0, 1, (0.5, 0.0))
     """
-    refuse_renamed("dpsql.threshold()", params)
     return publish("threshold", values, budget=budget, note=note, fresh=fresh, epsilon=epsilon, upper=upper,
                    lower=lower, estimator=method, **params)

@@ -149,14 +149,16 @@ class Budget:
     def history(self, *, full: bool = False):
         """One row per charge and per identical repeat answered from the ledger (``kind``:
         ``release``, ``stream`` or ``cache hit``, which costs 0), oldest first, as a Polars
-        DataFrame: time, kind, method, epsilon, delta, rows, note; ``full=True`` adds
-        release_id, params (JSON), partitions, neighbour, private, stream, for a cache hit the
-        release it answered with, and the principal who charged (or was answered)."""
+        DataFrame: time, kind, method, epsilon, delta, rows, source (what the release read: ``table
+        hourly (ts, volume)``, ``column volume, order_by ts``, ``array of 48204 values``), note (the
+        caller's ``note=``); ``full=True`` adds release_id, params (JSON), partitions, neighbour,
+        private, stream, for a cache hit the release it answered with, and the principal who
+        charged (or was answered)."""
         import polars as pl
 
         rows = self._ledger.history(self.scope)
         names = ["time", "kind", "release_id", "method", "params", "epsilon", "delta", "rows", "partitions",
-                 "neighbour", "private", "note", "stream", "answers", "principal"]
+                 "neighbour", "private", "note", "stream", "answers", "principal", "source"]
         data = {name: [row[k] for row in rows] for k, name in enumerate(names)}
         data["epsilon"] = [float(x) for x in data["epsilon"]]
         data["delta"] = [float(x) for x in data["delta"]]
@@ -167,7 +169,7 @@ class Budget:
         frame = pl.DataFrame(data, schema=schema).with_columns(pl.col("time").str.to_datetime(time_zone="UTC"))
         if full:
             return frame
-        return frame.select("time", "kind", "method", "epsilon", "delta", "rows", "note")
+        return frame.select("time", "kind", "method", "epsilon", "delta", "rows", "source", "note")
 
     def release(self, release_id: str | None = None, *, dp_row: int | None = None) -> ReleaseRecord:
         """What the ledger recorded of release ``release_id`` (or of the release that holds the
@@ -239,7 +241,8 @@ class Budget:
 
     def plot(self, *, ax=None):
         """The budget's burn-down (matplotlib): epsilon spent over time, stacked by method, under
-        its total; returns the figure."""
+        its total; returns the figure, which pyplot does not hold (a notebook shows it once, as a
+        cell's value; :mod:`dpsql.display`)."""
         from dpsql.display import plot_budget
 
         return plot_budget(self, ax=ax)
@@ -288,13 +291,13 @@ class Budget:
         release_id, answer = found
         return ReleaseRecord.from_row(self._ledger.release(release_id)), answer
 
-    def record_hit(self, record: ReleaseRecord, *, rows: int, note: str | None) -> None:
-        """Record that ``record``'s answer was given again, free."""
+    def record_hit(self, record: ReleaseRecord, *, rows: int, note: str | None, source: str | None = None) -> None:
+        """Record that ``record``'s answer was given again, free (to a call that read ``source``)."""
         charge = Charge(method=record.method, epsilon=0.0, delta=0.0,
                         neighbour=Neighbour(record.description["neighbour"]), notion=self.notion, w=self.w,
                         rows=rows, partitions=record.partitions,
                         params=json.loads(json.dumps(record.params, default=str)),
-                        private=record.description["private"], note=note, kind=Kind.CACHE_HIT)
+                        private=record.description["private"], note=note, kind=Kind.CACHE_HIT, source=source)
         self._ledger.record_hit(self.scope, charge, record.release_id, principal=self.principal)
 
     def _refuse_incompatible(self, charge: Charge) -> None:

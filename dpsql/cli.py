@@ -52,6 +52,8 @@ from dpsql.errors import DPError, LedgerError
 # -shm, 50 ms apart), before giving up.
 _ATTEMPTS = 20
 _WAL_MODE = 2  # byte 18 of an SQLite file's header: its journal mode (1 rollback, 2 WAL)
+#: What ``--history`` shows of each charge (``source``: what the release read; ``note``: the caller's words).
+HISTORY = ["scope", "time", "kind", "method", "epsilon", "delta", "rows", "source", "note", "release_id"]
 
 
 def connect(location: str):
@@ -166,10 +168,11 @@ def _gather(conn, execute, shown: str, errors, scope: str | None) -> dict:
                            "delta": float(total[1]), "spent_epsilon": float(spent[0]),
                            "spent_delta": float(spent[1]), "remaining_epsilon": float(total[0] - spent[0]),
                            "remaining_delta": float(total[1] - spent[1]), "created": created})
-        history = [dict(zip(["scope", "time", "kind", "method", "epsilon", "delta", "rows", "note", "release_id"],
-                            row))
-                   for row in execute(conn, f"SELECT scope, time, kind, method, epsilon, delta, rows, note, release_id "
-                                            f"FROM charges {where} ORDER BY seq", params).fetchall()]
+        # every column, by name: a ledger written before a column was added (source) lacks it
+        charges = execute(conn, f"SELECT * FROM charges {where} ORDER BY seq", params)
+        names = [column[0] for column in charges.description]
+        history = [{name: found.get(name) for name in HISTORY}
+                   for found in (dict(zip(names, row)) for row in charges.fetchall())]
         streams = [dict(zip(["scope", "name", "method", "spec", "rows", "partitions", "created"], row))
                    for row in execute(conn, f"SELECT scope, name, method, spec, rows, partitions, created FROM streams "
                                             f"{where} ORDER BY created", params).fetchall()]
@@ -219,8 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     print(_table(found["scopes"], ["scope", "notion", "epsilon", "spent_epsilon", "remaining_epsilon", "delta",
                                    "spent_delta", "remaining_delta"]))
     if args.history:
-        print("\nhistory\n" + _table(found["history"], ["scope", "time", "kind", "method", "epsilon", "delta", "rows",
-                                                        "note"]))
+        print("\nhistory\n" + _table(found["history"], HISTORY[:-1]))
     if args.streams:
         print("\nstreams\n" + _table(found["streams"], ["scope", "name", "method", "rows", "partitions", "created"]))
     return 0

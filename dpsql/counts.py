@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpsql import _validate, methods
+from dpsql._names import checked_call
 from dpsql.accounting import largest_share
 from dpsql.budget import Budget
 from dpsql.errors import InvalidData, InvalidParameter, RenamedParameter
@@ -51,6 +52,7 @@ from dpsql.timegrid import TimeDomain, ticks, time_domain
 RENAMED_METHODS = {"laplace": "count_laplace", "smoothed": "count_smoothed"}
 
 
+@checked_call()
 def pegasus(counts, *, epsilon: float, grouper_share: float | None = None, theta: float | None = None,
             smoother: str | None = None, sensitivity: float = 1.0, budget: Budget | None = None,
             note: str | None = None) -> Release:
@@ -283,7 +285,7 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
                          cap: int | None = None, window: int | None = None, alarm_threshold: float | None = None,
                          window_smoother: str | None = None,
                          budget: Budget | None = None, note: str | None = None, order_by: str = "time",
-                         **params) -> CountRelease:
+                         source: str | None = None, **params) -> CountRelease:
     """Bucket events over the public domain and release every count stream.
 
     Privacy cost: ``epsilon``-DP (pure), charged once. Neighbours: add/remove one event
@@ -313,6 +315,8 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
     window, alarm_threshold : optional
         Add sliding-window sums over ``window`` buckets and the event-monitoring alarm
         ``window sum >= alarm_threshold`` to :meth:`CountRelease.columns` (free).
+    source : str, optional
+        What the front end read (recorded in the ledger; default ``"<n> event times"``).
     window_smoother : {"adaptive", "group", "none"}, optional
         How window sums are formed (:func:`dpsql.streams.windows.window_sums`): by default
         re-smoothed from the noisy counts known at the window's end for ``pegasus`` and
@@ -385,6 +389,7 @@ def release_event_counts(times, *, start, stop, every, epsilon: float, method: s
     release = publish(method, counts.ravel(), budget=budget, column="counts",
                       partition_offsets=offsets, partition_keys=partition_keys,
                       partition_levels=levels if partitioned else None, note=note,
+                      source=f"{len(times)} event times" if source is None else source,
                       epsilon=level_epsilon, sensitivity=sensitivity, **params)
     return CountRelease(release, domain, key_values, np.asarray(levels) if hierarchy else None, order_by,
                         window, alarm_threshold, window_smoother)

@@ -4,6 +4,12 @@ Everything here is post-processing of released values and public descriptions: d
 release costs nothing. Figures need matplotlib (``pip install 'dpsql[plot]'``); the notebook
 views (``_repr_html_``) need nothing.
 
+A figure drawn here is returned, not shown: pyplot does not hold it (:func:`_new_figure`), so a
+notebook shows it once, as the value of a cell, and never again when the cell ends (which a
+figure pyplot holds would be: twice). Save it with ``fig.savefig``; to draw into a figure of
+your own (shown by ``plt.show()``), pass ``ax=``. Time axes name instants concisely
+(``ConciseDateFormatter``: the hour, then the day below it, never ``35:35.400000``).
+
 A stream is drawn bucket by bucket: consecutive rows are summed into buckets and each bucket
 is shown as its mean per row with the 95 % interval :meth:`dpsql.Release.range_ci` gives,
 intersected with what the clipped values allow (a mean per row lies between the release's
@@ -31,12 +37,27 @@ _SPARK_POINTS = 120
 _MAX_PANELS = 12
 
 
-def _pyplot():
+def _new_figure(size: tuple[float, float], rows: int = 1, columns: int = 1, **options):
+    """A figure with ``rows`` x ``columns`` axes (an array of them, as ``plt.subplots`` gives) that
+    pyplot does not hold: made by pyplot, so that a notebook's matplotlib integration is on and
+    draws it, then closed there, so that the notebook does not draw it a second time when the cell ends."""
     try:
         import matplotlib.pyplot as plt
     except ImportError as error:
         raise InvalidParameter("plots need matplotlib: pip install 'dpsql[plot]'") from error
-    return plt
+    fig, axes = plt.subplots(rows, columns, figsize=size, layout="constrained", **options)
+    plt.close(fig)
+    return fig, axes
+
+
+def _dates(ax) -> None:
+    """Name the instants of ``ax``'s datetime x axis concisely (``35:35.400000`` becomes ``35.4``
+    under the minute it belongs to)."""
+    import matplotlib.dates as mdates
+
+    locator = mdates.AutoDateLocator()
+    ax.xaxis.set_major_locator(locator)
+    ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
 
 
 def bucketed(release, *, every: int | None = None, level: float = 0.95) -> dict[str, np.ndarray]:
@@ -81,9 +102,8 @@ def _holdout_rows(release) -> int:
 def plot_release(release, *, ax=None, truth=None, time=None, every: int | None = None, level: float = 0.95,
                  value: str = "value", unit: str | None = None, time_label: str | None = None):
     """Draw ``release`` (module docstring) on ``ax`` (a new figure if None); returns the figure."""
-    plt = _pyplot()
     if ax is None:
-        _, ax = plt.subplots(figsize=(9, 3.2), constrained_layout=True)
+        _, ax = _new_figure((9, 3.2))
     series = bucketed(release, every=every, level=level)
     x = _axis(time, len(release.values), np.r_[series["starts"], series["stops"][-1] - 1])
     def closed(y):  # a step plot's last bucket needs its right edge
@@ -109,11 +129,7 @@ def plot_release(release, *, ax=None, truth=None, time=None, every: int | None =
     ax.set_ylabel(f"{value}{f' ({unit})' if unit else ''}" + ("" if widths.max() == 1 else ", mean per row"))
     ax.set_xlabel(time_label or ("time" if time is not None else "row"))
     if time is not None and np.issubdtype(np.asarray(time).dtype, np.datetime64):
-        import matplotlib.dates as mdates
-
-        locator = mdates.AutoDateLocator()
-        ax.xaxis.set_major_locator(locator)
-        ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
+        _dates(ax)
     cost = f"epsilon {release.epsilon:g}" + (f", delta {release.delta:g}" if release.delta else "")
     buckets = "" if widths.max() == 1 else f"; buckets of {_widths(widths)} rows"
     ax.set_title(f"{release.method}: {cost}{buckets}", fontsize=10)
@@ -138,12 +154,11 @@ def _axis(time, n: int, rows: np.ndarray):
 
 def plot_partitions(release, *, truth=None, time=None, titles=None, **options):
     """One small panel per partition (the first twelve), sharing the x axis; returns the figure."""
-    plt = _pyplot()
     parts = min(len(release.parts), _MAX_PANELS)
     columns = 1 if parts < 4 else 2
     rows = math.ceil(parts / columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(9 if columns == 1 else 12, 2.3 * rows), squeeze=False,
-                             constrained_layout=True, sharex=time is None)
+    fig, axes = _new_figure((9 if columns == 1 else 12, 2.3 * rows), rows, columns, squeeze=False,
+                            sharex=time is None)
     offsets = release.offsets
     for k, ax in enumerate(axes.ravel()):
         if k >= parts:
@@ -161,7 +176,6 @@ def plot_partitions(release, *, truth=None, time=None, titles=None, **options):
 def plot_stream(stream, *, partition=None, ax=None, **options):
     """A stream's released rows against their order keys: one panel, or one per partition
     (the first twelve, or the one given); returns the figure."""
-    plt = _pyplot()
     released = stream.released()
     if released.num_rows == 0:
         raise InvalidParameter(f"stream {stream.name!r} has released no rows yet")
@@ -176,7 +190,7 @@ def plot_stream(stream, *, partition=None, ax=None, **options):
     if partition is not None:
         keys = [partition]
     keys = keys[:_MAX_PANELS]
-    fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.3 * len(keys)), squeeze=False, constrained_layout=True)
+    fig, axes = _new_figure((9, 2.3 * len(keys)), len(keys), 1, squeeze=False)
     for ax, part in zip(axes[:, 0], keys):
         rows = stream.released(partition=part)
         plot_release(stream.release(part), ax=ax, time=rows[key].to_numpy(), **options)
@@ -186,10 +200,9 @@ def plot_stream(stream, *, partition=None, ax=None, **options):
 
 def plot_budget(budget, *, ax=None):
     """The budget's burn-down: epsilon spent over time, stacked by method, under its total."""
-    plt = _pyplot()
     history = budget.history(full=True)
     if ax is None:
-        _, ax = plt.subplots(figsize=(9, 3.2), constrained_layout=True)
+        _, ax = _new_figure((9, 3.2))
     total = budget.total[0]
     if history.height:
         import datetime as dt
@@ -203,6 +216,7 @@ def plot_budget(budget, *, ax=None):
             mine = np.where(history["method"].to_numpy() == method, history["epsilon"].to_numpy(), 0.0)
             spent[k] = np.cumsum(np.r_[mine, 0.0])
         ax.stackplot(times, spent, labels=methods, step="post", alpha=0.8)
+        _dates(ax)
     ax.axhline(total, color="black", ls="--", lw=1, label=f"total epsilon {total:g}")
     ax.set_ylim(0, total * 1.08 if total else 1)
     ax.set_ylabel("epsilon spent")
@@ -277,10 +291,16 @@ def budget_html(budget) -> str:
     history = budget.history()
     last = history.tail(5)
     if last.height:
-        cells = "".join(f"<tr><td>{t:%Y-%m-%d %H:%M}</td><td>{html.escape(str(k))}</td><td>{html.escape(str(m))}"
-                        f"</td><td>{e:g}</td></tr>"
-                        for t, k, m, e in zip(last["time"], last["kind"], last["method"], last["epsilon"]))
-        rows.append(("last releases", f"<table><tr><th>time</th><th>kind</th><th>method</th><th>epsilon</th></tr>"
+        columns = ["time", "kind", "method", "epsilon", "source", "note"]
+
+        def cell(name, value) -> str:
+            shown = "" if value is None else f"{value:%Y-%m-%d %H:%M}" if name == "time" else f"{value:g}" \
+                if name == "epsilon" else str(value)
+            return f"<td>{html.escape(shown)}</td>"
+
+        cells = "".join("<tr>" + "".join(cell(name, value) for name, value in zip(columns, row)) + "</tr>"
+                        for row in last.select(columns).iter_rows())
+        rows.append(("last releases", "<table><tr>" + "".join(f"<th>{name}</th>" for name in columns) + "</tr>"
                                       f"{cells}</table>"))
     return "<div><b>dpsql Budget</b>" + _table(rows) + "</div>"
 

@@ -50,20 +50,23 @@ from dpsql.release import PartitionedRelease, Release, StreamMachine, chunks_of,
 @overload
 def publish(method: str, values, *, budget: Budget | None = ..., column: str = ..., partition_offsets: None = ...,
             partition_keys: None = ..., partition_levels: None = ..., order_keys: Sequence = ...,
-            fresh: bool = ..., note: str | None = ..., progress: bool = ..., **params) -> Release: ...
+            fresh: bool = ..., note: str | None = ..., source: str | None = ..., progress: bool = ...,
+            **params) -> Release: ...
 
 
 @overload
 def publish(method: str, values, *, budget: Budget | None = ..., column: str = ...,
             partition_offsets: Sequence[int], partition_keys: Sequence | None = ...,
             partition_levels: Sequence[int] | None = ..., order_keys: Sequence = ..., fresh: bool = ...,
-            note: str | None = ..., progress: bool = ..., **params) -> Release | PartitionedRelease: ...
+            note: str | None = ..., source: str | None = ..., progress: bool = ...,
+            **params) -> Release | PartitionedRelease: ...
 
 
 def publish(method: str, values, *, budget: Budget | None = None, column: str = "values",
             partition_offsets: Sequence[int] | None = None, partition_keys: Sequence | None = None,
             partition_levels: Sequence[int] | None = None, order_keys: Sequence = (), fresh: bool = False,
-            note: str | None = None, progress: bool = True, **params) -> Release | PartitionedRelease:
+            note: str | None = None, source: str | None = None, progress: bool = True,
+            **params) -> Release | PartitionedRelease:
     """Release ``values`` privately with ``method`` and charge ``budget`` once.
 
     Parameters
@@ -95,6 +98,9 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
         Release anew (and charge) even if an identical release's answer is recorded.
     note : str, optional
         Recorded in the ledger with the release.
+    source : str, optional
+        What the release read, recorded in the ledger beside ``note`` (a front end describes
+        its table, column or expression); default ``"array of <n> values"``.
     progress : bool, default True
         Show a progress bar (:mod:`dpsql._progress`) for work expected to take more than two
         seconds; ``False`` silences it.
@@ -106,7 +112,8 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
     offsets = _offsets(partition_offsets, len(data))
     addresses, keys = _addresses(partition_offsets, partition_keys, len(offsets) - 1)
     request = _Request(method, data, offsets, addresses, partition_offsets is not None, keys,
-                       partition_levels, list(order_keys), params, note)
+                       partition_levels, list(order_keys), params, note,
+                       f"array of {len(data)} values" if source is None else source)
     failure = None
     try:
         with _progress.shown(progress):
@@ -120,10 +127,11 @@ class _Request:
     """One release request: everything :func:`publish` validated. :meth:`release` holds every
     noisy value and key in its own frames, so that they die with a failure."""
 
-    def __init__(self, method, data, offsets, addresses, partitioned, keys, levels, order_keys, params, note):
+    def __init__(self, method, data, offsets, addresses, partitioned, keys, levels, order_keys, params, note,
+                 source):
         self.method, self.data, self.offsets, self.addresses = method, data, offsets, addresses
         self.partitioned, self.keys, self.levels, self.order_keys = partitioned, keys, levels, order_keys
-        self.params, self.note = params, note
+        self.params, self.note, self.source = params, note, source
         self.lengths = np.diff(offsets)
 
     def release(self, budget: Budget | None, *, fresh: bool) -> Release | PartitionedRelease:
@@ -140,7 +148,8 @@ class _Request:
         charge = Charge(method=self.method, epsilon=compose([c[0] for c in costs], [lv for lv, _ in pairs]),
                         delta=compose([c[1] for c in costs], [lv for lv, _ in pairs]),
                         neighbour=Neighbour(first.neighbour), notion=Notion(first.notion), w=first.w,
-                        rows=len(self.data), partitions=len(self.lengths), private=keystream.private, note=self.note)
+                        rows=len(self.data), partitions=len(self.lengths), private=keystream.private, note=self.note,
+                        source=self.source)
         if budget is None:
             _refuse_private_without_budget(keystream)
             parts, values = _run_partitions(self.method, templates, self.data, self.offsets, keystream,
@@ -183,7 +192,7 @@ class _Request:
                                     self.addresses, self.params)
         if values_digest(values) != answer.digest:
             return None
-        budget.record_hit(record, rows=len(self.data), note=self.note)
+        budget.record_hit(record, rows=len(self.data), note=self.note, source=self.source)
         return record.with_values(values)
 
     def _assemble(self, parts: Parts, values: np.ndarray, charge: Charge, *, release_id, first_handle):
@@ -215,14 +224,17 @@ class DistributedRelease:
     disjoint, so the cost is one partition's: the maximum over them), and only then hands out
     the :class:`PartitionTask` that releases a partition from the key and the partition's
     address. Privacy cost: that of ``method`` with ``params`` (see :mod:`dpsql.methods`).
+    ``note`` and ``source`` (what the release reads) are recorded with the charge.
     """
 
-    def __init__(self, method: str, params: dict, *, budget: Budget | None, note: str | None = None):
+    def __init__(self, method: str, params: dict, *, budget: Budget | None, note: str | None = None,
+                 source: str | None = None):
         budget = _budget_or_default(budget)
         keystream = Keystream.fresh()
         if budget is None:
             _refuse_private_without_budget(keystream)
-        self._charge = unsized_charge(method, params, keystream, public_params=_public(params), note=note)
+        self._charge = unsized_charge(method, params, keystream, public_params=_public(params), note=note,
+                                      source=source)
         self._budget = budget
         self._task = PartitionTask(method=method, params=dict(params), private=keystream.private,
                                    key=keystream.key)

@@ -69,7 +69,8 @@ def range_sum(df, *, order_by: str, value: str, partition_by, method: str = RANG
     _require_numeric(fields[value], value)
     for column in [*partition_by, order_by]:
         _require_key_type(fields[column], column)
-    release = DistributedRelease(method, {"epsilon": epsilon, **params}, budget=budget, note=note)
+    release = DistributedRelease(method, {"epsilon": epsilon, **params}, budget=budget, note=note,
+                                 source=f"Spark columns {', '.join([*partition_by, order_by, value])}")
     release.check()  # a budget too small is refused before any Spark job runs
     _refuse_bad_rows(df, partition_by, order_by, value, fields[value].dataType)
     partition_task = release.charge()
@@ -104,7 +105,8 @@ def count_stream(df, *, order_by: str | None = None, every, start, stop, partiti
     from pyspark.sql import functions as F
 
     ticks = _spark_ticks(F.col(order_by), fields[order_by], domain.datetime, order_by)
-    release = DistributedRelease(method, {"epsilon": epsilon, **params}, budget=budget, note=note)
+    release = DistributedRelease(method, {"epsilon": epsilon, **params}, budget=budget, note=note,
+                                 source=f"Spark events, columns {', '.join([*partition_by, order_by])}")
     release.check()  # a budget too small is refused before any Spark job runs
     nulls = _null_counts(df, [*partition_by, order_by])
     refuse_null_keys(nulls, order_label=None, partition_labels=partition_by)

@@ -77,8 +77,12 @@ def register(con: duckdb.DuckDBPyConnection, *, budget: Budget) -> None:
     Errors. A call DuckDB refuses while binding (a misspelt or missing parameter, an unquoted
     keyword, a subquery argument) or a source the release cannot see (a TEMP table, a common
     table expression) is re-raised as an error naming what is wrong and what to pass
-    instead, both a :class:`dpsql.InvalidParameter` and DuckDB's own error class: ``register``
-    wraps the query methods of DuckDB connections for that (:mod:`dpsql.duckdb.sql_errors`;
+    instead, both a :class:`dpsql.InvalidParameter` and DuckDB's own error class. A refusal
+    while the statement runs (an exhausted budget, NaN values, a bad row handle) is raised as
+    an error that is both the dpsql class (:class:`dpsql.BudgetExhausted`,
+    :class:`dpsql.InvalidData`, ...) and DuckDB's, with dpsql's message: ``except
+    dpsql.BudgetExhausted`` and ``except duckdb.Error`` both catch it. ``register`` wraps the
+    query methods of DuckDB connections and relations for that (:mod:`dpsql.duckdb.sql_errors`;
     connections never registered are left as they are).
 
     Parameters
@@ -110,9 +114,10 @@ def register(con: duckdb.DuckDBPyConnection, *, budget: Budget) -> None:
 def typed_errors():
     """Re-raise DuckDB errors caused by dpsql as the original typed :class:`dpsql.DPError`.
 
-    DuckDB reports an exception raised inside a Python function as its own
-    ``InvalidInputException`` whose text carries the dpsql error's class name and
-    message; inside this block the original error object is raised instead.
+    Not needed on a registered connection, whose errors are already of both classes
+    (:func:`register`): kept for code written before. Inside this block an error of both
+    classes, or DuckDB's report of an exception raised inside a dpsql function, is raised
+    as the original dpsql error object (``type(error)`` the dpsql class itself).
 
     Examples
     --------

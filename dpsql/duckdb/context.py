@@ -179,8 +179,9 @@ def install_result_slots(context: Context) -> None:
 
 
 def typed_error(error: BaseException) -> BaseException:
-    """The dpsql error a DuckDB error carries (same type, same message), else ``error``."""
-    text = str(error)
+    """The dpsql error a DuckDB error carries (same type, same message), else ``error``. (An
+    error of both classes, :mod:`dpsql.duckdb.sql_errors`, carries the one of its name and message.)"""
+    text = f"{type(error).__name__}: {error}" if isinstance(error, DPError) else str(error)
     for context in _CONTEXTS.values():
         for message, original in reversed(context.recent_errors.items()):
             if message in text:

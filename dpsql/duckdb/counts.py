@@ -79,7 +79,7 @@ MACRO = "dp_count_stream"
 #: Named macro parameters besides ``every`` (whose default is an interval).
 PARAMETERS = ("start", "stop", "epsilon", "method", "partition_by", "hierarchy", "privacy_unit",
               "contribution_cap", "window", "alarm_threshold", "window_smoother", "grouper_share", "theta",
-              "smoother")
+              "smoother", "note")
 _INTERVAL = re.compile(r"^(?:(?P<days>-?\d+) days?)?\s*(?:(?P<sign>-)?(?P<h>\d+):(?P<m>\d\d):(?P<s>\d\d(?:\.\d+)?))?$")
 
 
@@ -91,7 +91,8 @@ class CountPlan:
     keys: list[str]
     privacy_unit: str | None
     options: dict
-    note: str
+    #: what the release reads, for the ledger (:meth:`Source.read`)
+    reads: str
 
 
 def install(con, context: Context) -> None:
@@ -116,7 +117,7 @@ def install(con, context: Context) -> None:
                                    f"names; got {[order_by, *keys]}")
         time_type = _time_output_type(columns[order_by], order_by)
         count_plan = CountPlan(source, order_by, time_type, keys, privacy_unit, options,
-                               f"duckdb {MACRO}({table!r}, {order_by!r})")
+                               source.read([order_by, *keys, privacy_unit]))
         fields = [pa.field(order_by, time_type), *arrow_fields(context, source, keys)]
         if options.get("hierarchy"):
             fields.append(pa.field(LEVEL, pa.int64()))
@@ -137,7 +138,8 @@ def install(con, context: Context) -> None:
             every=_duration(every), epsilon=options.pop("epsilon", None), method=options.pop("method", COUNT_METHOD),
             keys=keys, hierarchy=bool(options.pop("hierarchy", False)), units=units,
             cap=options.pop("contribution_cap", None), window=options.pop("window", None),
-            alarm_threshold=options.pop("alarm_threshold", None), budget=context.budget, note=count_plan.note,
+            alarm_threshold=options.pop("alarm_threshold", None), budget=context.budget,
+            note=options.pop("note", None), source=count_plan.reads,
             order_by=count_plan.order_by, **options)
         columns = result.columns()
         # The core's per-stream bucket and stream indices give way to row handles: its

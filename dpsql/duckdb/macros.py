@@ -37,8 +37,10 @@ from dpsql.errors import InvalidParameter
 from dpsql.release import PartitionedRelease
 
 #: Core parameter names every stream macro accepts, whatever is registered yet; ``fresh``
-#: asks for a new, charged release even when an identical one's answer is recorded.
-CORE_PARAMETERS = ("epsilon", "delta", "upper", "lower", "m", "r", "fanout", "smoother", "holdout_share", "fresh")
+#: asks for a new, charged release even when an identical one's answer is recorded, ``note``
+#: is recorded in the ledger with the release.
+CORE_PARAMETERS = ("epsilon", "delta", "upper", "lower", "m", "r", "fanout", "smoother", "holdout_share", "fresh",
+                   "note")
 #: The one column a stream macro adds to the keys and the private value: the row handle.
 ROW_COLUMN = "dp_row"
 #: The ledger id column of one-row results (``dp_threshold``).
@@ -121,7 +123,7 @@ def install_stream_release(context: Context, macro: str, *, default_method: str 
         key_fields = {field.name: field for field in arrow_fields(context, source, keys)}
         stream = Plan(source=source, value_col=value_col, order_by=order_by, partition_by=partition_by,
                       method=method, params=parse_params(params_json),
-                      note=f"duckdb {macro}({table!r}, {order_by!r}, {value_col!r})",
+                      reads=source.read([partition_by, order_by, value_col]),
                       numpy_order=orders_in_numpy(columns[order_by],
                                                   columns[partition_by] if partition_by else None))
         schema = pa.schema([*key_fields.values(), pa.field(value_col, pa.float64()),

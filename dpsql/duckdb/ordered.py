@@ -44,7 +44,8 @@ class Plan:
     partition_by: str | None
     method: str
     params: dict
-    note: str
+    #: what the release reads, for the ledger (:meth:`Source.read`)
+    reads: str
     #: Are the keys integer-like, so that they are read unsorted and ordered in numpy?
     #: (:func:`orders_in_numpy`, decided at bind time from the key columns' DuckDB types.)
     numpy_order: bool = False
@@ -85,12 +86,14 @@ def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedA
     keys, values, offsets = ordered
     params = dict(plan.params)
     fresh = bool(params.pop("fresh", False))
+    note = params.pop("note", None)
     partition_keys = None
     if offsets is not None:
         partition_keys = pa.chunked_array(keys[plan.partition_by]).take(pa.array(offsets[:-1]))
     return keys, publish(plan.method, values, budget=context.budget, column=plan.value_col,
                                  partition_offsets=offsets, partition_keys=partition_keys,
-                                 order_keys=list(keys.values()), fresh=fresh, note=plan.note, **params)
+                                 order_keys=list(keys.values()), fresh=fresh, note=note, source=plan.reads,
+                                 **params)
 
 
 def orders_in_numpy(order_type: str, partition_type: str | None) -> bool:

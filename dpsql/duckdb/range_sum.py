@@ -8,7 +8,9 @@ SQL surface (installed by :func:`dpsql.duckdb.register`):
     (``tops``, ``pak``, ``binary_tree``, ``laplace``, ...) and every core parameter
     (``epsilon``, ``delta``, ``upper``, ``lower``, ``m``, ``r``, ``fanout``, ``smoother``,
     ``holdout_share`` and method-specific ones) as named parameters; NULL means the
-    core default. Values outside ``[lower, upper]`` are clipped (part of the mechanism).
+    core default. ``note := '...'`` is recorded in the ledger with the release, beside what it
+    read (``table hourly (ts, volume)``: ``budget.history()``). Values outside ``[lower, upper]``
+    are clipped (part of the mechanism).
     Cost: the method's ``(epsilon, delta)``, under replace-one-value neighbours with the
     time order and partition keys public; with ``partition_by`` one stream per
     partition, charged once at the maximum (parallel composition). Returns, sorted by
@@ -134,7 +136,7 @@ def _install_error_bars(context: Context) -> None:
 
 
 def _install_threshold(context: Context) -> None:
-    names = [*(n for n in methods.named_parameters(THRESHOLD_METHOD) if n != ESTIMATOR), "fresh"]
+    names = [*(n for n in methods.named_parameters(THRESHOLD_METHOD) if n != ESTIMATOR), "fresh", "note"]
 
     def plan(table, value_col, method, params_json):
         value_col = column_name(value_col, "value_col")
@@ -145,8 +147,7 @@ def _install_threshold(context: Context) -> None:
         params = parse_params(params_json)
         params[ESTIMATOR] = THRESHOLD_ESTIMATOR if method is None else method
         threshold_plan = Plan(source=source, value_col=value_col, order_by=None, partition_by=None,
-                              method=THRESHOLD_METHOD, params=params,
-                              note=f"duckdb dp_threshold({table!r}, {value_col!r})")
+                              method=THRESHOLD_METHOD, params=params, reads=source.read([value_col]))
         return context.result_query(THRESHOLD_SCHEMA, functools.partial(run, threshold_plan))
 
     def run(plan: Plan) -> pa.Table:

@@ -54,11 +54,18 @@ def source_not_found(message: str, name: str | None) -> InvalidParameter:
 @dataclass
 class Source:
     """Where a macro reads from: SQL text usable after ``FROM`` on a cursor, plus the
-    Python object to register there first when the source is a variable."""
+    Python object to register there first when the source is a variable, and ``label``, what
+    it is in words (``table hourly``, ``file 'x.csv'``, ``query SELECT ...``, ``data frame df``)."""
 
     name: str
     sql: str
     python_object: object | None = None
+    label: str = ""
+
+    def read(self, columns: Iterable[str | None]) -> str:
+        """What a release reading ``columns`` of this source read, as the ledger records it:
+        ``table hourly (ts, volume)``."""
+        return f"{self.label} ({', '.join(c for c in columns if c is not None)})"
 
     def cursor(self, con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
         cur = con.cursor()
@@ -88,12 +95,14 @@ def resolve_source(context: Context, table) -> Source:
     if not isinstance(table, str) or not table.strip():
         raise InvalidParameter(f"tbl must be a table name or a query (a non-empty string), got {table!r}")
     if is_query(table):
-        source = Source(_shortened(table), f"({table.strip().rstrip(';')}) AS dp__query")
+        source = Source(_shortened(table), f"({table.strip().rstrip(';')}) AS dp__query",
+                        label="query " + " ".join(table.split()))
     else:
         source = Source(table, f"query_table({quote_literal(table)})")
     cur = context.con.cursor()
     try:
         cur.sql(f"SELECT * FROM {source.sql} LIMIT 0")
+        source.label = source.label or _catalog_label(cur, table)
         return source
     except duckdb.CatalogException as error:
         if is_query(table):
@@ -111,7 +120,17 @@ def resolve_source(context: Context, table) -> Source:
             "variable of that name. dpsql reads its input through a second connection, so TEMP tables and views, "
             "common table expressions (WITH ...) and objects registered with con.register() are not visible to it; "
             f"{INSTEAD}", table)
-    return Source(table, quote_ident(f"dp__source_{context.next_id()}"), python_object)
+    return Source(table, quote_ident(f"dp__source_{context.next_id()}"), python_object, label=f"data frame {table}")
+
+
+def _catalog_label(cur: duckdb.DuckDBPyConnection, name: str) -> str:
+    """``table name`` or ``view name`` for a name of the catalog (bare or qualified), else ``file 'name'``."""
+    qualified = ("lower({0}) = lower($name) OR lower(schema_name || '.' || {0}) = lower($name) OR "
+                 "lower(database_name || '.' || schema_name || '.' || {0}) = lower($name)")
+    found = cur.sql(f"SELECT 'view' FROM duckdb_views() WHERE NOT internal AND ({qualified.format('view_name')}) "
+                    f"UNION ALL SELECT 'table' FROM duckdb_tables() WHERE {qualified.format('table_name')}",
+                    params={"name": name}).fetchall()
+    return f"{found[0][0]} {name}" if found else f"file {quote_literal(name)}"
 
 
 def _shortened(text: str, limit: int = 60) -> str:

@@ -22,6 +22,16 @@ replaces (so ``except duckdb.Error`` still catches it), with the DuckDB error as
   expression of the statement or an object registered with ``con.register()``, and what to
   pass instead.
 
+A dpsql function that refuses while the statement runs (an exhausted budget, NaN values, an
+unknown row handle) raises its dpsql error inside DuckDB, which reports it as its own
+``InvalidInputException`` with the text of the error after an internal prefix (``exporting a
+stream from the object registered as 'dp__result_5' failed: ...``). The wrappers raise
+instead an error that is both that dpsql error's class (:class:`dpsql.BudgetExhausted`,
+:class:`dpsql.InvalidData`, ..., with its attributes) and the DuckDB class, with dpsql's
+message only. A statement runs where DuckDB executes it: the connection's query and fetch
+methods, and a relation's (``fetchall``, ``pl``, ``to_arrow_table``, ``create``, ``show``,
+printing it, reading it through the Arrow stream interface...), so those are wrapped too.
+
 Anything else, every statement that succeeds, and every connection that was not registered
 pass through untouched.
 
@@ -42,10 +52,20 @@ from dpsql._frontend import no_such_parameters
 from dpsql.duckdb.context import registered, typed_error
 from dpsql.duckdb.sources import is_query
 from dpsql.duckdb.sqltext import Call, Signature, calls, quote_ident, quote_literal, tokens
-from dpsql.errors import InvalidParameter
+from dpsql.errors import DPError, InvalidParameter
 
 #: The connection methods that take SQL text first.
 WRAPPED = ("sql", "query", "from_query", "execute", "executemany")
+#: The connection methods that fetch the result of the last ``execute`` (which may still be running).
+FETCHES = ("fetchone", "fetchmany", "fetchall", "fetchnumpy", "fetchdf", "fetch_df", "fetch_df_chunk", "df",
+           "pl", "arrow", "fetch_arrow_table", "fetch_record_batch", "to_arrow_table", "to_arrow_reader", "torch",
+           "tf")
+#: The relation methods that run its query (a relation from ``con.sql`` is lazy: it runs when read).
+RUNS = ("fetchall", "fetchone", "fetchmany", "fetchnumpy", "fetchdf", "df", "to_df", "pl", "arrow",
+        "to_arrow_table", "fetch_arrow_table", "to_arrow_reader", "fetch_arrow_reader", "fetch_record_batch",
+        "record_batch", "iter_rows", "to_dicts", "show", "create", "to_table", "insert", "insert_into", "to_csv",
+        "write_csv", "to_parquet", "write_parquet", "describe", "materialize", "execute", "torch", "tf", "shape",
+        "__arrow_c_stream__", "__repr__", "__str__", "__len__")
 #: Words DuckDB reserves: a parameter of that name must be quoted in a call.
 RESERVED = frozenset({"window", "order", "group", "limit", "offset", "from", "where", "select", "table", "union",
                       "all", "and", "or", "not", "default", "end", "case", "when", "then", "else", "as", "on",
@@ -53,12 +73,14 @@ RESERVED = frozenset({"window", "order", "group", "limit", "offset", "from", "wh
 
 
 def install() -> None:
-    """Wrap the connection methods (once per process; idempotent)."""
-    for name in WRAPPED:
-        original = getattr(duckdb.DuckDBPyConnection, name, None)
-        if original is None or getattr(original, "__dpsql_wrapped__", False):
-            continue
-        setattr(duckdb.DuckDBPyConnection, name, _wrapper(original))
+    """Wrap the connection and relation methods (once per process; idempotent)."""
+    for owner, names in ((duckdb.DuckDBPyConnection, WRAPPED + FETCHES), (duckdb.DuckDBPyRelation, RUNS)):
+        for name in names:
+            original = owner.__dict__.get(name)
+            if isinstance(original, property) and not getattr(original.fget, "__dpsql_wrapped__", False):
+                setattr(owner, name, property(_wrapper(original.fget), doc=original.__doc__))
+            elif callable(original) and not getattr(original, "__dpsql_wrapped__", False):
+                setattr(owner, name, _wrapper(original))
 
 
 def _wrapper(original):
@@ -67,9 +89,12 @@ def _wrapper(original):
             return original(self, *args, **kwargs)
         except duckdb.Error as error:
             better = refined(self, error, args[0] if args else kwargs.get("query"))
-            if better is None:
+            if better is not None:
+                raise better from error
+            typed = run_time_error(error)
+            if typed is None:
                 raise
-            raise better from error
+            raise typed from None  # DuckDB's text adds only the internal prefix
 
     # the same function, its globals under a duckdb module name (module docstring)
     wrapped = types.FunctionType(method.__code__, {**globals(), "__name__": "duckdb.dpsql_sql_errors"},
@@ -79,15 +104,31 @@ def _wrapper(original):
     return wrapped
 
 
-_ERROR_CLASSES: dict[type, type] = {}
+_ERROR_CLASSES: dict[tuple[type, type], type] = {}
 
 
-def _sql_error(duckdb_class: type) -> type:
-    """An error class that is both :class:`InvalidParameter` and ``duckdb_class``."""
-    if duckdb_class not in _ERROR_CLASSES:
-        _ERROR_CLASSES[duckdb_class] = type("InvalidParameter", (InvalidParameter, duckdb_class),
-                                            {"__module__": "dpsql.errors"})
-    return _ERROR_CLASSES[duckdb_class]
+def _sql_error(dpsql_class: type, duckdb_class: type) -> type[Exception]:
+    """An error class that is both ``dpsql_class`` and ``duckdb_class``, named like the first."""
+    key = (dpsql_class, duckdb_class)
+    if key not in _ERROR_CLASSES:
+        _ERROR_CLASSES[key] = type(dpsql_class.__name__, (dpsql_class, duckdb_class),
+                                   {"__module__": dpsql_class.__module__, "__qualname__": dpsql_class.__qualname__})
+    return _ERROR_CLASSES[key]
+
+
+def run_time_error(error: duckdb.Error) -> BaseException | None:
+    """The dpsql error that DuckDB's ``error`` reports (raised by a dpsql function while the
+    statement ran) as an error of both classes, with its message and attributes; else None."""
+    if isinstance(error, DPError):  # already made so by a wrapped method this one called
+        return None
+    original = typed_error(error)
+    if not isinstance(original, DPError):
+        return None
+    kind = _sql_error(type(original), type(error))
+    typed = kind.__new__(kind)
+    typed.__dict__.update(original.__dict__)
+    typed.args = original.args
+    return typed
 
 
 def refined(con, error: duckdb.Error, query) -> BaseException | None:
@@ -99,7 +140,7 @@ def refined(con, error: duckdb.Error, query) -> BaseException | None:
         message = _macro_call_problem(context.signatures, query, error) or _source_problem(con, query, error)
     except Exception:  # a diagnosis must never hide the error it explains
         return None
-    return None if message is None else _sql_error(type(error))(message)
+    return None if message is None else _sql_error(InvalidParameter, type(error))(message)
 
 
 # -- macro calls --------------------------------------------------------------------------

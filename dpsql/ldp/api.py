@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from dpsql import _validate
+from dpsql._names import checked_call
 from dpsql.budget import Budget
 from dpsql.errors import InvalidParameter
 from dpsql.methods import machine_for
@@ -69,6 +70,7 @@ class DeviceEncoder:
         return self.plan.to_data(reports[0])
 
 
+@checked_call("dpsql.ldp", method="sw_direct")
 def sw_direct(values, *, epsilon: float, w: int, lower: float, upper: float,
               budget: Budget | None = None, note: str | None = None, progress: bool = True, **params) -> Release:
     """Square Wave on every value at ``epsilon / w``; the raw reports are the published stream.
@@ -91,6 +93,7 @@ def sw_direct(values, *, epsilon: float, w: int, lower: float, upper: float,
                    lower=lower, upper=upper, **params)
 
 
+@checked_call("dpsql.ldp", method="sampling")
 def sampling(values, *, epsilon: float, w: int, lower: float, upper: float,
              budget: Budget | None = None, note: str | None = None, progress: bool = True, **params) -> Release:
     """Naive sampling: SW of each segment's mean (segments of ``qlen // n_s`` slots), no feedback.
@@ -112,6 +115,7 @@ def sampling(values, *, epsilon: float, w: int, lower: float, upper: float,
                    lower=lower, upper=upper, **params)
 
 
+@checked_call("dpsql.ldp", method="ba_sw")
 def ba_sw(values, *, epsilon: float, w: int, lower: float, upper: float,
           budget: Budget | None = None, note: str | None = None, progress: bool = True, **params) -> Release:
     """Budget Absorption with Square Wave (Kellaris et al.'s BA, SW instead of Laplace).
@@ -133,6 +137,7 @@ def ba_sw(values, *, epsilon: float, w: int, lower: float, upper: float,
                    lower=lower, upper=upper, **params)
 
 
+@checked_call("dpsql.ldp", method="ipp")
 def ipp(values, *, epsilon: float, w: int, lower: float, upper: float,
         budget: Budget | None = None, note: str | None = None, progress: bool = True, **params) -> Release:
     """Iterative Perturbation Parameterization: the last deviation ``x_{t-1} - x'_{t-1}`` is
@@ -154,6 +159,7 @@ def ipp(values, *, epsilon: float, w: int, lower: float, upper: float,
                    lower=lower, upper=upper, **params)
 
 
+@checked_call("dpsql.ldp", method="app")
 def app(values, *, epsilon: float, w: int, lower: float, upper: float,
         budget: Budget | None = None, note: str | None = None, progress: bool = True, **params) -> Release:
     """Accumulated Perturbation Parameterization (DU Alg. 1): the sum of the last ``memory``
@@ -176,6 +182,7 @@ def app(values, *, epsilon: float, w: int, lower: float, upper: float,
                    lower=lower, upper=upper, **params)
 
 
+@checked_call("dpsql.ldp", method="capp")
 def capp(values, *, epsilon: float, w: int, lower: float, upper: float,
          budget: Budget | None = None, note: str | None = None, progress: bool = True, **params) -> Release:
     """Clipped APP (DU Alg. 2): APP whose SW frame is set by ``T = e_s - e_d`` (Eq. 11).
@@ -199,6 +206,7 @@ def capp(values, *, epsilon: float, w: int, lower: float, upper: float,
                    lower=lower, upper=upper, **params)
 
 
+@checked_call("dpsql.ldp", method="pp_s")
 def pp_s(values, *, epsilon: float, w: int, lower: float, upper: float,
          budget: Budget | None = None, note: str | None = None, progress: bool = True, **params) -> Release:
     """Perturbation Parameterization with Sampling (DU Alg. 3): IPP/APP/CAPP (``base``,
@@ -226,6 +234,7 @@ def pp_s(values, *, epsilon: float, w: int, lower: float, upper: float,
                    lower=lower, upper=upper, **params)
 
 
+@checked_call("dpsql.ldp")
 def topl(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | None = None,
          threshold_epsilon: float | None = None, r: int | None = None, pruning: str = "paper",
          variance_units: str = "paper", bias_coefficient: str = "paper", budget: Budget | None = None,
@@ -292,6 +301,7 @@ def topl(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | N
                    variance_units=variance_units, bias_coefficient=bias_coefficient)
 
 
+@checked_call("dpsql.ldp")
 def pm_direct(values, *, epsilon: float, w: int, lower: float = 0.0, upper: float = 1.0,
               budget: Budget | None = None, note: str | None = None, progress: bool = True) -> Release:
     """Piecewise-mechanism reports of one user's stream at ``epsilon / w`` each (DU's "ToPL" baseline).

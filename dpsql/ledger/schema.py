@@ -12,10 +12,11 @@ from __future__ import annotations
 #: (keys as differences from a first key in the field's metadata), which dpsql of version 2
 #: would misread: it refuses a ledger of version 3 instead. Tables are the same. 4: the answer cache
 #: keeps, per principal, what recomputes a release (its key), not its values; charges record their
-#: principal. Answers stored before (their values, no principal) are kept but answer no one. 5: a
-#: continual stream's open state as columns (``stream_state``: a directory of its partitions and one
-#: record per shard of them) and one chunk of released rows per append, for all its partitions
-#: (``stream_rows`` with ordinal -1); a stream kept per partition before is converted when next appended.
+#: principal and what the release read (source). Answers stored before (their values, no principal)
+#: are kept but answer no one. 5: a continual stream's open state as columns (``stream_state``: a
+#: directory of its partitions and one record per shard of them) and one chunk of released rows per
+#: append, for all its partitions (``stream_rows`` with ordinal -1); a stream kept per partition
+#: before is converted when next appended.
 VERSION = 5
 
 TABLES = [
@@ -51,7 +52,8 @@ TABLES = [
         kind TEXT NOT NULL DEFAULT 'release',
         stream TEXT,
         answers TEXT,
-        principal TEXT)""",
+        principal TEXT,
+        source TEXT)""",
     "CREATE INDEX IF NOT EXISTS charges_scope ON charges(scope, seq)",
     # the public record of a release: description and error models (never data), its row handles
     """CREATE TABLE IF NOT EXISTS releases (
@@ -112,12 +114,14 @@ TABLES = [
         PRIMARY KEY (release_id, ordinal, first_row))""",
 ]
 
-#: Columns added since version 1 (round 1's ledger: scopes and charges only), per table.
+#: Columns added since version 1 (round 1's ledger: scopes and charges only), per table; added to
+#: a ledger of any version that lacks them when it is opened (``charges.source``, what a release read,
+#: came within version 4: a nullable column).
 _ADDED = {
     "scopes": [("spent_epsilon", "TEXT NOT NULL DEFAULT '0/1'"), ("spent_delta", "TEXT NOT NULL DEFAULT '0/1'"),
                ("charges", "{bigint} NOT NULL DEFAULT 0")],
     "charges": [("kind", "TEXT NOT NULL DEFAULT 'release'"), ("stream", "TEXT"), ("answers", "TEXT"),
-                ("principal", "TEXT")],
+                ("principal", "TEXT"), ("source", "TEXT")],
     "answers": [("principal", "TEXT"), ("private", "INTEGER"), ("secret", "{blob}")],
 }
 

@@ -165,14 +165,15 @@ class Ledger:
         return self.backend.execute(cursor, sql, params)
 
     def _current(self, conn) -> bool:
-        """Does the ledger already have this version's tables (so opening writes nothing)?"""
-        if "ledger_meta" not in self.backend.columns(conn):
+        """Does the ledger already have this version's tables and columns (so opening writes nothing)?"""
+        columns = self.backend.columns(conn)
+        if "ledger_meta" not in columns:
             return False
         row = self.execute(conn, "SELECT value FROM ledger_meta WHERE key = 'version'").fetchone()
         if row is not None and int(row[0]) > schema.VERSION:
             raise LedgerError(f"ledger {self.location} has table layout version {row[0]}, newer than this "
                               f"dpsql understands ({schema.VERSION}): upgrade dpsql")
-        return row is not None and int(row[0]) == schema.VERSION
+        return row is not None and int(row[0]) == schema.VERSION and not schema.upgrades(columns)
 
     def _prepare(self, conn) -> None:
         self.backend.prepare(conn)
@@ -296,12 +297,12 @@ class Ledger:
     def _insert_charge(self, conn, scope: str, release_id: str, charge: Charge, epsilon: float, delta: float,
                        principal: str, answers: str | None = None) -> None:
         self.execute(conn, "INSERT INTO charges (release_id, scope, time, method, params, epsilon, delta, rows, "
-                           "partitions, neighbour, private, note, kind, stream, answers, principal) "
-                           "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                           "partitions, neighbour, private, note, kind, stream, answers, principal, source) "
+                           "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                      (release_id, scope, _now(), charge.method, json.dumps(charge.params, sort_keys=True, default=str),
                       repr(float(epsilon)), repr(float(delta)), int(charge.rows), int(charge.partitions),
                       charge.neighbour.value, int(charge.private), charge.note, charge.kind.value, charge.stream,
-                      answers, principal))
+                      answers, principal, charge.source))
 
     def allocate_handles(self, conn, count: int) -> int:
         """Reserve ``count`` consecutive row handles (inside a write transaction); the first."""
@@ -321,7 +322,8 @@ class Ledger:
     def history(self, scope: str) -> list[tuple]:
         with self.reading(f"read the history of scope {scope!r}") as conn:
             return self.execute(conn, "SELECT time, kind, release_id, method, params, epsilon, delta, rows, "
-                                      "partitions, neighbour, private, note, stream, answers, principal FROM charges "
+                                      "partitions, neighbour, private, note, stream, answers, principal, source "
+                                      "FROM charges "
                                       "WHERE scope = ? ORDER BY seq", (scope,)).fetchall()
 
     def release(self, release_id: str) -> ReleaseRow:

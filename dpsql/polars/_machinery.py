@@ -204,7 +204,7 @@ def numeric_values(series: pl.Series, name: str) -> np.ndarray:
     return _validate.values(series, name)
 
 
-def private_expression(value: pl.Expr, release: Callable[[np.ndarray, RowsInTimeOrder, str], object], *,
+def private_expression(value: pl.Expr, release: Callable[[np.ndarray, RowsInTimeOrder, str, str], object], *,
                        order_by, partition_by, output: Callable[[object, RowsInTimeOrder], pl.Series],
                        return_dtype: pl.DataType, returns_scalar: bool = False, function: str = "dpsql") -> pl.Expr:
     """A Polars expression making one private release per evaluation.
@@ -214,8 +214,9 @@ def private_expression(value: pl.Expr, release: Callable[[np.ndarray, RowsInTime
     value : polars.Expr
         The private value column.
     release : callable
-        ``(values in time order, rows, column name) -> result``. It must call
-        :func:`dpsql.publishing.publish` (directly or through a function that does), once.
+        ``(values in time order, rows, column name, source) -> result``. It must call
+        :func:`dpsql.publishing.publish` (directly or through a function that does), once, with
+        ``source`` (what the expression reads: ``column volume, order_by ts``).
     order_by, partition_by :
         Column names or expressions; ``order_by=None`` keeps the frame's row order.
     output : callable
@@ -237,6 +238,9 @@ def private_expression(value: pl.Expr, release: Callable[[np.ndarray, RowsInTime
         raise InvalidParameter("partition_by needs order_by: each partition is released in its time order")
     labels = [column_name(e, "order_by") for e in order_exprs] or ["<row order>"]
     labels += [column_name(e, "partition_by") for e in partition_exprs]
+    source = ", ".join([f"column {name}" if value.meta.is_column() else f"expression {value}",
+                        *(f"order_by {labels[0]}" for _ in order_exprs[:1]),
+                        *(f"partition_by {', '.join(labels[1:])}" for _ in partition_exprs[:1])])
     partition_names = [f"__dpsql_partition_{k}" for k in range(len(partition_exprs))]
     fields = [value.alias(_VALUE), *(e.alias(f) for e, f in zip(partition_exprs, partition_names))]
     if order_exprs:
@@ -267,7 +271,7 @@ def private_expression(value: pl.Expr, release: Callable[[np.ndarray, RowsInTime
             rows, in_order = time_order(frame, values, _ORDER, partition_names, labels)
         else:
             rows, in_order = RowsInTimeOrder(np.arange(len(values)), np.array([0, len(values)]), False), values
-        result = release(in_order, rows, name)
+        result = release(in_order, rows, name, source)
         return output(result, rows)
 
     released = pl.struct(fields).alias(struct_name).map_batches(

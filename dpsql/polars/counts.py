@@ -16,13 +16,14 @@ import datetime as dt
 import numpy as np
 import polars as pl
 
-from dpsql._frontend import COUNT_METHOD, check_budget, refuse_renamed
+from dpsql._frontend import COUNT_METHOD, check_budget, checked_call
 from dpsql.budget import Budget
 from dpsql.counts import release_event_counts
 from dpsql.errors import InvalidData, InvalidParameter
 from dpsql.ordering import refuse_null_event_times, refuse_null_keys
 
 
+@checked_call(extra=("window_smoother", "grouper_share", "theta", "smoother"))
 def count_stream(frame: pl.DataFrame | pl.LazyFrame, order_by: str | None = None, *, every: str | dt.timedelta,
                  start, stop, epsilon: float, method: str = COUNT_METHOD, partition_by: str | list[str] | None = None,
                  hierarchy: bool = False, privacy_unit: str | None = None, contribution_cap: int | None = None,
@@ -90,7 +91,6 @@ def count_stream(frame: pl.DataFrame | pl.LazyFrame, order_by: str | None = None
     >>> out.shape, out.columns[:4], budget.spent
     ((12, 9), ['ts', 'room', 'dp_count', 'dp_std_error'], (1.0, 0.0))
     """
-    refuse_renamed("dpsql.count_stream()", params)
     if order_by is None:
         raise InvalidParameter("dpsql.count_stream() needs order_by, the event time column")
     check_budget(budget)
@@ -114,7 +114,9 @@ def count_stream(frame: pl.DataFrame | pl.LazyFrame, order_by: str | None = None
         keys={k: events.get_column(k).to_numpy() for k in keys}, hierarchy=hierarchy,
         units=None if privacy_unit is None else events.get_column(privacy_unit).to_numpy(),
         cap=contribution_cap, window=window, alarm_threshold=alarm_threshold, budget=budget, note=note,
-        order_by=order_by, **params)
+        order_by=order_by, source=", ".join(["events", *(f"{parameter} {', '.join(columns)}"
+                                                      for parameter, columns in names.items() if columns)]),
+        **params)
     columns = result.columns()
     out = {}
     for name, values in columns.items():

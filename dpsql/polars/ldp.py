@@ -85,8 +85,8 @@ def ldp(value: pl.Expr, *, method: str = LDP_METHOD, order_by=None, partition_by
     if order_by is None:
         raise InvalidParameter(".dpsql.ldp() needs order_by: each user's stream is encoded in its time order")
 
-    def release(values: np.ndarray, rows: RowsInTimeOrder, column: str):
-        return publish(method, values, budget=budget, column=column, note=note, progress=progress,
+    def release(values: np.ndarray, rows: RowsInTimeOrder, column: str, source: str):
+        return publish(method, values, budget=budget, column=column, note=note, source=source, progress=progress,
                        partition_offsets=rows.offsets if rows.partitioned else None,
                        partition_keys=rows.partition_keys, **params)
 

@@ -116,8 +116,8 @@ def range_sum(value: pl.Expr, *, order_by=None, method: str = RANGE_SUM_METHOD, 
     if order_by is None:
         raise InvalidParameter(".dpsql.range_sum() needs order_by: a stream release needs its public time key")
 
-    def release(values: np.ndarray, rows: RowsInTimeOrder, column: str):
-        return publish(method, values, budget=budget, column=column, note=note,
+    def release(values: np.ndarray, rows: RowsInTimeOrder, column: str, source: str):
+        return publish(method, values, budget=budget, column=column, note=note, source=source,
                        partition_offsets=rows.offsets if rows.partitioned else None,
                        partition_keys=rows.partition_keys, order_keys=rows.order_keys, fresh=fresh, **params)
 
@@ -170,8 +170,9 @@ def threshold(value: pl.Expr, *, method: str = THRESHOLD_ESTIMATOR, order_by=Non
     check_parameters(".dpsql.threshold()", params, own=THRESHOLD_KEYWORDS, method="threshold")
     check_budget(budget)
 
-    def release(values: np.ndarray, rows: RowsInTimeOrder, column: str):
-        return publish("threshold", values, budget=budget, column=column, note=note, fresh=fresh, estimator=method,
+    def release(values: np.ndarray, rows: RowsInTimeOrder, column: str, source: str):
+        return publish("threshold", values, budget=budget, column=column, note=note, source=source, fresh=fresh,
+                       estimator=method,
                        **params)
 
     def output(result, rows: RowsInTimeOrder) -> pl.Series:

@@ -97,3 +97,69 @@ def test_bad_plot_requests_are_typed_errors():
         release.plot(every=0)
     with pytest.raises(dpsql.InvalidParameter, match="time has 3 rows"):
         release.plot(time=np.arange(3))
+
+
+def _shown_by_a_notebook(cell) -> list:
+    """The figures a notebook shows for a cell whose last line is ``cell()``. IPython's display hook
+    shows the cell's value (a Figure: as PNG, through matplotlib_inline's formatter); then, when the
+    cell ends, matplotlib_inline's ``flush_figures`` shows every figure pyplot still holds and closes
+    them. (IPython is not a test dependency: these are the two steps, as they run.)"""
+    import matplotlib.pyplot as plt
+    from matplotlib._pylab_helpers import Gcf
+    from matplotlib.figure import Figure
+
+    plt.close("all")
+    value = cell()
+    shown = [value] if isinstance(value, Figure) else []
+    shown += [manager.canvas.figure for manager in Gcf.get_all_fig_managers()]
+    plt.close("all")
+    return shown
+
+
+def _png(fig) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    fig.canvas.print_figure(buffer, format="png")
+    return buffer.getvalue()
+
+
+def test_a_plot_as_a_cell_s_last_line_is_shown_once():
+    import matplotlib.pyplot as plt
+
+    budget = dpsql.Budget.in_memory(epsilon=3)
+    values = np.arange(3000) % 9 * 1.0
+    with dpsql.testing.seeded(2):
+        stream = budget.stream("s", method="hierarchy", epsilon=1.0, order_by="ts", value="kwh", upper=10.0)
+        release = dpsql.hierarchy(values, epsilon=1.0, upper=10.0, budget=budget)
+        parts = dpsql.publish("hierarchy", values, partition_offsets=[0, 1000, 3000], epsilon=0.5, upper=10.0,
+                              budget=budget)
+    stream.append(pl.DataFrame({"ts": np.arange(3000), "kwh": values}))
+    with matplotlib.rc_context({"interactive": True}):  # as in a notebook
+        for cell in (budget.plot, stream.plot, release.plot, parts.plot):
+            shown = _shown_by_a_notebook(cell)
+            assert len(shown) == 1, cell
+            assert _png(shown[0]).startswith(b"\x89PNG")
+        # a figure of the caller's own stays the caller's, held by pyplot
+        fig, ax = plt.subplots()
+        assert release.plot(ax=ax) is fig and plt.fignum_exists(fig.number)
+        plt.close(fig)
+
+
+def test_the_budget_s_time_axis_is_readable():
+    import io
+    import re
+    import time
+
+    budget = dpsql.Budget.in_memory(epsilon=3)
+    with dpsql.testing.seeded(3):
+        dpsql.laplace(np.ones(10), epsilon=0.5, upper=1.0, budget=budget)
+        time.sleep(0.3)  # releases a fraction of a second apart: the axis spans less than a second
+        dpsql.laplace(np.zeros(10), epsilon=0.5, upper=1.0, budget=budget)
+    fig = budget.plot()
+    fig.savefig(io.BytesIO(), format="png")
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+    assert labels and all(len(label) <= 5 for label in labels), labels  # seconds: "28.5", not "51:28.500000"
+    assert not any(re.search(r"\d\.\d{4}", label) for label in labels), labels
+    assert re.fullmatch(r"\d{4}-[A-Z][a-z]{2}-\d\d \d\d:\d\d", ax.xaxis.get_offset_text().get_text())

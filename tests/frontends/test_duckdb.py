@@ -287,7 +287,7 @@ def test_each_fresh_execution_is_a_new_charged_release_and_a_repeat_is_free(con,
 
 
 def test_exhausted_budget_charges_and_releases_nothing(con, budget):
-    with pytest.raises(duckdb.Error, match="BudgetExhausted: budget exhausted"), dpsql.testing.seeded(1):
+    with pytest.raises(BudgetExhausted), dpsql.testing.seeded(1):
         con.sql(RANGE_SUM.replace("0.5", "11")).fetchall()
     assert budget.spent == (0.0, 0.0)
     with pytest.raises(BudgetExhausted), dpsql.duckdb.typed_errors(), dpsql.testing.seeded(1):

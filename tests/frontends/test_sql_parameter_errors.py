@@ -9,6 +9,7 @@ import re
 import duckdb
 import polars as pl
 import pytest
+from connections import registered
 
 import dpsql
 from dpsql.duckdb.sqltext import calls, signature
@@ -23,12 +24,11 @@ def budget():
 
 @pytest.fixture
 def con(budget):
-    con = duckdb.connect()
-    dpsql.duckdb.register(con, budget=budget)
-    con.execute("CREATE TABLE t AS SELECT range AS ts, (range % 7)::DOUBLE AS v, range % 3 AS g FROM range(200)")
-    con.execute("CREATE TABLE ev AS SELECT TIMESTAMP '2024-05-01' + INTERVAL (range) MINUTE AS ts FROM range(100)")
-    yield con
-    con.close()
+    with registered(budget, "CREATE TABLE t AS SELECT range AS ts, (range % 7)::DOUBLE AS v, range % 3 AS g "
+                            "FROM range(200)",
+                    "CREATE TABLE ev AS SELECT TIMESTAMP '2024-05-01' + INTERVAL (range) MINUTE AS ts "
+                    "FROM range(100)") as con:
+        yield con
 
 
 @pytest.mark.parametrize("call, wrong, right", [
@@ -119,9 +119,10 @@ def test_successful_statements_and_other_errors_are_untouched(con):
     with pytest.raises(duckdb.BinderException) as caught:
         con.sql("SELECT no_such_column FROM t")
     assert not isinstance(caught.value, dpsql.DPError)
-    # a dpsql error raised inside the release stays DuckDB's (typed_errors() unwraps it)
-    with pytest.raises(duckdb.InvalidInputException, match="epsilon must be > 0"):
+    # a dpsql error raised inside the release is dpsql's and stays DuckDB's too
+    with pytest.raises(duckdb.InvalidInputException, match=r"^epsilon must be > 0") as caught:
         con.sql(f"SELECT * FROM dp_range_sum({SOURCE}, method := 'laplace', epsilon := -1, upper := 5)").fetchall()
+    assert isinstance(caught.value, dpsql.InvalidParameter)
 
 
 def test_connections_that_were_not_registered_are_untouched():

@@ -7,6 +7,7 @@ import duckdb
 import numpy as np
 import polars as pl
 import pytest
+from connections import registered
 
 import dpsql
 
@@ -20,11 +21,9 @@ def budget():
 
 @pytest.fixture
 def con(budget):
-    con = duckdb.connect()
-    dpsql.duckdb.register(con, budget=budget)
-    con.execute("CREATE TABLE t AS SELECT range AS ts, (range % 7)::DOUBLE AS v, range % 2 AS g FROM range(100)")
-    yield con
-    con.close()
+    with registered(budget, "CREATE TABLE t AS SELECT range AS ts, (range % 7)::DOUBLE AS v, range % 2 AS g "
+                            "FROM range(100)") as con:
+        yield con
 
 
 def released(con, source, extra=""):

@@ -178,7 +178,7 @@ def test_sql_and_polars_accept_the_same_method_parameters(con):
     sql = set(signature(con, "dp_range_sum").valid) - {"tbl", "order_by", "value_col"}
     every_method = set().union(*(methods.parameter_names(m) for m in methods.METHODS)) - {"method", "estimator"}
     assert every_method <= sql
-    assert sql - every_method == {"method", "partition_by", "fresh"}
+    assert sql - every_method == {"method", "partition_by", "fresh", "note"}
     assert set(method_parameters()) >= every_method
     for method in ("tops", "laplace", "pak"):
         # every parameter the method takes passes Polars' check, and it is a dp_range_sum parameter

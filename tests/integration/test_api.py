@@ -26,12 +26,12 @@ def test_publish_charges_once_and_returns_a_charged_release():
     budget = dpsql.Budget.in_memory(epsilon=1.0)
     with dpsql.testing.seeded(0):
         rel = dpsql.publish("laplace", np.arange(10.0), budget=budget, note="hello", epsilon=0.4, upper=10.0)
-    assert budget.history().columns == ["time", "kind", "method", "epsilon", "delta", "rows", "note"]
+    assert budget.history().columns == ["time", "kind", "method", "epsilon", "delta", "rows", "source", "note"]
     history = budget.history(full=True)
     assert history.height == 1
     row = history.row(0, named=True)
-    assert (row["method"], row["epsilon"], row["rows"], row["partitions"], row["note"]) == ("laplace", 0.4, 10, 1,
-                                                                                           "hello")
+    assert (row["method"], row["epsilon"], row["rows"], row["partitions"], row["note"], row["source"]) == (
+        "laplace", 0.4, 10, 1, "hello", "array of 10 values")
     assert row["release_id"] == rel.release_id and row["kind"] == "release" and row["private"] is False
     assert "replace-one-value" in row["neighbour"]
     assert rel.first_handle is not None and budget.release(rel.release_id).epsilon == 0.4

@@ -63,6 +63,7 @@ def test_charged_once_on_the_driver_and_identical_when_re_executed(spark):
     second = out.repartition(3).orderBy("meter", "ts").toPandas()["kwh"].to_numpy()
     assert np.array_equal(first, second) and budget.spent == (0.5, 0.0)
     assert budget.history()["method"].to_list() == ["tops"]
+    assert budget.history()["source"].to_list() == ["Spark columns meter, ts, kwh"]
 
 
 def test_spark_count_streams_equal_the_local_ones(spark):
