@@ -106,7 +106,7 @@ def tops(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | N
          smoother: str = "none", window: int = 8, alpha: float = 0.6, r: int | None = None, fanout: int = 16,
          depth: int | None = None, block: int | None = None, holdout_share: float = 0.5, c: float = 60.0,
          step: float | None = None, levels_for_nm: str = "paper", threshold: float | None = None, grid=None,
-         focus: str = "day", budget: Budget | None = None, note: str | None = None, fresh: bool = False) -> Release:
+         calendar: str = "day", budget: Budget | None = None, note: str | None = None, fresh: bool = False) -> Release:
     """ToPS (Wang et al., CCS 2021): a Noisy-Max threshold from the first ``m`` rows, then
     :func:`hierarchy` on the later rows, clipped at that threshold.
 
@@ -116,7 +116,7 @@ def tops(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | N
     Hold-out rows (``m``, default 4096: fixed, so that a stream's first rows are released
     as soon as 4096 have arrived): the flat hierarchy at ``holdout_share * epsilon``, clipped
     at the threshold. Later rows: :func:`hierarchy` with the threshold as bound, at the full
-    ``epsilon``; ``smoother``, ``r``, ``fanout``, ``depth``, ``block``, ``grid`` and ``focus``
+    ``epsilon``; ``smoother``, ``r``, ``fanout``, ``depth``, ``block``, ``grid`` and ``calendar``
     as there (with a grid the hold-out's blocks are calendar days too). A ``threshold``
     released before (and paid for then) skips the hold-out.
 
@@ -141,13 +141,13 @@ def tops(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | N
     return publish("tops", values, budget=budget, note=note, fresh=fresh, epsilon=epsilon, upper=upper, lower=lower,
                    m=m, smoother=smoother, window=window, alpha=alpha, r=r, fanout=fanout, depth=depth, block=block,
                    holdout_share=holdout_share, c=c, step=step, levels_for_nm=levels_for_nm, threshold=threshold,
-                   grid=grid, focus=focus)
+                   grid=grid, calendar=calendar)
 
 
 def hierarchy(values, *, epsilon: float, upper: float, lower: float = 0.0, smoother: str = "none", window: int = 8,
               alpha: float = 0.6, r: int | None = None, fanout: int = 16, consistency: bool = True,
               depth: int | None = None, block: int | None = None, initial: float | None = None, grid=None,
-              focus: str = "day", budget: Budget | None = None, note: str | None = None,
+              calendar: str = "day", budget: Budget | None = None, note: str | None = None,
               fresh: bool = False) -> Release:
     """Range sums of a stream with a known public bound: a consistent fan-out-16 forest over
     blocks of rows, each block's noisy sum spread over its rows (ToPS's perturber, ``H^c_16``).
@@ -169,14 +169,14 @@ def hierarchy(values, *, epsilon: float, upper: float, lower: float = 0.0, smoot
     keys), meaning row ``i`` has key ``first + i * step``, ``step`` dividing a day or one day.
     With it (and the flat spread, no ``r``, ``depth`` or ``block``) blocks are calendar days
     (UTC) and the tree's levels months and years: a daily, monthly or yearly total is one node
-    and its interval the noise alone. ``focus`` splits ``epsilon`` over the day, month and year
+    and its interval the noise alone. ``calendar`` splits ``epsilon`` over the day, month and year
     levels: ``"day"`` (default: 0.7, 0.2, 0.1), ``"month"`` (0.3, 0.5, 0.2), ``"balanced"``
-    (0.45, 0.35, 0.2), or ``"range"``: row-count blocks, best for arbitrary long ranges
+    (0.45, 0.35, 0.2), or ``"none"``: row-count blocks, best for arbitrary long ranges
     (docs/algorithms.md says why).
 
     Cost: ``epsilon``-DP (delta = 0), replace-one-value neighbours (time order public). Values
     outside ``[lower, upper]`` are clipped to it: that is part of the mechanism. The grid and
-    ``focus`` are public: the layout never depends on the values.
+    ``calendar`` are public: the layout never depends on the values.
 
     Examples
     --------
@@ -194,7 +194,7 @@ def hierarchy(values, *, epsilon: float, upper: float, lower: float = 0.0, smoot
     """
     return publish("hierarchy", values, budget=budget, note=note, fresh=fresh, epsilon=epsilon, upper=upper,
                    lower=lower, smoother=smoother, window=window, alpha=alpha, r=r, fanout=fanout,
-                   consistency=consistency, depth=depth, block=block, initial=initial, grid=grid, focus=focus)
+                   consistency=consistency, depth=depth, block=block, initial=initial, grid=grid, calendar=calendar)
 
 
 def threshold(values, *, epsilon: float, upper: float, lower: float = 0.0, method: str = THRESHOLD_ESTIMATOR,

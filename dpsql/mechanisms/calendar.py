@@ -7,10 +7,10 @@ rows, ``86400 s / step`` of them; the first day of a stream that starts mid-day 
 chunk's ``phase`` counts the rows it lacks; for daily rows a block is one row), its tree has
 three levels: days, months (28 to 31 days, the first and last months of a stream partial) and
 the year. A daily, monthly or yearly total is then one node, a weekly total seven: their
-intervals are the noise alone. The layout is a function of the grid, ``epsilon`` and ``focus``:
+intervals are the noise alone. The layout is a function of the grid, ``epsilon`` and ``calendar``:
 public.
 
-Budget: level ``l`` gets ``epsilon * share_l`` (:data:`FOCUS_SHARES`, exact sums never above
+Budget: level ``l`` gets ``epsilon * share_l`` (:data:`LEVEL_SHARES`, exact sums never above
 ``epsilon``). Privacy: every value lies in one day, one month and one year node of its chunk
 (sensitivity ``theta`` each), so the tree is ``epsilon``-DP by sequential composition; years
 are disjoint (parallel composition); consistency and spreading are post-processing.
@@ -41,13 +41,13 @@ from dpsql.timegrid import RowGrid
 
 #: The calendar units of a tree's levels, leaves first.
 UNITS = ("day", "month", "year")
-#: Budget shares of the day, month and year levels for each ``focus`` (docs/algorithms.md,
-#: "hierarchy", says why). ``"range"`` keeps row-count blocks (the layout best for arbitrary
-#: long ranges).
-FOCUS_SHARES = {"day": (0.7, 0.2, 0.1), "month": (0.3, 0.5, 0.2), "balanced": (0.45, 0.35, 0.2)}
-FOCUSES = (*FOCUS_SHARES, "range")
-#: The default focus: daily totals (and weekly, sums of seven days).
-DEFAULT_FOCUS = "day"
+#: Budget shares of the day, month and year levels for each ``calendar=`` choice: what the
+#: release is for (docs/algorithms.md, "hierarchy", says why). ``"none"`` keeps row-count
+#: blocks even on a grid (the layout best for arbitrary long ranges).
+LEVEL_SHARES = {"day": (0.7, 0.2, 0.1), "month": (0.3, 0.5, 0.2), "balanced": (0.45, 0.35, 0.2)}
+CALENDARS = (*LEVEL_SHARES, "none")
+#: The default: daily totals (and weekly, sums of seven days).
+DEFAULT_CALENDAR = "day"
 
 
 def level_epsilons(epsilon: float, shares: Sequence[float]) -> tuple[float, ...]:
@@ -214,15 +214,15 @@ class CalendarChunks:
 
 
 class CalendarLayout(CalendarChunks):
-    """:class:`CalendarChunks` with ``epsilon`` split over the levels by ``focus`` (:data:`FOCUS_SHARES`)."""
+    """:class:`CalendarChunks` with ``epsilon`` split over the levels by ``calendar`` (:data:`LEVEL_SHARES`)."""
 
-    def __init__(self, *, epsilon: float, grid: RowGrid, focus: str):
+    def __init__(self, *, epsilon: float, grid: RowGrid, calendar: str):
         super().__init__(grid)
-        self.epsilon, self.focus = epsilon, focus
+        self.epsilon, self.calendar = epsilon, calendar
 
     def level_epsilons(self, chunk: Chunk) -> tuple[float, ...]:
         """The budget of each level of ``chunk``'s tree (the same for every chunk)."""
-        return level_epsilons(self.epsilon, FOCUS_SHARES[self.focus])
+        return level_epsilons(self.epsilon, LEVEL_SHARES[self.calendar])
 
 
 def _year(day: int) -> int:

@@ -41,7 +41,7 @@ from dpsql._memory import pooled_array
 from dpsql.error_models import SegmentedNoise
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.block_error import BlockStreamNoise, CalendarBlockNoise
-from dpsql.mechanisms.calendar import DEFAULT_FOCUS, FOCUSES, CalendarLayout
+from dpsql.mechanisms.calendar import CALENDARS, DEFAULT_CALENDAR, CalendarLayout
 from dpsql.mechanisms.hierarchy import Chunk, Forest, Layout, predictive_depth, tree_height
 from dpsql.mechanisms.laplace import LatticeBatch
 from dpsql.mechanisms.smoothers import MIN_ALPHA, SMOOTHERS, make_smoother
@@ -56,12 +56,12 @@ MAX_BLOCK = 1 << 24
 
 
 def check_hierarchy_options(*, fanout, consistency, smoother, window, alpha, r, depth, block, grid=None,
-                            focus=DEFAULT_FOCUS):
+                            calendar=DEFAULT_CALENDAR):
     """The hierarchy's options, validated (typed errors naming the parameter); returns
-    ``(fanout, consistency, smoother, window, alpha, r, depth, block, grid, focus)`` with ``r``
+    ``(fanout, consistency, smoother, window, alpha, r, depth, block, grid, calendar)`` with ``r``
     resolved for predictive smoothers (the paper's fixed layout) and ``grid`` a
     :class:`~dpsql.timegrid.RowGrid` or None."""
-    focus = _validate.choice(focus, "focus", FOCUSES)
+    calendar = _validate.choice(calendar, "calendar", CALENDARS)
     grid = None if grid is None else RowGrid.of(grid)
     fanout = _validate.integer(fanout, "fanout", minimum=2)
     if not isinstance(consistency, bool):
@@ -87,17 +87,17 @@ def check_hierarchy_options(*, fanout, consistency, smoother, window, alpha, r, 
         block = _validate.integer(block, "block", minimum=1)
         if block > MAX_BLOCK:
             raise InvalidParameter(f"block must be at most {MAX_BLOCK} rows, got {block}")
-    return fanout, consistency, smoother, window, alpha, r, depth, block, grid, focus
+    return fanout, consistency, smoother, window, alpha, r, depth, block, grid, calendar
 
 
 def calendar_layout(epsilon: float, smoother: str, r, depth, block, grid: RowGrid | None,
-                    focus: str) -> CalendarLayout | None:
+                    calendar: str) -> CalendarLayout | None:
     """The calendar layout of validated options, or None where row-count blocks apply: no grid,
-    ``focus="range"``, a predictive smoother (its blocks are powers of the fan-out) or an
+    ``calendar="none"``, a predictive smoother (its blocks are powers of the fan-out) or an
     explicit ``r``, ``depth`` or ``block``."""
-    if grid is None or focus == "range" or smoother != "none" or (r, depth, block) != (None, None, None):
+    if grid is None or calendar == "none" or smoother != "none" or (r, depth, block) != (None, None, None):
         return None
-    return CalendarLayout(epsilon=epsilon, grid=grid, focus=focus)
+    return CalendarLayout(epsilon=epsilon, grid=grid, calendar=calendar)
 
 
 class HierarchyStream(StreamMachine):
@@ -145,15 +145,15 @@ class HierarchyStream(StreamMachine):
     def __init__(self, n: int | None = None, *, epsilon: float, upper: float, lower: float = 0.0,
                  smoother: str = "none", window: int = 8, alpha: float = 0.6, r: int | None = None,
                  fanout: int = 16, consistency: bool = True, depth: int | None = None, block: int | None = None,
-                 initial: float | None = None, grid=None, focus: str = DEFAULT_FOCUS, noise: Draws):
+                 initial: float | None = None, grid=None, calendar: str = DEFAULT_CALENDAR, noise: Draws):
         self.epsilon = _validate.epsilon(epsilon)
         self.lower, self.upper = _validate.bounds(lower, upper)
         (self.fanout, self.consistency, self.smoother_name, self.window, self.alpha, self.r, self.depth,
-         self.block, self.grid, self.focus) = check_hierarchy_options(
+         self.block, self.grid, self.calendar) = check_hierarchy_options(
             fanout=fanout, consistency=consistency, smoother=smoother, window=window, alpha=alpha, r=r, depth=depth,
-            block=block, grid=grid, focus=focus)
+            block=block, grid=grid, calendar=calendar)
         self.layout = calendar_layout(self.epsilon, self.smoother_name, self.r, self.depth, self.block, self.grid,
-                                      self.focus) or self._row_count_layout()
+                                      self.calendar) or self._row_count_layout()
         self.cost = (self.epsilon, 0.0)
         if initial is not None:
             initial = _validate.real(initial, "initial")
@@ -373,11 +373,11 @@ class HierarchyStream(StreamMachine):
                 "consistency": self.consistency, "depth": self.depth, "block": self.block,
                 "chunks": [c.rows for c in chunks], "blocks": [c.block for c in chunks],
                 "levels": [c.forest.levels for c in chunks], "grid": None if self.grid is None else self.grid.plain(),
-                "focus": self.focus, "units": None if self.layout.units is None else list(self.layout.units),
-                "level_epsilons": list(self.layout.level_epsilons(chunks[0])) if self._calendar else None}
+                "calendar": self.calendar, "units": None if self.layout.units is None else list(self.layout.units),
+                "level_epsilons": list(self.layout.level_epsilons(chunks[0])) if self._on_calendar else None}
 
     @property
-    def _calendar(self) -> bool:
+    def _on_calendar(self) -> bool:
         return isinstance(self.layout, CalendarLayout)
 
     def smoother_params(self) -> dict:
@@ -404,7 +404,7 @@ class HierarchyStream(StreamMachine):
         released = self.released_rows
         terms = self._smoother.partition_terms(partition)
         bound = float(self._bounds[partition])
-        if self._calendar:
+        if self._on_calendar:
             variances = [float(lattice.variance[partition]) for lattice in self._lattices(self.layout.chunk(0))]
             return CalendarBlockNoise(n_rows=released, grid=self.grid.plain(), level_variances=variances,
                                       consistent=self.consistency, bound=bound, short_last_block=self._flushed)

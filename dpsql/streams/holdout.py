@@ -36,7 +36,7 @@ from dpsql import _validate
 from dpsql.accounting import largest_share
 from dpsql.error_models import IndependentNoise, SegmentedNoise
 from dpsql.errors import InvalidParameter
-from dpsql.mechanisms.calendar import DEFAULT_FOCUS, CalendarLayout
+from dpsql.mechanisms.calendar import DEFAULT_CALENDAR, CalendarLayout
 from dpsql.mechanisms.hierarchy import Layout
 from dpsql.mechanisms.laplace import LaplaceLattice
 from dpsql.noise import Draws, DrawsBatch, Lane
@@ -72,10 +72,10 @@ class ThresholdedStream(StreamMachine):
     threshold_delta: float = 0.0
     writes_out = True
 
-    #: The rows' time grid (:class:`~dpsql.timegrid.RowGrid`) and focus: with a grid, the hold-out's
-    #: blocks are calendar days (:func:`~dpsql.streams.hierarchy.calendar_layout`).
+    #: The rows' time grid (:class:`~dpsql.timegrid.RowGrid`) and ``calendar=`` choice: with a grid,
+    #: the hold-out's blocks are calendar days (:func:`~dpsql.streams.hierarchy.calendar_layout`).
     grid: RowGrid | None = None
-    focus: str = DEFAULT_FOCUS
+    calendar: str = DEFAULT_CALENDAR
 
     def __init__(self, n: int | None = None, *, epsilon: float, upper: float, lower: float = 0.0,
                  m: int | None = None, holdout_share: float = 0.5, threshold: float | None = None,
@@ -219,14 +219,14 @@ class ThresholdedStream(StreamMachine):
 
     def _holdout_layout(self, epsilon: float) -> Layout | CalendarLayout:
         """The hold-out's layout: calendar days with a grid, else one chunk of ``m`` rows."""
-        return (calendar_layout(epsilon, "none", None, None, None, self.grid, self.focus)
+        return (calendar_layout(epsilon, "none", None, None, None, self.grid, self.calendar)
                 or Layout(epsilon=epsilon, fanout=16, r=self.m))
 
     def _holdout_machine(self, thresholds: np.ndarray) -> HierarchyStream:
         """The flat hierarchy releasing the hold-out's rows, clipped at ``thresholds`` (module docstring)."""
-        calendar = isinstance(self._holdout_layout(self.epsilon_holdout), CalendarLayout)
-        template = HierarchyStream(epsilon=self.epsilon_holdout, upper=self.bound, r=None if calendar else self.m,
-                                   grid=self.grid, focus=self.focus, noise=self._draws[0])
+        on_calendar = isinstance(self._holdout_layout(self.epsilon_holdout), CalendarLayout)
+        template = HierarchyStream(epsilon=self.epsilon_holdout, upper=self.bound, r=None if on_calendar else self.m,
+                                   grid=self.grid, calendar=self.calendar, noise=self._draws[0])
         return template.for_partitions(thresholds, self._draws, lane=Lane.HOLDOUT)
 
     def _begin_stream(self, thresholds: np.ndarray, initials: np.ndarray | None) -> None:

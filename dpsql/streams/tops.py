@@ -14,7 +14,7 @@ import numpy as np
 
 from dpsql import _validate
 from dpsql.errors import InvalidParameter
-from dpsql.mechanisms.calendar import DEFAULT_FOCUS
+from dpsql.mechanisms.calendar import DEFAULT_CALENDAR
 from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_thresholds, noisy_max_lattice
 from dpsql.noise import Draws, Lane
 from dpsql.release import StreamMachine
@@ -26,7 +26,7 @@ class ToPS(ThresholdedStream):
     """ToPS (method ``"tops"``): Noisy-Max threshold on the hold-out, then :class:`HierarchyStream`.
 
     Parameters beyond :class:`~dpsql.streams.holdout.ThresholdedStream`'s: ``smoother``,
-    ``window``, ``alpha``, ``r``, ``fanout``, ``depth``, ``block``, ``grid`` and ``focus`` as for
+    ``window``, ``alpha``, ``r``, ``fanout``, ``depth``, ``block``, ``grid`` and ``calendar`` as for
     the hierarchy (same defaults: the flat spread over geometric chunks, or over calendar days
     with a grid, the hold-out's rows too; the rows after the hold-out are on the grid shifted by
     ``m`` rows), and for the threshold ``c``
@@ -52,10 +52,10 @@ class ToPS(ThresholdedStream):
                  r: int | None = None, fanout: int = 16, depth: int | None = None, block: int | None = None,
                  holdout_share: float = 0.5, c: float = 60.0, step: float | None = None,
                  levels_for_nm: str = "paper", threshold: float | None = None, grid=None,
-                 focus: str = DEFAULT_FOCUS, noise: Draws):
+                 calendar: str = DEFAULT_CALENDAR, noise: Draws):
         (self.fanout, _, self.smoother, self.window, self.alpha, self.r, self.depth, self.block, self.grid,
-         self.focus) = check_hierarchy_options(fanout=fanout, consistency=True, smoother=smoother, window=window,
-                                               alpha=alpha, r=r, depth=depth, block=block, grid=grid, focus=focus)
+         self.calendar) = check_hierarchy_options(fanout=fanout, consistency=True, smoother=smoother, window=window,
+                                               alpha=alpha, r=r, depth=depth, block=block, grid=grid, calendar=calendar)
         self.c = _validate.real(c, "c", minimum=0.0, strict=True)
         bound = _validate.bounds(lower, upper)[1] - _validate.bounds(lower, upper)[0]
         self.step = default_step(bound) if step is None else _validate.real(step, "step", minimum=0.0, strict=True)
@@ -80,7 +80,7 @@ class ToPS(ThresholdedStream):
         grid = None if self.grid is None else self.grid.shifted(self.m)  # the rows after the hold-out
         return HierarchyStream(epsilon=self.epsilon, upper=float(thresholds[0]), smoother=self.smoother,
                                window=self.window, alpha=self.alpha, r=self.r, fanout=self.fanout, depth=self.depth,
-                               block=self.block, grid=grid, focus=self.focus,
+                               block=self.block, grid=grid, calendar=self.calendar,
                                noise=self._draws[0]).for_partitions(thresholds, self._draws, initials)
 
     def _method_params(self) -> dict:
