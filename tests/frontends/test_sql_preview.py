@@ -101,3 +101,13 @@ def test_a_misspelt_preview_parameter_is_named(con):
                                                       r"'upper'\?\)") as caught:
         con.sql("SELECT * FROM dp_preview('laplace', 100, epsilon := 1, uper := 1)")
     assert "It takes method, n (in this order)" in str(caught.value)
+
+
+def test_sql_preview_on_a_grid_shows_days_without_spreading(con):
+    got = rows(con, "SELECT length, margin, noise, spreading FROM dp_preview('hierarchy', 48204, epsilon := 1, "
+                    "upper := 8000, grid := ['2012-10-02 09:00', '1h'], lengths := [24, 30])")
+    expected = dpsql.preview("hierarchy", n=48204, epsilon=1.0, upper=8000.0, grid=("2012-10-02 09:00", "1h"),
+                             lengths=[24, 30])
+    assert [(r["length"], r["noise"], r["spreading"]) for r in got] == [
+        (k, expected.noise[k], expected.spreading[k]) for k in (24, 30)]
+    assert got[0]["spreading"] == 0.0 < got[1]["spreading"] and got[0]["margin"] == got[0]["noise"]

@@ -2,12 +2,14 @@
 against the covariance of the block noise pushed through the smoother's linear map, and the
 bias bound of a range that cuts a block (the flattening bound), by hand."""
 
+import json
+
 import numpy as np
 import pytest
 from oracles import design_matrix, reference_outputs
 
-from dpsql.error_models import SegmentedNoise
-from dpsql.mechanisms.block_error import BlockStreamNoise
+from dpsql.error_models import ErrorModel, SegmentedNoise
+from dpsql.mechanisms.block_error import BlockStreamNoise, CalendarBlockNoise
 from dpsql.mechanisms.hierarchy import Forest, leaf_interval_variance
 from dpsql.streams.hierarchy import HierarchyStream
 from dpsql.testing import draws
@@ -209,3 +211,33 @@ def test_segmented_noise_adds_the_pieces():
         np.testing.assert_allclose(getattr(segmented, measure)(starts, stops), expected)
     assert segmented.range_bias_bound(np.array([350]), np.array([450]))[0] == pytest.approx(
         50 * 50 / 100 * 2 + 50 * 2.0)
+
+
+# --- calendar blocks ---------------------------------------------------------------------------------
+
+def calendar_model(n_rows=24 * 10 + 15, short_last_block=False):
+    return CalendarBlockNoise(n_rows=n_rows, grid={"first": "2024-03-01T09:00", "step": "1h"},
+                              level_variances=[2.0, 8.0, 50.0], consistent=True, bound=3.0,
+                              short_last_block=short_last_block)
+
+
+def test_calendar_spreading_bound_by_hand():
+    """Days are blocks (the first one 15 rows, from 9 am): whole days carry no spreading; cuts
+    carry their runs' bounds; a flushed last day of 7 rows is a block of 7."""
+    model = calendar_model()
+    starts, stops = np.array([0, 15, 15, 20, 20, 39]), np.array([15, 39, 255, 30, 50, 46])
+    # rows 15..38 are the second day: 20..30 is a run of 10 of its 24 rows; 20..50 cuts it (19 rows
+    # after the cut) and the third day (11 rows before the cut)
+    expected = [0.0, 0.0, 0.0, 10 * 14 / 24 * 3.0, 19 * 5 / 24 * 3.0 + 11 * 13 / 24 * 3.0, 7 * 17 / 24 * 3.0]
+    np.testing.assert_allclose(model.range_bias_bound(starts, stops), expected)
+    flushed = calendar_model(n_rows=24 * 10 + 15 + 7, short_last_block=True)
+    assert flushed.range_bias_bound(np.array([255]), np.array([262]))[0] == 0.0
+    assert flushed.range_bias_bound(np.array([258]), np.array([262]))[0] == pytest.approx(3 * 4 / 7 * 3.0)
+
+
+def test_calendar_error_model_survives_a_ledger_record():
+    model = calendar_model(n_rows=24 * 400)
+    again = ErrorModel.from_state(json.loads(json.dumps(model.to_state())))
+    starts, stops = np.array([0, 15, 100, 3000]), np.array([24 * 400, 39, 2000, 9000])
+    np.testing.assert_array_equal(again.range_variance(starts, stops), model.range_variance(starts, stops))
+    np.testing.assert_array_equal(again.range_bias_bound(starts, stops), model.range_bias_bound(starts, stops))
