@@ -136,6 +136,17 @@ class RowGrid:
     def rows_per_day(self) -> int:
         return max(DAY // self.step, 1)
 
+    @property
+    def last_row(self) -> int:
+        """The last row whose key int64 nanoseconds can hold (2262-04-11)."""
+        return (np.iinfo(np.int64).max - self.first) // self.step
+
+    def check_rows(self, rows: int, name: str = "grid") -> None:
+        """Refuse (:class:`~dpsql.InvalidData`) rows past :attr:`last_row`: their keys have no time."""
+        if rows - 1 > self.last_row:
+            raise InvalidData(f"{name}: row {rows - 1} would have a key past 2262-04-11, beyond int64 nanoseconds "
+                              f"(the grid from {self.plain()['first']} holds {self.last_row + 1} rows)")
+
     def shifted(self, rows: int) -> RowGrid:
         """The grid of the rows from row ``rows`` on."""
         return RowGrid(self.first + rows * self.step, self.step)

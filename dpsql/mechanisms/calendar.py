@@ -37,7 +37,7 @@ from dpsql.accounting import largest_share
 from dpsql.mechanisms.hierarchy import Chunk
 from dpsql.mechanisms.laplace import LatticeBatch
 from dpsql.noise import BatchLaneDraws
-from dpsql.timegrid import RowGrid
+from dpsql.timegrid import DAY, RowGrid
 
 #: The calendar units of a tree's levels, leaves first.
 UNITS = ("day", "month", "year")
@@ -171,7 +171,7 @@ class CalendarChunks:
 
     Examples
     --------
-    >>> from dpsql.timegrid import RowGrid
+    >>> from dpsql.timegrid import DAY, RowGrid
     >>> chunks = CalendarChunks(RowGrid.of(("2023-12-30T09:00", "1h")))
     >>> [(c.start, c.rows, c.block, c.phase, c.blocks) for c in chunks.chunks_until(40)]
     [(0, 39, 24, 9, 2), (39, 8784, 24, 0, 366)]
@@ -195,17 +195,24 @@ class CalendarChunks:
 
     def _make(self, k: int) -> Chunk:
         grid = self.grid
-        year_start, next_year = _new_year(self._first_year + k), _new_year(self._first_year + k + 1)
-        start, stop = (int(r) for r in grid.first_row_of_day(np.array([year_start, next_year])))
+        next_year = _new_year(self._first_year + k + 1)
+        start, stop = self._first_row_of_day(_new_year(self._first_year + k)), self._first_row_of_day(next_year)
         first_day = int(grid.day_of_row(start))
-        phase = grid.rows_per_day - int(grid.first_row_of_day(first_day + 1)) + start
+        phase = grid.rows_per_day - self._first_row_of_day(first_day + 1) + start
         months = np.arange(first_day, next_year).astype("datetime64[D]").astype("datetime64[M]")
         days_per_month = tuple(int(c) for c in np.unique(months, return_counts=True)[1])
         tree = Tree((days_per_month, (len(days_per_month),)))
         return Chunk(k, start, stop - start, grid.rows_per_day, tree, phase)
 
+    def _first_row_of_day(self, day: int) -> int:
+        """:meth:`~dpsql.timegrid.RowGrid.first_row_of_day` in Python integers (no int64 overflow
+        at the end of representable time), at most one past the grid's last row."""
+        offset = day * DAY - self.grid.first
+        return min(max(-(-offset // self.grid.step), 0), self.grid.last_row + 1)
+
     def chunk_at(self, row: int) -> Chunk:
-        """The chunk holding row ``row``."""
+        """The chunk holding row ``row`` (:class:`~dpsql.InvalidData` for a row whose key has no time)."""
+        self.grid.check_rows(row + 1)
         return self.chunk(_year(int(self.grid.day_of_row(row))) - self._first_year)
 
     def chunks_until(self, rows: int) -> list[Chunk]:

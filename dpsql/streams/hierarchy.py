@@ -152,6 +152,8 @@ class HierarchyStream(StreamMachine):
          self.block, self.grid, self.calendar) = check_hierarchy_options(
             fanout=fanout, consistency=consistency, smoother=smoother, window=window, alpha=alpha, r=r, depth=depth,
             block=block, grid=grid, calendar=calendar)
+        if self.grid is not None and n is not None:
+            self.grid.check_rows(n)
         self.layout = calendar_layout(self.epsilon, self.smoother_name, self.r, self.depth, self.block, self.grid,
                                       self.calendar) or self._row_count_layout()
         self.cost = (self.epsilon, 0.0)
@@ -235,6 +237,8 @@ class HierarchyStream(StreamMachine):
     def feed(self, chunk: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         rows = chunk.reshape(len(self._uppers), -1)
         count = rows.shape[1]
+        if self._on_calendar:  # refused before anything changes
+            self.grid.check_rows(self._rows + count)
         # outputs are written straight into one buffer, the caller's when given (its room holds
         # every output to come: a flat spread may release rows held back before); predictive
         # smoothers emit one output per row, a flat spread the rows of the blocks it completes

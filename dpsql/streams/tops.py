@@ -56,6 +56,8 @@ class ToPS(ThresholdedStream):
         (self.fanout, _, self.smoother, self.window, self.alpha, self.r, self.depth, self.block, self.grid,
          self.calendar) = check_hierarchy_options(fanout=fanout, consistency=True, smoother=smoother, window=window,
                                                alpha=alpha, r=r, depth=depth, block=block, grid=grid, calendar=calendar)
+        if self.grid is not None and n is not None:
+            self.grid.check_rows(n)
         self.c = _validate.real(c, "c", minimum=0.0, strict=True)
         bound = _validate.bounds(lower, upper)[1] - _validate.bounds(lower, upper)[0]
         self.step = default_step(bound) if step is None else _validate.real(step, "step", minimum=0.0, strict=True)

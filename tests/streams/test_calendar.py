@@ -118,6 +118,17 @@ def test_bad_grids_are_typed_errors(grid, word):
         RowGrid.of(grid)
 
 
+def test_rows_past_the_last_representable_time_are_refused_before_charging():
+    budget = dpsql.Budget.in_memory(epsilon=5.0)
+    with pytest.raises(dpsql.InvalidData, match="2262"), dpsql.testing.seeded(0):
+        dpsql.tops(values(30_000), epsilon=1.0, upper=10.0, grid=("2262-01-01", "15m"), budget=budget)
+    assert budget.spent == (0.0, 0.0)
+    stream = HierarchyStream(None, epsilon=1.0, upper=10.0, grid=("2262-04-10", "1h"), noise=draws(0))
+    assert len(stream.feed(values(24))) == 24
+    with pytest.raises(dpsql.InvalidData, match="2262"):
+        stream.feed(values(48))
+
+
 def test_a_grid_records_as_plain_text_exactly():
     grid = RowGrid.of((np.datetime64("2024-01-01T00:00:00.000000001"), np.timedelta64(15, "m")))
     assert grid.plain() == {"first": "2024-01-01T00:00:00.000000001", "step": "15m"}
