@@ -21,11 +21,15 @@ Defaults (derivation in :func:`~dpsql.mechanisms.hierarchy.flat_block` and
 spread's bias term, a power of two; the predictive smoothers keep the paper's layout
 (chunks of ``r = 2**20`` rows, blocks of ``16**s`` rows, ``s`` Eq. 7's continuous minimum,
 rounded). ``depth`` (blocks of ``fanout**depth`` rows) or ``block`` (any length) override
-the rule; ``depth=0`` is the exact, unsmoothed tree.
+the rule; ``depth=0`` is the exact, unsmoothed tree. Rows on a public time ``grid`` get calendar
+blocks instead (:func:`calendar_layout`, :mod:`dpsql.mechanisms.calendar`): a UTC day per block,
+trees of days, months and a year per calendar year, ``epsilon`` split over the levels by
+``calendar=`` (``"day"`` by default).
 
 Privacy (replace-one-value neighbours; time order public): every value lies in one node per
-level of its chunk's forest, and a chunk of ``L`` levels gives each level ``epsilon / L``
-with sensitivity ``upper - lower``: each chunk is ``epsilon``-DP, chunks are disjoint
+level of its chunk's forest, and a chunk of ``L`` levels gives each level ``epsilon / L`` (a
+calendar tree: its levels' shares, adding up to at most ``epsilon``) with sensitivity
+``upper - lower``: each chunk is ``epsilon``-DP, chunks are disjoint
 (parallel composition), spreading and smoothing are post-processing. The whole release is
 ``epsilon``-DP. Clipping to ``[lower, upper]`` is part of the mechanism.
 """
@@ -109,7 +113,10 @@ class HierarchyStream(StreamMachine):
     (default: geometric chunks for the flat spread, ``2**20`` for predictive smoothers);
     ``fanout`` (16); ``consistency`` (True; False releases each block's own noise: the
     ablation); ``depth`` or ``block`` override the block rule; ``initial`` a predictive
-    smoother's first per-row guess (default halfway between the bounds).
+    smoother's first per-row guess (default halfway between the bounds); ``grid`` the rows'
+    public time grid (a :class:`~dpsql.timegrid.RowGrid` or what :meth:`~dpsql.timegrid.RowGrid.of`
+    reads) and ``calendar`` the level split (``"day"``, ``"month"``, ``"balanced"``; ``"none"``:
+    row-count blocks), which apply with the flat spread and no ``r``, ``depth`` or ``block``.
 
     Online: the flat spread releases a block's rows with its last row; predictive smoothers
     release every row on arrival. At the end of a one-shot release the rows of an incomplete
@@ -127,7 +134,8 @@ class HierarchyStream(StreamMachine):
     Partitions: :meth:`for_partitions` gives the machine for ``k`` equal-length streams at
     once, each with its own upper bound (ToPS: its own threshold), lattice, draws, forests and
     smoother state, fed ``(k, rows)`` chunks; every partition's release is exactly what its
-    own single stream gives.
+    own single stream gives. They share one layout: on a grid, one grid (partitions whose keys
+    start elsewhere are another batch).
 
     Examples
     --------
