@@ -112,8 +112,8 @@ def pak(values, *, epsilon: float, upper: float, delta: float | None = None, low
 def tops(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | None = None,
          smoother: str = "none", window: int = 8, alpha: float = 0.6, r: int | None = None, fanout: int = 16,
          depth: int | None = None, block: int | None = None, holdout_share: float = 0.5, c: float = 60.0,
-         step: float | None = None, levels_for_nm: str = "paper", threshold: float | None = None,
-         budget: Budget | None = None, note: str | None = None, fresh: bool = False) -> Release:
+         step: float | None = None, levels_for_nm: str = "paper", threshold: float | None = None, grid=None,
+         calendar: str = "day", budget: Budget | None = None, note: str | None = None, fresh: bool = False) -> Release:
     """ToPS (Wang et al., CCS 2021): a Noisy-Max threshold from the first ``m`` rows, then
     :func:`hierarchy` on the later rows, clipped at that threshold.
 
@@ -123,8 +123,9 @@ def tops(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | N
     Hold-out rows (``m``, default 4096: fixed, so that a stream's first rows are released
     as soon as 4096 have arrived): the flat hierarchy at ``holdout_share * epsilon``, clipped
     at the threshold. Later rows: :func:`hierarchy` with the threshold as bound, at the full
-    ``epsilon``; ``smoother``, ``r``, ``fanout``, ``depth`` and ``block`` as there. A
-    ``threshold`` released before (and paid for then) skips the hold-out.
+    ``epsilon``; ``smoother``, ``r``, ``fanout``, ``depth``, ``block``, ``grid`` and ``calendar``
+    as there (with a grid the hold-out's blocks are calendar days too). A ``threshold``
+    released before (and paid for then) skips the hold-out.
 
     Cost: ``epsilon``-DP (delta = 0), replace-one-value neighbours (time order public). Values
     outside ``[lower, upper]`` are clipped to it, and values above the threshold to the
@@ -146,14 +147,16 @@ def tops(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | N
     """
     return publish("tops", values, budget=budget, note=note, fresh=fresh, epsilon=epsilon, upper=upper, lower=lower,
                    m=m, smoother=smoother, window=window, alpha=alpha, r=r, fanout=fanout, depth=depth, block=block,
-                   holdout_share=holdout_share, c=c, step=step, levels_for_nm=levels_for_nm, threshold=threshold)
+                   holdout_share=holdout_share, c=c, step=step, levels_for_nm=levels_for_nm, threshold=threshold,
+                   grid=grid, calendar=calendar)
 
 
 @checked_call()
 def hierarchy(values, *, epsilon: float, upper: float, lower: float = 0.0, smoother: str = "none", window: int = 8,
               alpha: float = 0.6, r: int | None = None, fanout: int = 16, consistency: bool = True,
-              depth: int | None = None, block: int | None = None, initial: float | None = None,
-              budget: Budget | None = None, note: str | None = None, fresh: bool = False) -> Release:
+              depth: int | None = None, block: int | None = None, initial: float | None = None, grid=None,
+              calendar: str = "day", budget: Budget | None = None, note: str | None = None,
+              fresh: bool = False) -> Release:
     """Range sums of a stream with a known public bound: a consistent fan-out-16 forest over
     blocks of rows, each block's noisy sum spread over its rows (ToPS's perturber, ``H^c_16``).
 
@@ -169,8 +172,19 @@ def hierarchy(values, *, epsilon: float, upper: float, lower: float = 0.0, smoot
     ``depth`` (blocks of ``fanout**depth`` rows; 0 is the exact tree) or ``block`` override
     the block rule; ``consistency=False`` keeps each block's own noise (ablation).
 
+    ``grid``: the rows' public time grid, ``(first order key, step)`` (or a
+    :class:`dpsql.timegrid.RowGrid`; :func:`dpsql.timegrid.row_grid` finds it from the order
+    keys), meaning row ``i`` has key ``first + i * step``, ``step`` dividing a day or one day.
+    With it (and the flat spread, no ``r``, ``depth`` or ``block``) blocks are calendar days
+    (UTC) and the tree's levels months and years: a daily, monthly or yearly total is one node
+    and its interval the noise alone. ``calendar`` splits ``epsilon`` over the day, month and year
+    levels: ``"day"`` (default: 0.7, 0.2, 0.1), ``"month"`` (0.3, 0.5, 0.2), ``"balanced"``
+    (0.45, 0.35, 0.2), or ``"none"``: row-count blocks, best for arbitrary long ranges
+    (docs/algorithms.md says why).
+
     Cost: ``epsilon``-DP (delta = 0), replace-one-value neighbours (time order public). Values
-    outside ``[lower, upper]`` are clipped to it: that is part of the mechanism.
+    outside ``[lower, upper]`` are clipped to it: that is part of the mechanism. The grid and
+    ``calendar`` are public: the layout never depends on the values.
 
     Examples
     --------
@@ -181,10 +195,14 @@ def hierarchy(values, *, epsilon: float, upper: float, lower: float = 0.0, smoot
     ([16], 1.0)
     >>> bool(abs(rel.range_sum(0, 2**16) - 3.0 * 2**16) < 5 * rel.range_variance(0, 2**16) ** 0.5)
     True
+    >>> with dpsql.testing.seeded(5):  # hourly readings from 9 am: the first day has 15 rows
+    ...     daily = dpsql.hierarchy(np.full(24 * 60, 3.0), epsilon=1.0, upper=8.0, grid=("2024-03-01T09:00", "1h"))
+    >>> daily.params["units"], daily.range_ci(15, 39, parts=True)[3]  # a calendar day: no spreading
+    (['day', 'month', 'year'], 0.0)
     """
     return publish("hierarchy", values, budget=budget, note=note, fresh=fresh, epsilon=epsilon, upper=upper,
                    lower=lower, smoother=smoother, window=window, alpha=alpha, r=r, fanout=fanout,
-                   consistency=consistency, depth=depth, block=block, initial=initial)
+                   consistency=consistency, depth=depth, block=block, initial=initial, grid=grid, calendar=calendar)
 
 
 @checked_call(method="threshold")

@@ -14,7 +14,8 @@ A range sum's error has two parts:
   no such error.
 
 :meth:`ErrorModel.range_margin` adds both: ``k * sd + bound``, with ``k`` covering the noise
-at the requested level (:func:`quantile_multiplier`), so an interval ``sum ± margin`` covers
+at the requested level (:func:`quantile_multiplier`); :meth:`ErrorModel.range_margin_parts` gives
+the two terms apart. An interval ``sum ± margin`` covers
 the sum of the *clipped* values (clipped to the public bounds, or to a private threshold) at
 least at that level. Clipping itself is part of the mechanism and not in the margin: values
 above the bound or threshold are not what any release of them can show.
@@ -27,11 +28,19 @@ import inspect
 import math
 from abc import ABC, abstractmethod
 from statistics import NormalDist
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
 from dpsql.errors import InvalidParameter
+
+
+class MarginParts(NamedTuple):
+    """An interval's half-width in its two parts (module docstring): ``noise`` at the level
+    asked, and ``spreading``, the bound on the error of sharing a block's sum among its rows."""
+
+    noise: np.ndarray
+    spreading: np.ndarray
 
 
 class ErrorModel(ABC):
@@ -88,10 +97,17 @@ class ErrorModel(ABC):
     def range_margin(self, starts: np.ndarray, stops: np.ndarray, level: float) -> np.ndarray:
         """Half-width of the interval at confidence ``level`` for each range sum:
         ``quantile_multiplier(level) * sd + range_bias_bound`` (module docstring)."""
+        noise, spreading = self.range_margin_parts(starts, stops, level)
+        return noise + spreading
+
+    def range_margin_parts(self, starts: np.ndarray, stops: np.ndarray, level: float) -> MarginParts:
+        """The two parts of :meth:`range_margin`: the noise's half-width at ``level``
+        (``quantile_multiplier(level) * sd``) and the spreading bound, so that a margin far
+        above the noise says why (a range that cuts a block)."""
         check_level(level)
         starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
-        spread = quantile_multiplier(level, self.excess_kurtosis) * np.sqrt(self.range_variance(starts, stops))
-        return spread + self.range_bias_bound(starts, stops)
+        noise = quantile_multiplier(level, self.excess_kurtosis) * np.sqrt(self.range_variance(starts, stops))
+        return MarginParts(noise, np.asarray(self.range_bias_bound(starts, stops), dtype=np.float64))
 
     def to_state(self) -> dict:
         """This model as plain data (see :meth:`from_state`)."""

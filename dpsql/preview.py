@@ -13,6 +13,11 @@ stream and the preview an upper bound:
 * PeGaSus is assumed to find no group longer than one step (every count smoothed alone);
 * the spreading bound of a block release (:mod:`dpsql.error_models`) is the largest a window
   of that length can have.
+
+Windows of each length are spread evenly along the stream. With a time ``grid`` (the rows on a
+regular clock, :class:`~dpsql.timegrid.RowGrid`), a length of whole days is previewed on calendar
+days (windows from midnight to midnight, what ``date_trunc('day', ...)`` or a ``"1d"`` bucket
+asks), and the default lengths are a row, a day and a week of the grid's rows.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ from dpsql.errors import InvalidParameter
 from dpsql.methods import COUNT_METHODS, check_method, machine_for
 from dpsql.noise import Keystream
 from dpsql.release import chunks_of, release_from
+from dpsql.timegrid import RowGrid
 
-#: Window lengths previewed when none are given: a row, a day and a week of hourly rows.
+#: Window lengths previewed when none are given and no grid: a row, a day and a week of hourly rows.
 DEFAULT_LENGTHS = (1, 24, 168)
 #: Windows of one length whose error is averaged (evenly spaced over the stream).
 _WINDOWS = 2048
@@ -58,6 +64,10 @@ class Preview:
         window sum, and the mean half-width of its interval at ``level`` (noise and
         spreading bound, as :meth:`dpsql.Release.range_ci`), over windows spread along the
         stream.
+    noise, spreading :
+        The two parts of ``margin``: the mean half-width of the noise at ``level``, and the
+        mean bound on the error of sharing a block's sum among its rows (0 for windows along
+        block boundaries, such as calendar days on a grid).
     assumption :
         The least favourable case assumed for a data-dependent method, or None.
     """
@@ -73,31 +83,36 @@ class Preview:
     sd: dict[int, float] = field(default_factory=dict)
     margin: dict[int, float] = field(default_factory=dict)
     assumption: str | None = None
+    noise: dict[int, float] = field(default_factory=dict)
+    spreading: dict[int, float] = field(default_factory=dict)
 
     def to_polars(self):
-        """One row per window length: ``length``, ``sd``, ``margin``."""
+        """One row per window length: ``length``, ``sd``, ``margin``, ``noise``, ``spreading``."""
         import polars as pl
 
         return pl.DataFrame({"length": list(self.sd), "sd": list(self.sd.values()),
-                             "margin": list(self.margin.values())})
+                             "margin": list(self.margin.values()), "noise": list(self.noise.values()),
+                             "spreading": list(self.spreading.values())})
 
     def __repr__(self) -> str:
-        errors = ", ".join(f"{k} rows: sd {self.sd[k]:.4g}, ±{self.margin[k]:.4g}" for k in self.sd)
+        errors = ", ".join(f"{k} rows: sd {self.sd[k]:.4g}, ±{self.margin[k]:.4g} (noise ±{self.noise[k]:.4g}, "
+                           f"spreading ±{self.spreading[k]:.4g})" for k in self.sd)
         note = f"; assuming {self.assumption}" if self.assumption else ""
         return (f"Preview({self.method}, n={self.n}, epsilon={self.epsilon:g}, delta={self.delta:g}, "
                 f"{self.notion}; {errors}{note})")
 
     def _repr_html_(self) -> str:
-        rows = "".join(f"<tr><td>{k}</td><td>{self.sd[k]:.4g}</td><td>±{self.margin[k]:.4g}</td></tr>"
-                       for k in self.sd)
+        rows = "".join(f"<tr><td>{k}</td><td>{self.sd[k]:.4g}</td><td>±{self.margin[k]:.4g}</td>"
+                       f"<td>±{self.noise[k]:.4g}</td><td>±{self.spreading[k]:.4g}</td></tr>" for k in self.sd)
         note = f"<p>Assuming {self.assumption}.</p>" if self.assumption else ""
         return (f"<div><b>Preview of {self.method}</b> on {self.n:,} rows: costs <b>epsilon {self.epsilon:g}, "
                 f"delta {self.delta:g}</b> ({self.notion}). Nothing charged, no data read.{note}"
-                f"<table><tr><th>window (rows)</th><th>noise sd</th><th>{self.level:.0%} interval</th></tr>"
+                f"<table><tr><th>window (rows)</th><th>noise sd</th><th>{self.level:.0%} interval</th>"
+                f"<th>of which noise</th><th>of which spreading</th></tr>"
                 f"{rows}</table></div>")
 
 
-def preview(method: str, *, n: int, lengths=DEFAULT_LENGTHS, level: float = 0.95, **params) -> Preview:
+def preview(method: str, *, n: int, lengths=None, level: float = 0.95, **params) -> Preview:
     """The cost and expected error of releasing ``n`` rows with ``method`` and ``params``,
     with nothing charged and no data read (module docstring).
 
@@ -108,7 +123,8 @@ def preview(method: str, *, n: int, lengths=DEFAULT_LENGTHS, level: float = 0.95
     n : int
         Rows of the stream (per partition: partitions are disjoint and cost the same as one).
     lengths : sequence of int
-        Window lengths whose error to preview (those longer than ``n`` are left out).
+        Window lengths whose error to preview (those longer than ``n`` are left out); by
+        default a row, a day and a week of hourly rows, or of the ``grid``'s rows.
     level : float
         Confidence level of the interval half-widths.
     **params
@@ -126,20 +142,35 @@ def preview(method: str, *, n: int, lengths=DEFAULT_LENGTHS, level: float = 0.95
     check_method(method)
     n = _validate.integer(n, "n", minimum=1)
     level = check_level(level)
-    lengths = sorted({_validate.integer(length, "lengths", minimum=1) for length in lengths})
     keystream = Keystream(bytes(32), private=False)  # a stand-in stream: its noise is never shown
     machine = machine_for(method, n, keystream.partition(), params)
+    grid = None if params.get("grid") is None else RowGrid.of(params["grid"])  # valid: the machine took it
+    if lengths is None:
+        lengths = DEFAULT_LENGTHS if grid is None else (1, grid.rows_per_day, 7 * grid.rows_per_day)
+    lengths = sorted({_validate.integer(length, "lengths", minimum=1) for length in lengths})
     release = release_from(machine, chunks_of(_stand_in(method, n, params)), n, private=False)
-    sd, margin = {}, {}
+    sd, margin, noise, spreading = {}, {}, {}, {}
     if machine.n_outputs is None:
         for length in (k for k in lengths if k <= n):
-            starts = np.unique(np.linspace(0, n - length, min(_WINDOWS, n - length + 1)).astype(np.int64))
+            starts = _window_starts(n, length, grid)
             stops = starts + length
             sd[length] = float(np.sqrt(np.mean(release.error.range_variance(starts, stops))))
-            margin[length] = float(np.mean(release.error.range_margin(starts, stops, level)))
+            parts = release.error.range_margin_parts(starts, stops, level)
+            noise[length], spreading[length] = float(np.mean(parts.noise)), float(np.mean(parts.spreading))
+            margin[length] = noise[length] + spreading[length]
     return Preview(method=method, params=dict(release.params), epsilon=machine.cost[0], delta=machine.cost[1],
                    notion=str(machine.notion), neighbour=str(machine.neighbour), n=n, level=level, sd=sd,
-                   margin=margin, assumption=_ASSUMPTIONS.get(method))
+                   margin=margin, assumption=_ASSUMPTIONS.get(method), noise=noise, spreading=spreading)
+
+
+def _window_starts(n: int, length: int, grid: RowGrid | None) -> np.ndarray:
+    """Up to ``_WINDOWS`` first rows of windows of ``length`` rows evenly along ``n`` rows: at
+    midnights when ``length`` is whole days of ``grid`` and one fits (module docstring)."""
+    candidates = np.arange(n - length + 1)
+    if grid is not None and length % grid.rows_per_day == 0:
+        midnights = grid.day_starts(n)
+        candidates = midnights[midnights + length <= n] if np.any(midnights + length <= n) else candidates
+    return candidates[np.unique(np.linspace(0, len(candidates) - 1, min(_WINDOWS, len(candidates))).astype(np.int64))]
 
 
 def _stand_in(method: str, n: int, params: dict) -> np.ndarray:

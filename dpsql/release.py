@@ -91,23 +91,24 @@ class Release:
         out = self.error.range_variance(np.atleast_1d(i), np.atleast_1d(j)).reshape(np.shape(i + j))
         return float(out) if out.ndim == 0 else out
 
-    def range_ci(self, i, j, level: float = 0.95):
+    def range_ci(self, i, j, level: float = 0.95, *, parts: bool = False):
         """``(low, high)`` interval for the sum of rows ``i..j-1`` at confidence ``level``.
 
         ``sum ± margin`` with the error model's :meth:`~dpsql.error_models.ErrorModel.range_margin`:
         the noise at ``level`` plus, for a range that cuts a block the release spread over
         its rows, the most that spreading can be off. It covers the sum of the values as
         clipped by the release (to the public bounds, or to the private threshold) at least
-        at ``level``; ranges along block boundaries get the noise alone.
+        at ``level``; ranges along block boundaries get the noise alone. ``parts=True`` gives
+        ``(low, high, noise, spreading)``: the margin's two terms as well.
         """
         level = check_level(level)
         i, j = self._check_range(i, j)
         total = np.asarray(self.range_sum(i, j))
-        half = self.error.range_margin(np.atleast_1d(i), np.atleast_1d(j), level).reshape(total.shape)
-        low, high = total - half, total + half
-        if low.ndim == 0:
-            return float(low), float(high)
-        return low, high
+        noise, spreading = (part.reshape(total.shape) for part in
+                            self.error.range_margin_parts(np.atleast_1d(i), np.atleast_1d(j), level))
+        half = noise + spreading
+        out = (total - half, total + half, noise, spreading) if parts else (total - half, total + half)
+        return tuple(float(x) for x in out) if total.ndim == 0 else out
 
     def plot(self, *, ax=None, truth=None, time=None, every: int | None = None, level: float = 0.95,
              value: str = "value", unit: str | None = None, time_label: str | None = None):

@@ -6,6 +6,17 @@ ISO text, Arrow timestamps and dates; time zones converted to UTC) or plain numb
 are durations (``timedelta``, ``numpy.timedelta64``, text such as ``"5m"``, ``"1h30m"``) or
 numbers. A one-shot release covers a domain ``[start, stop)`` (:class:`TimeDomain`); a
 continual count stream an unbounded :class:`TimeGrid`.
+
+A range-sum stream whose rows are readings on a regular clock (hourly, every 15 minutes, daily)
+has a :class:`RowGrid`: row ``i`` of a partition has order key ``first + i * step``. The
+hierarchy then cuts its blocks and tree levels at calendar days, months and years
+(:mod:`dpsql.mechanisms.calendar`); :func:`row_grid` finds the grid of a partition's order keys,
+or None when they are not on one (gaps, irregular steps), and those keep row-count blocks.
+
+Calendar units are UTC: zoned keys are converted to UTC, naive keys are taken as UTC wall-clock
+times (so a naive local clock is used as it reads). Local days of a zone with daylight saving
+time have 23 or 25 hours; keys stored on such a local clock skip or repeat an hour when the
+clocks change, are no grid (:func:`row_grid` gives None) and keep row-count blocks.
 """
 
 from __future__ import annotations
@@ -21,6 +32,8 @@ from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
 
 _DURATION_UNITS = {"ns": 1, "us": 10**3, "ms": 10**6, "s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9,
                    "d": 86400 * 10**9, "w": 7 * 86400 * 10**9}
+#: One day in nanoseconds.
+DAY = _DURATION_UNITS["d"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,130 @@ class TimeDomain(TimeGrid):
         bucket = super().buckets(times)
         inside = (bucket >= 0) & (np.asarray(times) < self.stop)
         return np.where(inside, bucket, -1)
+
+
+@dataclass(frozen=True)
+class RowGrid:
+    """A partition's rows on a regular clock: row ``i`` has order key ``first + i * step``
+    (int64 nanoseconds, UTC), with ``step`` dividing a day or equal to one, and no gaps.
+
+    Public: it is a property of the order keys (public under replace-one-value neighbours), or
+    declared by the caller, never read from the values. :meth:`of` validates one given as a
+    pair or a mapping; :meth:`plain` is the form release records keep.
+
+    Examples
+    --------
+    >>> grid = RowGrid.of(("2024-03-01T09:00", "1h"))
+    >>> grid.rows_per_day, grid.plain()
+    (24, {'first': '2024-03-01T09:00:00.000000000', 'step': '1h'})
+    >>> int(grid.first_row_of_day(grid.day_of_row(0) + 1))  # the next midnight is row 15
+    15
+    """
+
+    first: int
+    step: int
+
+    @classmethod
+    def of(cls, grid, name: str = "grid") -> RowGrid:
+        """A grid given as a :class:`RowGrid`, a pair ``(first, step)`` or a mapping with keys
+        ``first`` and ``step``: ``first`` a datetime (``datetime``, ``numpy.datetime64``, ISO
+        text), ``step`` a duration (``timedelta``, ``numpy.timedelta64``, text such as ``"1h"``)
+        that divides a day or equals one."""
+        if isinstance(grid, RowGrid):
+            return grid
+        if isinstance(grid, dict) and set(grid) == {"first", "step"}:
+            first, step = grid["first"], grid["step"]
+        elif isinstance(grid, (list, tuple)) and len(grid) == 2:
+            first, step = grid
+        else:
+            raise InvalidParameter(f"{name} must be a pair (first order key, step), e.g. ('2024-01-01', '1h'), "
+                                   f"got {grid!r}")
+        if isinstance(first, (int, float)) or isinstance(step, (int, float)):
+            raise InvalidParameter(f"{name} must pair a datetime with a duration (a time grid of numbers has no "
+                                   f"calendar), got {grid!r}")
+        step_ns = duration(step)
+        if not (DAY % step_ns == 0 or step_ns == DAY):
+            raise InvalidParameter(f"{name}'s step must divide a day (such as '1h', '15m', '1s') or be one day, "
+                                   f"got {step!r}")
+        return cls(instant(first, f"{name}'s first key"), step_ns)
+
+    @property
+    def rows_per_day(self) -> int:
+        return max(DAY // self.step, 1)
+
+    @property
+    def last_row(self) -> int:
+        """The last row whose key int64 nanoseconds can hold (2262-04-11)."""
+        return (np.iinfo(np.int64).max - self.first) // self.step
+
+    def check_rows(self, rows: int, name: str = "grid") -> None:
+        """Refuse (:class:`~dpsql.InvalidData`) rows past :attr:`last_row`: their keys have no time."""
+        if rows - 1 > self.last_row:
+            raise InvalidData(f"{name}: row {rows - 1} would have a key past 2262-04-11, beyond int64 nanoseconds "
+                              f"(the grid from {self.plain()['first']} holds {self.last_row + 1} rows)")
+
+    def shifted(self, rows: int) -> RowGrid:
+        """The grid of the rows from row ``rows`` on."""
+        return RowGrid(self.first + rows * self.step, self.step)
+
+    def day_of_row(self, rows):
+        """The day (since 1970-01-01, UTC) of each row's key."""
+        return (self.first + np.asarray(rows, dtype=np.int64) * self.step) // DAY
+
+    def first_row_of_day(self, days):
+        """The first row whose key falls on or after the start of each day (0 for days before the first key)."""
+        offset = np.asarray(days, dtype=np.int64) * DAY - self.first
+        return np.maximum(-(-offset // self.step), 0)
+
+    def day_starts(self, rows: int) -> np.ndarray:
+        """The rows below ``rows`` that are the first of their day (row 0 when its key is the
+        first slot of its day)."""
+        first_day, last_day = (int(d) for d in self.day_of_row(np.array([0, max(rows - 1, 0)])))
+        starts = self.first_row_of_day(np.arange(first_day + 1, last_day + 1))
+        whole_first_day = self.first - first_day * DAY < self.step
+        return np.concatenate([[0] if whole_first_day and rows else [], starts]).astype(np.int64)
+
+    def plain(self) -> dict:
+        """The grid as plain text (exact to the nanosecond), as :meth:`of` reads it back."""
+        unit = next(u for u, size in sorted(_DURATION_UNITS.items(), key=lambda item: -item[1])
+                    if self.step % size == 0)
+        return {"first": str(np.datetime64(self.first, "ns")), "step": f"{self.step // _DURATION_UNITS[unit]}{unit}"}
+
+
+def row_grid(keys) -> RowGrid | None:
+    """The :class:`RowGrid` of one partition's order keys, or None when they are not on one.
+
+    ``keys`` (numpy ``datetime64``, a sequence of datetimes, an Arrow timestamp or date
+    column, zoned or not) are a grid when there are at least two, all temporal and not null,
+    each one ``step`` after the one before, with ``step`` dividing a day or equal to one.
+    Anything else (numbers, gaps, repeated or unequal steps, a single row) gives None: the
+    release keeps row-count blocks. Zoned keys are converted to UTC (module docstring).
+    Reads only the keys, which are public (the time order is public under replace-one-value
+    neighbours); never a value.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> hours = np.datetime64("2024-03-01T09:00") + np.arange(48) * np.timedelta64(1, "h")
+    >>> row_grid(hours).plain(), row_grid(np.delete(hours, 5))
+    ({'first': '2024-03-01T09:00:00.000000000', 'step': '1h'}, None)
+    """
+    if not hasattr(keys, "cast") and np.asarray(keys).dtype == object:  # datetimes as Python objects
+        try:
+            keys = np.array([instant(key, "order key") for key in keys], dtype="datetime64[ns]")
+        except InvalidParameter:
+            return None
+    try:
+        times = ticks(keys, "order key", datetime=True)
+    except (InvalidData, InvalidParameter):
+        return None
+    if len(times) < 2:
+        return None
+    steps = np.diff(times)
+    step = int(steps[0])
+    if step <= 0 or not (DAY % step == 0 or step == DAY) or not np.all(steps == step):
+        return None
+    return RowGrid(int(times[0]), step)
 
 
 def time_domain(*, start, stop, every) -> TimeDomain:

@@ -9,9 +9,13 @@
     ``delta``, ``notion``, ``neighbour``, ``length``, ``sd`` (root mean square noise standard
     deviation of the sum of ``length`` consecutive rows, from the method's error model),
     ``margin`` (mean half-width of its interval at ``level``, as ``dp_range_margin`` would
-    give), ``level`` and ``assumption`` (the least favourable case assumed for a
-    data-dependent method: its preview is an upper bound). A method releasing no range sums
-    (``threshold``) gives one row with NULL ``length``, ``sd`` and ``margin``.
+    give), ``noise`` and ``spreading`` (the margin's two parts: the noise's half-width, and the
+    bound on sharing a block's sum among its rows, 0 for windows along blocks), ``level`` and
+    ``assumption`` (the least favourable case assumed for a data-dependent method: its preview
+    is an upper bound). A method releasing no range sums (``threshold``) gives one row with NULL
+    ``length``, ``sd``, ``margin``, ``noise`` and ``spreading``. ``lengths`` defaults to a row, a
+    day and a week of hourly rows (of the ``grid``'s rows when one is given; whole days are then
+    previewed from midnight to midnight, :func:`dpsql.preview`).
 
 >>> import duckdb, dpsql
 >>> con = duckdb.connect()
@@ -30,13 +34,13 @@ from dpsql.duckdb.context import Context
 from dpsql.duckdb.macros import method_parameters, params_struct
 from dpsql.duckdb.sqltext import quote_ident, quote_literal
 from dpsql.errors import InvalidParameter
-from dpsql.preview import DEFAULT_LENGTHS, preview
+from dpsql.preview import preview
 
 MACRO = "dp_preview"
 #: The result's columns and their SQL types, in order.
 COLUMNS = (("method", "VARCHAR"), ("n", "BIGINT"), ("epsilon", "DOUBLE"), ("delta", "DOUBLE"), ("notion", "VARCHAR"),
-           ("neighbour", "VARCHAR"), ("length", "BIGINT"), ("sd", "DOUBLE"), ("margin", "DOUBLE"), ("level", "DOUBLE"),
-           ("assumption", "VARCHAR"))
+           ("neighbour", "VARCHAR"), ("length", "BIGINT"), ("sd", "DOUBLE"), ("margin", "DOUBLE"), ("noise", "DOUBLE"),
+           ("spreading", "DOUBLE"), ("level", "DOUBLE"), ("assumption", "VARCHAR"))
 
 
 def install(con, context: Context) -> None:
@@ -53,9 +57,9 @@ def install(con, context: Context) -> None:
         level = arguments.get("level")
         if arguments.get("n") is None:
             raise InvalidParameter("n (the number of rows to preview) must be a positive integer, got NULL")
-        result = preview(method, n=arguments["n"], lengths=DEFAULT_LENGTHS if lengths is None else lengths,
-                         level=0.95 if level is None else level, **params)
-        rows = [(length, result.sd[length], result.margin[length]) for length in result.sd] or [(None, None, None)]
+        result = preview(method, n=arguments["n"], lengths=lengths, level=0.95 if level is None else level, **params)
+        rows = ([(length, result.sd[length], result.margin[length], result.noise[length], result.spreading[length])
+                 for length in result.sd] or [(None,) * 5])
         values = ", ".join("(" + ", ".join(_literal(v, t) for v, (_, t) in zip(
             (result.method, result.n, result.epsilon, result.delta, result.notion, result.neighbour, *row,
              result.level, result.assumption), COLUMNS)) + ")" for row in rows)

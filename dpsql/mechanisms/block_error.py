@@ -9,8 +9,34 @@ import functools
 import numpy as np
 
 from dpsql.error_models import ErrorModel
-from dpsql.mechanisms.hierarchy import Forest, leaf_interval_variance
+from dpsql.mechanisms.calendar import CalendarChunks, Tree
+from dpsql.mechanisms.hierarchy import Chunk, Forest, leaf_interval_variance
 from dpsql.mechanisms.smoothers import prefix_terms_of
+from dpsql.timegrid import RowGrid
+
+
+def spreading_bound(start_offset, start_length, stop_offset, stop_length, same_block, bound: float) -> np.ndarray:
+    """The most a flat spread can be off on range sums, for values in ``[0, bound]``: a range
+    from offset ``start_offset`` of a block of ``start_length`` rows to offset ``stop_offset``
+    of a block of ``stop_length`` rows.
+
+    A block of ``len`` rows whose sum ``S`` is spread evenly gives a run of ``k`` of its rows
+    ``k S / len`` where the values had ``S_k``; with ``S = S_k + S_rest``,
+    ``k S / len - S_k = (k S_rest - (len - k) S_k) / len`` and ``S_k`` in ``[0, k bound]``,
+    ``S_rest`` in ``[0, (len - k) bound]``: at most ``k (len - k) bound / len`` either way
+    (reached with all the block's mass inside the run, or all outside). A range that cuts two
+    blocks carries one such run from each, whose errors depend on different values: their
+    bounds add up. A range inside one block is one run of ``stop_offset - start_offset`` rows.
+    Bounds the error exactly (every bound is reached by some values).
+
+    >>> spreading_bound(np.array([6, 6]), 24.0, np.array([18, 12]), 24.0, np.array([True, False]), 1.0).tolist()
+    [6.0, 10.5]
+    """
+    def run(rows, length):
+        return rows * (length - rows) / length
+
+    inside = run(np.asarray(stop_offset) - start_offset, start_length)
+    return bound * np.where(same_block, inside, run(start_offset, start_length) + run(stop_offset, stop_length))
 
 
 class BlockStreamNoise(ErrorModel):
@@ -36,11 +62,11 @@ class BlockStreamNoise(ErrorModel):
     is at most ``a (len - a) bound / len`` (all the block's mass on one side of the cut).
     Predicted (the other smoothers), they get ``a`` times a prediction that lies in
     ``[0, bound]`` (an average of earlier blocks' means), as ``S_a`` lies in ``[0, a bound]``:
-    at most ``a * bound`` apart. A range's bound adds those of its two ends; block
-    boundaries add nothing. Spread evenly, a range of ``k`` rows also has its noise-free
-    release and its clipped sum both in ``[0, k * bound]``, so its bound is at most
-    ``k * bound`` (what short windows inside long blocks get: the release says nothing of
-    their share of the block). Noise in the prediction is in the variance, not here.
+    at most ``a * bound`` apart. A range's bound adds those of its two ends (blocks apart,
+    their errors are unrelated and both can reach their bounds); block boundaries add nothing.
+    Spread evenly, a range of ``k`` rows inside one block is off by ``k S / len - S_k``, at most
+    ``k (len - k) bound / len`` (:func:`spreading_bound`), not the sum of its two cuts. Noise in
+    the prediction is in the variance, not here.
     """
 
     #: Queries are evaluated in batches of at most this many (query, term) or, pairwise,
@@ -110,11 +136,16 @@ class BlockStreamNoise(ErrorModel):
 
     def range_bias_bound(self, starts, stops):
         starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
-        cuts = self._cut_bound(starts) + self._cut_bound(stops)
-        return np.minimum(cuts, (stops - starts) * self._bound) if self._spread else cuts
+        start_block, start_offset, start_length = self._cut(starts)
+        stop_block, stop_offset, stop_length = self._cut(stops)
+        if self._spread:
+            return spreading_bound(start_offset, start_length, stop_offset, stop_length, start_block == stop_block,
+                                   self._bound)
+        return (start_offset + stop_offset) * self._bound
 
-    def _cut_bound(self, rows: np.ndarray) -> np.ndarray:
-        """The bias bound of the prefix sum of the first ``rows`` rows (class docstring)."""
+    def _cut(self, rows: np.ndarray):
+        """Where the prefix of the first ``rows`` rows ends: its block, the rows of that block
+        before the cut, and the block's length (class docstring)."""
         block = self._block
         chunk_rows = self._chunk_blocks * block
         chunk, within = np.divmod(rows, chunk_rows)
@@ -122,9 +153,7 @@ class BlockStreamNoise(ErrorModel):
         index = chunk * self._chunk_blocks + within // block
         last = self._n_rows - (self._n_blocks - 1) * block if self._short_last else block
         length = np.where(index == self._n_blocks - 1, last, block).astype(np.float64)
-        if self._spread:
-            return offset * (length - offset) / length * self._bound
-        return offset * self._bound
+        return index, offset, length
 
     def range_variance(self, starts, stops):
         starts = np.asarray(starts, dtype=np.int64)
@@ -201,3 +230,135 @@ class BlockStreamNoise(ErrorModel):
             sums = b_sum_before(dirty_end) - b_sum_before(dirty)
             total += kappa[level] * (clean.sum() + np.sum(sums**2) / size)
         return node_variance * total
+
+
+class CalendarBlockNoise(ErrorModel):
+    """Noise and spreading of range sums of a flat hierarchy over calendar blocks
+    (:class:`~dpsql.mechanisms.calendar.CalendarChunks` of ``grid``, a
+    :meth:`~dpsql.timegrid.RowGrid.plain` grid): ``n_rows`` rows released, the noise of the
+    day, month and year nodes of variances ``level_variances``, values in ``[0, bound]``.
+
+    Noise: the prefix sum of the first ``x`` rows is the sum of the blocks before ``x``'s block
+    and the fraction ``f`` of that block's noisy sum (its rows before ``x`` over its length), so
+    a range's noise is ``c . n`` over the leaves' consistent noise ``n``, ``c`` one on the
+    blocks between its ends and fractions at them; its variance ``c^T C c`` with ``C`` the
+    exact covariance of a year's leaves (:meth:`~dpsql.mechanisms.calendar.Tree.leaf_covariance`;
+    years are independent) comes from the 2-D prefix sums of ``C`` in constant time per range
+    (the rounding of the consistent noise to the lattice, at most ``gamma / 2`` per block,
+    aside). Spreading: :func:`spreading_bound` on the blocks the ends cut (a calendar day, a
+    month of days or a year is cut nowhere: noise alone). ``short_last_block``: a one-shot
+    release's last block, cut short, was released with its rows.
+    """
+
+    def __init__(self, *, n_rows: int, grid: dict, level_variances, consistent: bool, bound: float,
+                 short_last_block: bool = False):
+        self._n_rows = n_rows
+        self._chunks = CalendarChunks(RowGrid.of(grid))
+        self._variances = tuple(float(v) for v in level_variances)
+        self._consistent = consistent
+        self._bound = bound
+        self._short_last = short_last_block
+
+    # Built on the first query, not with the release: many releases (one per partition) never get one.
+    @functools.cached_property
+    def _years(self) -> list[Chunk]:
+        """The chunks up to the one holding row ``n_rows``."""
+        return self._chunks.chunks_until(self._n_rows + 1)
+
+    @functools.cached_property
+    def _starts(self) -> np.ndarray:
+        return np.array([c.start for c in self._years], dtype=np.int64)
+
+    @functools.cached_property
+    def _phases(self) -> np.ndarray:
+        return np.array([c.phase for c in self._years], dtype=np.int64)
+
+    @functools.cached_property
+    def _years_before(self) -> np.ndarray:
+        """Noise variance of the first ``k`` chunks' sums, for every ``k``."""
+        return np.concatenate([[0.0], np.cumsum([self._quadratic(c.forest).total for c in self._years])])
+
+    def _quadratic(self, tree: Tree) -> _IntervalQuadratic:
+        return _interval_quadratic(tree, self._variances, self._consistent)
+
+    def _cut(self, rows: np.ndarray):
+        """Where the prefix of the first ``rows`` rows ends: its chunk, block (in the chunk),
+        the rows of that block before the cut and the block's length."""
+        starts, phases = self._starts, self._phases
+        block = self._chunks.grid.rows_per_day
+        chunk = np.searchsorted(starts, rows, side="right") - 1
+        index = (rows - starts[chunk] + phases[chunk]) // block
+        block_start = np.maximum(starts[chunk], starts[chunk] - phases[chunk] + index * block)
+        length = np.where(index == 0, block - phases[chunk], block)
+        if self._short_last and self._n_rows:
+            last = self._cut_of_last_row()
+            in_last = (chunk == last[0]) & (index == last[1])
+            length = np.where(in_last, self._n_rows - block_start, length)
+        return chunk, index, (rows - block_start).astype(np.float64), length.astype(np.float64)
+
+    def _cut_of_last_row(self) -> tuple[int, int]:
+        chunk = self._chunks.chunk_at(self._n_rows - 1)
+        return chunk.index, chunk.block_of(self._n_rows - 1)
+
+    def range_variance(self, starts, stops):
+        starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
+        first, first_block, first_offset, first_length = self._cut(starts)
+        last, last_block, last_offset, last_length = self._cut(stops)
+        first_fraction, last_fraction = first_offset / first_length, last_offset / last_length
+        same = first == last
+        out = np.where(same, 0.0, self._years_before[last] - self._years_before[np.minimum(first + 1, last)])
+        for k in np.unique(np.concatenate([first, last])):
+            quadratic = self._quadratic(self._years[k].forest)
+            inside, tail, head = same & (first == k), ~same & (first == k), ~same & (last == k)
+            out[inside] += quadratic(first_block[inside], first_fraction[inside], last_block[inside],
+                                     last_fraction[inside])
+            out[tail] += quadratic(first_block[tail], first_fraction[tail], quadratic.leaves, 0.0)
+            out[head] += quadratic(0, 0.0, last_block[head], last_fraction[head])
+        return np.maximum(out, 0.0)
+
+    def range_bias_bound(self, starts, stops):
+        starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
+        first, first_block, first_offset, first_length = self._cut(starts)
+        last, last_block, last_offset, last_length = self._cut(stops)
+        return spreading_bound(first_offset, first_length, last_offset, last_length,
+                               (first == last) & (first_block == last_block), self._bound)
+
+    def block_boundaries(self, n: int) -> np.ndarray:
+        rows = min(n, self._n_rows)
+        starts = np.concatenate([np.maximum(c.start, c.start - c.phase + np.arange(c.blocks) * c.block)
+                                 for c in self._years])
+        return np.unique(np.concatenate([starts[starts < rows], [rows]]))
+
+
+class _IntervalQuadratic:
+    """``c^T C c`` for ``c = 1[t1, t2) - f1 e_t1 + f2 e_t2`` over the leaves of one tree (the noise
+    of a range from fraction ``f1`` of leaf ``t1`` to fraction ``f2`` of leaf ``t2``), from the 2-D
+    and row prefix sums of the covariance ``C``."""
+
+    def __init__(self, covariance: np.ndarray):
+        self.leaves = len(covariance)
+        self._covariance = covariance
+        rows = np.zeros((self.leaves, self.leaves + 1))
+        np.cumsum(covariance, axis=1, out=rows[:, 1:])
+        self._rows = rows
+        self._blocks = np.zeros((self.leaves + 1, self.leaves + 1))
+        np.cumsum(rows[:, :], axis=0, out=self._blocks[1:, :])
+        self.total = float(self._blocks[-1, -1])
+
+    def __call__(self, t1, f1, t2, f2) -> np.ndarray:
+        t1, t2 = np.asarray(t1), np.asarray(t2)
+        f1, f2 = np.asarray(f1, dtype=np.float64), np.asarray(f2, dtype=np.float64)
+        p = self._blocks
+        whole = p[t2, t2] - p[t1, t2] - p[t2, t1] + p[t1, t1]
+        i1, i2 = np.minimum(t1, self.leaves - 1), np.minimum(t2, self.leaves - 1)
+        f1, f2 = np.where(t1 < self.leaves, f1, 0.0), np.where(t2 < self.leaves, f2, 0.0)
+        row1 = self._rows[i1, t2] - self._rows[i1, t1]
+        row2 = self._rows[i2, t2] - self._rows[i2, t1]
+        c = self._covariance
+        return (whole + f1**2 * c[i1, i1] + f2**2 * c[i2, i2] - 2 * f1 * row1 + 2 * f2 * row2
+                - 2 * f1 * f2 * c[i1, i2])
+
+
+@functools.lru_cache(maxsize=64)
+def _interval_quadratic(tree: Tree, variances: tuple[float, ...], consistent: bool) -> _IntervalQuadratic:
+    return _IntervalQuadratic(tree.leaf_covariance(variances, consistent))

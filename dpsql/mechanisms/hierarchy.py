@@ -27,9 +27,11 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from dpsql.accounting import largest_share
 from dpsql.mechanisms.laplace import LaplaceLattice, LatticeBatch
 from dpsql.noise import BatchLaneDraws, LaneDraws
 
@@ -219,18 +221,33 @@ class Forest:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Rows ``start .. start + rows`` of a stream: one forest over blocks of ``block`` rows
-    (``rows`` is a whole number of blocks)."""
+    """Rows ``start .. start + rows`` of a stream: one forest (a :class:`Forest`, or a calendar
+    :class:`~dpsql.mechanisms.calendar.Tree`) over blocks of ``block`` rows. The first block
+    lacks its first ``phase`` rows (a stream that starts mid-day); ``phase + rows`` is a whole
+    number of blocks."""
 
     index: int
     start: int
     rows: int
     block: int
-    forest: Forest
+    forest: Forest | Any
+    phase: int = 0
 
     @property
     def blocks(self) -> int:
-        return self.rows // self.block
+        return -(-(self.rows + self.phase) // self.block)
+
+    def block_of(self, row: int) -> int:
+        """The block (counted in the chunk) holding stream row ``row``."""
+        return (row - self.start + self.phase) // self.block
+
+    def block_start(self, index: int) -> int:
+        """The stream row where the chunk's block ``index`` starts."""
+        return max(self.start, self.start - self.phase + index * self.block)
+
+    def block_length(self, index: int) -> int:
+        """Rows of the chunk's block ``index`` (the first one short by ``phase``)."""
+        return self.block - (self.phase if index == 0 else 0)
 
     @property
     def stop(self) -> int:
@@ -246,7 +263,8 @@ class Layout:
     (a fixed chunk either wastes levels on short streams or cuts long ranges into many
     chunk totals). ``block`` given: every chunk's block; ``None``: each chunk's
     :func:`flat_block` for its own length. Everything here is a function of public
-    parameters.
+    parameters. (Rows on a regular clock get calendar chunks instead:
+    :class:`~dpsql.mechanisms.calendar.CalendarLayout`.)
 
     Examples
     --------
@@ -256,6 +274,9 @@ class Layout:
     >>> layout.chunk_at(4096).index, Layout(epsilon=1.0, fanout=16, r=1000, block=16).chunk(3).start
     (1, 3024)
     """
+
+    #: Row-count layouts have no calendar units.
+    units = None
 
     def __init__(self, *, epsilon: float, fanout: int, r: int | None = None, block: int | None = None):
         self.epsilon, self.fanout, self.r, self.block = epsilon, fanout, r, block
@@ -282,6 +303,12 @@ class Layout:
         levels = tree_height(blocks, self.fanout)
         start = self._chunks[-1].stop if k else 0
         return Chunk(k, start, blocks * block, block, Forest.covering(blocks, self.fanout, levels))
+
+    def level_epsilons(self, chunk: Chunk) -> tuple[float, ...]:
+        """The budget of each level of ``chunk``'s forest: ``epsilon / levels`` each, never adding
+        up to more than ``epsilon``."""
+        levels = chunk.forest.levels
+        return (largest_share(self.epsilon, self.epsilon / levels, count=levels),) * levels
 
     def chunk_at(self, row: int) -> Chunk:
         """The chunk holding row ``row``."""

@@ -21,11 +21,15 @@ Defaults (derivation in :func:`~dpsql.mechanisms.hierarchy.flat_block` and
 spread's bias term, a power of two; the predictive smoothers keep the paper's layout
 (chunks of ``r = 2**20`` rows, blocks of ``16**s`` rows, ``s`` Eq. 7's continuous minimum,
 rounded). ``depth`` (blocks of ``fanout**depth`` rows) or ``block`` (any length) override
-the rule; ``depth=0`` is the exact, unsmoothed tree.
+the rule; ``depth=0`` is the exact, unsmoothed tree. Rows on a public time ``grid`` get calendar
+blocks instead (:func:`calendar_layout`, :mod:`dpsql.mechanisms.calendar`): a UTC day per block,
+trees of days, months and a year per calendar year, ``epsilon`` split over the levels by
+``calendar=`` (``"day"`` by default).
 
 Privacy (replace-one-value neighbours; time order public): every value lies in one node per
-level of its chunk's forest, and a chunk of ``L`` levels gives each level ``epsilon / L``
-with sensitivity ``upper - lower``: each chunk is ``epsilon``-DP, chunks are disjoint
+level of its chunk's forest, and a chunk of ``L`` levels gives each level ``epsilon / L`` (a
+calendar tree: its levels' shares, adding up to at most ``epsilon``) with sensitivity
+``upper - lower``: each chunk is ``epsilon``-DP, chunks are disjoint
 (parallel composition), spreading and smoothing are post-processing. The whole release is
 ``epsilon``-DP. Clipping to ``[lower, upper]`` is part of the mechanism.
 """
@@ -38,15 +42,16 @@ import numpy as np
 
 from dpsql import _validate
 from dpsql._memory import pooled_array
-from dpsql.accounting import largest_share
 from dpsql.error_models import SegmentedNoise
 from dpsql.errors import InvalidParameter
-from dpsql.mechanisms.block_error import BlockStreamNoise
-from dpsql.mechanisms.hierarchy import Chunk, Layout, predictive_depth, tree_height
+from dpsql.mechanisms.block_error import BlockStreamNoise, CalendarBlockNoise
+from dpsql.mechanisms.calendar import CALENDARS, DEFAULT_CALENDAR, CalendarLayout
+from dpsql.mechanisms.hierarchy import Chunk, Forest, Layout, predictive_depth, tree_height
 from dpsql.mechanisms.laplace import LatticeBatch
 from dpsql.mechanisms.smoothers import MIN_ALPHA, SMOOTHERS, make_smoother
 from dpsql.noise import Draws, DrawsBatch, Lane
 from dpsql.release import StreamMachine
+from dpsql.timegrid import RowGrid
 
 #: The paper's largest query range, the chunk length of its (fixed) layout.
 PAPER_RANGE = 1 << 20
@@ -54,10 +59,14 @@ PAPER_RANGE = 1 << 20
 MAX_BLOCK = 1 << 24
 
 
-def check_hierarchy_options(*, fanout, consistency, smoother, window, alpha, r, depth, block):
+def check_hierarchy_options(*, fanout, consistency, smoother, window, alpha, r, depth, block, grid=None,
+                            calendar=DEFAULT_CALENDAR):
     """The hierarchy's options, validated (typed errors naming the parameter); returns
-    ``(fanout, consistency, smoother, window, alpha, r, depth, block)`` with ``r`` resolved
-    for predictive smoothers (the paper's fixed layout)."""
+    ``(fanout, consistency, smoother, window, alpha, r, depth, block, grid, calendar)`` with ``r``
+    resolved for predictive smoothers (the paper's fixed layout) and ``grid`` a
+    :class:`~dpsql.timegrid.RowGrid` or None."""
+    calendar = _validate.choice(calendar, "calendar", CALENDARS)
+    grid = None if grid is None else RowGrid.of(grid)
     fanout = _validate.integer(fanout, "fanout", minimum=2)
     if not isinstance(consistency, bool):
         raise InvalidParameter(f"consistency must be True or False, got {consistency!r}")
@@ -82,7 +91,17 @@ def check_hierarchy_options(*, fanout, consistency, smoother, window, alpha, r, 
         block = _validate.integer(block, "block", minimum=1)
         if block > MAX_BLOCK:
             raise InvalidParameter(f"block must be at most {MAX_BLOCK} rows, got {block}")
-    return fanout, consistency, smoother, window, alpha, r, depth, block
+    return fanout, consistency, smoother, window, alpha, r, depth, block, grid, calendar
+
+
+def calendar_layout(epsilon: float, smoother: str, r, depth, block, grid: RowGrid | None,
+                    calendar: str) -> CalendarLayout | None:
+    """The calendar layout of validated options, or None where row-count blocks apply: no grid,
+    ``calendar="none"``, a predictive smoother (its blocks are powers of the fan-out) or an
+    explicit ``r``, ``depth`` or ``block``."""
+    if grid is None or calendar == "none" or smoother != "none" or (r, depth, block) != (None, None, None):
+        return None
+    return CalendarLayout(epsilon=epsilon, grid=grid, calendar=calendar)
 
 
 class HierarchyStream(StreamMachine):
@@ -94,7 +113,10 @@ class HierarchyStream(StreamMachine):
     (default: geometric chunks for the flat spread, ``2**20`` for predictive smoothers);
     ``fanout`` (16); ``consistency`` (True; False releases each block's own noise: the
     ablation); ``depth`` or ``block`` override the block rule; ``initial`` a predictive
-    smoother's first per-row guess (default halfway between the bounds).
+    smoother's first per-row guess (default halfway between the bounds); ``grid`` the rows'
+    public time grid (a :class:`~dpsql.timegrid.RowGrid` or what :meth:`~dpsql.timegrid.RowGrid.of`
+    reads) and ``calendar`` the level split (``"day"``, ``"month"``, ``"balanced"``; ``"none"``:
+    row-count blocks), which apply with the flat spread and no ``r``, ``depth`` or ``block``.
 
     Online: the flat spread releases a block's rows with its last row; predictive smoothers
     release every row on arrival. At the end of a one-shot release the rows of an incomplete
@@ -112,7 +134,8 @@ class HierarchyStream(StreamMachine):
     Partitions: :meth:`for_partitions` gives the machine for ``k`` equal-length streams at
     once, each with its own upper bound (ToPS: its own threshold), lattice, draws, forests and
     smoother state, fed ``(k, rows)`` chunks; every partition's release is exactly what its
-    own single stream gives.
+    own single stream gives. They share one layout: on a grid, one grid (partitions whose keys
+    start elsewhere are another batch).
 
     Examples
     --------
@@ -130,12 +153,24 @@ class HierarchyStream(StreamMachine):
     def __init__(self, n: int | None = None, *, epsilon: float, upper: float, lower: float = 0.0,
                  smoother: str = "none", window: int = 8, alpha: float = 0.6, r: int | None = None,
                  fanout: int = 16, consistency: bool = True, depth: int | None = None, block: int | None = None,
-                 initial: float | None = None, noise: Draws):
+                 initial: float | None = None, grid=None, calendar: str = DEFAULT_CALENDAR, noise: Draws):
         self.epsilon = _validate.epsilon(epsilon)
         self.lower, self.upper = _validate.bounds(lower, upper)
         (self.fanout, self.consistency, self.smoother_name, self.window, self.alpha, self.r, self.depth,
-         self.block) = check_hierarchy_options(fanout=fanout, consistency=consistency, smoother=smoother,
-                                               window=window, alpha=alpha, r=r, depth=depth, block=block)
+         self.block, self.grid, self.calendar) = check_hierarchy_options(
+            fanout=fanout, consistency=consistency, smoother=smoother, window=window, alpha=alpha, r=r, depth=depth,
+            block=block, grid=grid, calendar=calendar)
+        if self.grid is not None and n is not None:
+            self.grid.check_rows(n)
+        self.layout = calendar_layout(self.epsilon, self.smoother_name, self.r, self.depth, self.block, self.grid,
+                                      self.calendar) or self._row_count_layout()
+        self.cost = (self.epsilon, 0.0)
+        if initial is not None:
+            initial = _validate.real(initial, "initial")
+        self._start(np.array([self.upper]), DrawsBatch([noise]),
+                    None if initial is None else np.array([initial - self.lower]), Lane.FOREST)
+
+    def _row_count_layout(self) -> Layout:
         if self.depth is not None:
             fixed_block = self.fanout**self.depth
         elif self.block is not None:
@@ -144,12 +179,7 @@ class HierarchyStream(StreamMachine):
             fixed_block = self.fanout ** predictive_depth(self.epsilon, self.r, self.fanout)
         else:
             fixed_block = None  # the flat rule, per chunk
-        self.layout = Layout(epsilon=self.epsilon, fanout=self.fanout, r=self.r, block=fixed_block)
-        self.cost = (self.epsilon, 0.0)
-        if initial is not None:
-            initial = _validate.real(initial, "initial")
-        self._start(np.array([self.upper]), DrawsBatch([noise]),
-                    None if initial is None else np.array([initial - self.lower]), Lane.FOREST)
+        return Layout(epsilon=self.epsilon, fanout=self.fanout, r=self.r, block=fixed_block)
 
     def for_partitions(self, uppers: np.ndarray, draws: DrawsBatch, initials: np.ndarray | None = None,
                        lane: Lane = Lane.FOREST) -> HierarchyStream:
@@ -174,7 +204,7 @@ class HierarchyStream(StreamMachine):
         first_block = self.layout.chunk(0).block
         self._smoother = make_smoother(self.smoother_name, block=first_block, initial_sum=first_block * guess,
                                        window=self.window, alpha=self.alpha)
-        self._lattices: dict[int, LatticeBatch] = {}
+        self._lattice_of: dict[float, LatticeBatch] = {}
         self._rows = 0
         self._chunk: Chunk | None = None
         self._leaf_noise: np.ndarray | None = None
@@ -186,31 +216,40 @@ class HierarchyStream(StreamMachine):
         self._flushed = False
         self._lead = ()
 
-    def _lattice(self, levels: int) -> LatticeBatch:
-        """The lattice of a chunk whose forest has ``levels`` levels: ``epsilon / levels`` each."""
-        if levels not in self._lattices:
-            per_level = largest_share(self.epsilon, self.epsilon / levels, count=levels)
-            self._lattices[levels] = LatticeBatch(self._bounds, per_level)
-        return self._lattices[levels]
+    def _lattices(self, chunk: Chunk) -> tuple[LatticeBatch, ...]:
+        """The lattice of each level of ``chunk``'s forest, at that level's budget
+        (:meth:`~dpsql.mechanisms.hierarchy.Layout.level_epsilons`). All have the granularity of
+        the bound, so a chunk's nodes share their units."""
+        lattices = []
+        for epsilon in self.layout.level_epsilons(chunk):
+            if epsilon not in self._lattice_of:
+                self._lattice_of[epsilon] = LatticeBatch(self._bounds, epsilon)
+            lattices.append(self._lattice_of[epsilon])
+        return tuple(lattices)
 
     def _enter(self, chunk: Chunk) -> None:
         """Make ``chunk`` the current one: draw its noise forest, make it consistent and keep
         its leaves (integer lattice units), unless it is current already."""
         if self._chunk is not None and self._chunk.index == chunk.index and self._leaf_noise is not None:
             return
-        lattice = self._lattice(chunk.forest.levels)
+        lattices = self._lattices(chunk)
         lane = self._draws.lane(self._lane, chunk.index)
-        if self.consistency:
-            leaves = chunk.forest.consistent_leaf_noise(lattice, lane, 0)
+        if not self.consistency:
+            leaves = lattices[0].noise_units(lane, 0, chunk.blocks)
+        elif isinstance(chunk.forest, Forest):  # Hay's closed form: one lattice for every level
+            leaves = chunk.forest.consistent_leaf_noise(lattices[0], lane, 0)
         else:
-            leaves = lattice.noise_units(lane, 0, chunk.blocks)
+            leaves = chunk.forest.consistent_leaf_noise(lattices, lane, 0)
         self._chunk, self._leaf_noise = chunk, leaves[:, :chunk.blocks]
-        self._inverse_gamma = (1.0 / lattice.granularity)[:, None]
+        self._leaf_lattice = lattices[0]
+        self._inverse_gamma = (1.0 / lattices[0].granularity)[:, None]
         self._bound_units = self._bounds[:, None] * self._inverse_gamma
 
     def feed(self, chunk: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         rows = chunk.reshape(len(self._uppers), -1)
         count = rows.shape[1]
+        if self._on_calendar:  # refused before anything changes
+            self.grid.check_rows(self._rows + count)
         # outputs are written straight into one buffer, the caller's when given (its room holds
         # every output to come: a flat spread may release rows held back before); predictive
         # smoothers emit one output per row, a flat spread the rows of the blocks it completes
@@ -242,7 +281,9 @@ class HierarchyStream(StreamMachine):
         if not self._rows:
             return 0
         chunk = self.layout.chunk_at(self._rows - 1)
-        return (self._rows - chunk.start) % chunk.block
+        if (self._rows - chunk.start + chunk.phase) % chunk.block == 0:
+            return 0
+        return self._rows - chunk.block_start(chunk.block_of(self._rows - 1))
 
     def close(self) -> np.ndarray:
         held = np.empty((len(self._uppers), 0))
@@ -250,10 +291,9 @@ class HierarchyStream(StreamMachine):
         if not self._smoother.predictive and offset:
             # a one-shot release ends inside a block: its rows share the block's noisy partial sum
             self._enter(self.layout.chunk_at(self._rows - 1))
-            lattice = self._lattice(self._chunk.forest.levels)
-            noise = self._leaf_noise[:, (self._rows - self._chunk.start) // self._chunk.block]
-            held = np.repeat(lattice.from_units(np.rint(self._partial_units).astype(np.int64) + noise)[:, None]
-                             / offset, offset, axis=1)
+            noise = self._leaf_noise[:, self._chunk.block_of(self._rows - 1)]
+            held = np.repeat(self._leaf_lattice.from_units(np.rint(self._partial_units).astype(np.int64) + noise)
+                             [:, None] / offset, offset, axis=1)
             if self.lower:
                 held += self.lower
             self._flushed = True
@@ -275,11 +315,11 @@ class HierarchyStream(StreamMachine):
         np.multiply(values - self.lower if self.lower else values, self._inverse_gamma, out=units)
         np.clip(units, 0.0, self._bound_units, out=units)
         np.rint(units, out=units)
-        # Chunks hold whole blocks, so blocks start at multiples of g within the chunk: this piece
-        # continues block b0 at ``offset`` and touches ``pieces`` blocks, all but the first and
-        # last whole.
+        # Chunks hold whole blocks (the first one short by the chunk's phase), so blocks start at
+        # multiples of g from ``phase`` rows before the chunk: this piece continues block b0 at
+        # ``offset`` and touches ``pieces`` blocks, all but the first and last whole.
         count = values.shape[1]
-        position = self._rows - chunk.start
+        position = self._rows - chunk.start + chunk.phase
         offset = position % g
         head = min(g - offset, count)
         starts = np.arange(head - g, count, g)
@@ -292,17 +332,22 @@ class HierarchyStream(StreamMachine):
         lengths[-1] = count - starts[-1]
         first_block = position // g
         self._rows += count
-        complete = pieces if (self._rows - chunk.start) % g == 0 else pieces - 1
+        complete = pieces if (self._rows - chunk.start + chunk.phase) % g == 0 else pieces - 1
         self._partial_units = np.zeros(len(sums)) if complete == pieces else sums[:, -1].copy()
         released_units = sums[:, :complete].astype(np.int64) + self._leaf_noise[:, first_block:first_block + complete]
-        released = self._lattice(chunk.forest.levels).from_units(released_units)
+        released = self._leaf_lattice.from_units(released_units)
         if not self._smoother.predictive:
-            if complete:
-                self._last_row = released[:, complete - 1] / g
-            spread = np.empty((len(values), complete * g)) if out is None else out[:, :complete * g]
-            blocks = spread.view()
-            blocks.shape = (len(spread), complete, g)  # a view: assigning the shape never copies
-            np.divide(released[:, :, None], g, out=blocks)
+            # every row of each completed block (rows held back before included)
+            if not complete:
+                return np.empty((len(values), 0)) if out is None else out[:, :0]
+            first_length = chunk.block_length(first_block)
+            self._last_row = released[:, complete - 1] / (first_length if complete == 1 else g)
+            width = (complete - 1) * g + first_length
+            spread = np.empty((len(values), width)) if out is None else out[:, :width]
+            spread[:, :first_length] = released[:, :1] / first_length
+            blocks = spread[:, first_length:]
+            blocks.shape = (len(spread), complete - 1, g)  # a view: assigning the shape never copies
+            np.divide(released[:, 1:, None], g, out=blocks)
             return spread
         out = out[:, :count]
         predictions = np.concatenate([self._prediction[:, None], self._smoother.predict(released)], axis=1)
@@ -354,7 +399,13 @@ class HierarchyStream(StreamMachine):
                 "smoother": self.smoother_name, **self.smoother_params(), "r": self.r, "fanout": self.fanout,
                 "consistency": self.consistency, "depth": self.depth, "block": self.block,
                 "chunks": [c.rows for c in chunks], "blocks": [c.block for c in chunks],
-                "levels": [c.forest.levels for c in chunks]}
+                "levels": [c.forest.levels for c in chunks], "grid": None if self.grid is None else self.grid.plain(),
+                "calendar": self.calendar, "units": None if self.layout.units is None else list(self.layout.units),
+                "level_epsilons": list(self.layout.level_epsilons(chunks[0])) if self._on_calendar else None}
+
+    @property
+    def _on_calendar(self) -> bool:
+        return isinstance(self.layout, CalendarLayout)
 
     def smoother_params(self) -> dict:
         """The smoother's own public parameters (``window``, ``alpha``), the same for every partition."""
@@ -373,16 +424,20 @@ class HierarchyStream(StreamMachine):
             return None
         return np.unique(self._uppers, return_inverse=True)[1]
 
-    def error_model(self, partition: int) -> BlockStreamNoise | SegmentedNoise:
+    def error_model(self, partition: int) -> BlockStreamNoise | SegmentedNoise | CalendarBlockNoise:
         """Partition ``partition``'s error model for the rows released so far: one model over
         a fixed layout's chunks (a predictive smoother's noise crosses chunk ends), one segment
-        per chunk of a geometric layout (independent forests)."""
+        per chunk of a geometric layout (independent forests), one model over calendar years."""
         released = self.released_rows
         terms = self._smoother.partition_terms(partition)
         bound = float(self._bounds[partition])
+        if self._on_calendar:
+            variances = [float(lattice.variance[partition]) for lattice in self._lattices(self.layout.chunk(0))]
+            return CalendarBlockNoise(n_rows=released, grid=self.grid.plain(), level_variances=variances,
+                                      consistent=self.consistency, bound=bound, short_last_block=self._flushed)
 
         def model(chunk: Chunk, rows: int, last: bool) -> BlockStreamNoise:
-            node_variance = float(self._lattice(chunk.forest.levels).variance[partition])
+            node_variance = float(self._lattices(chunk)[0].variance[partition])
             return BlockStreamNoise(n_rows=rows, block=chunk.block, chunk_blocks=chunk.blocks, fanout=self.fanout,
                                     levels=chunk.forest.levels, node_variance=node_variance,
                                     consistent=self.consistency, smoother={**terms, "block": chunk.block},

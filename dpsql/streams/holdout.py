@@ -36,11 +36,13 @@ from dpsql import _validate
 from dpsql.accounting import largest_share
 from dpsql.error_models import IndependentNoise, SegmentedNoise
 from dpsql.errors import InvalidParameter
+from dpsql.mechanisms.calendar import DEFAULT_CALENDAR, CalendarLayout
 from dpsql.mechanisms.hierarchy import Layout
 from dpsql.mechanisms.laplace import LaplaceLattice
 from dpsql.noise import Draws, DrawsBatch, Lane
 from dpsql.release import StreamMachine, written_in_place
-from dpsql.streams.hierarchy import HierarchyStream
+from dpsql.streams.hierarchy import HierarchyStream, calendar_layout
+from dpsql.timegrid import RowGrid
 
 #: The hold-out length when none is given: fixed (a stream's length is unknown).
 DEFAULT_HOLDOUT = 4096
@@ -69,6 +71,11 @@ class ThresholdedStream(StreamMachine):
     method: str
     threshold_delta: float = 0.0
     writes_out = True
+
+    #: The rows' time grid (:class:`~dpsql.timegrid.RowGrid`) and ``calendar=`` choice: with a grid,
+    #: the hold-out's blocks are calendar days (:func:`~dpsql.streams.hierarchy.calendar_layout`).
+    grid: RowGrid | None = None
+    calendar: str = DEFAULT_CALENDAR
 
     def __init__(self, n: int | None = None, *, epsilon: float, upper: float, lower: float = 0.0,
                  m: int | None = None, holdout_share: float = 0.5, threshold: float | None = None,
@@ -103,14 +110,11 @@ class ThresholdedStream(StreamMachine):
         """Refuse now, before anything is charged, a split that leaves the hold-out's release too
         little epsilon for any lattice (a continual stream would be charged at registration and
         fail when its hold-out completes)."""
-        layout = Layout(epsilon=self.epsilon_holdout, fanout=16, r=self.m) if self.epsilon_holdout > 0 else None
         try:
-            _validate.epsilon(self.epsilon_holdout)
-            levels = layout.chunk(0).forest.levels
+            layout = self._holdout_layout(_validate.epsilon(self.epsilon_holdout))
             # whatever the threshold, its lattice's scale in units is at most that of a bound just
             # below a power of two
-            LaplaceLattice(math.nextafter(2.0, 0.0), largest_share(self.epsilon_holdout, self.epsilon_holdout / levels,
-                                                                   count=levels))
+            LaplaceLattice(math.nextafter(2.0, 0.0), min(layout.level_epsilons(layout.chunk(0))))
         except InvalidParameter:
             raise InvalidParameter(f"holdout_share={self.holdout_share!r} leaves the hold-out's release "
                                    f"epsilon={self.epsilon_holdout!r} (holdout_share * epsilon), too little for its "
@@ -213,9 +217,16 @@ class ThresholdedStream(StreamMachine):
         self._begin_stream(thresholds, np.clip(released.mean(axis=1), 0.0, thresholds))
         return self._shift_back(released)
 
+    def _holdout_layout(self, epsilon: float) -> Layout | CalendarLayout:
+        """The hold-out's layout: calendar days with a grid, else one chunk of ``m`` rows."""
+        return (calendar_layout(epsilon, "none", None, None, None, self.grid, self.calendar)
+                or Layout(epsilon=epsilon, fanout=16, r=self.m))
+
     def _holdout_machine(self, thresholds: np.ndarray) -> HierarchyStream:
         """The flat hierarchy releasing the hold-out's rows, clipped at ``thresholds`` (module docstring)."""
-        template = HierarchyStream(epsilon=self.epsilon_holdout, upper=self.bound, r=self.m, noise=self._draws[0])
+        on_calendar = isinstance(self._holdout_layout(self.epsilon_holdout), CalendarLayout)
+        template = HierarchyStream(epsilon=self.epsilon_holdout, upper=self.bound, r=None if on_calendar else self.m,
+                                   grid=self.grid, calendar=self.calendar, noise=self._draws[0])
         return template.for_partitions(thresholds, self._draws, lane=Lane.HOLDOUT)
 
     def _begin_stream(self, thresholds: np.ndarray, initials: np.ndarray | None) -> None:

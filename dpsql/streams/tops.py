@@ -14,6 +14,7 @@ import numpy as np
 
 from dpsql import _validate
 from dpsql.errors import InvalidParameter
+from dpsql.mechanisms.calendar import DEFAULT_CALENDAR
 from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_thresholds, noisy_max_lattice
 from dpsql.noise import Draws, Lane
 from dpsql.release import StreamMachine
@@ -25,8 +26,10 @@ class ToPS(ThresholdedStream):
     """ToPS (method ``"tops"``): Noisy-Max threshold on the hold-out, then :class:`HierarchyStream`.
 
     Parameters beyond :class:`~dpsql.streams.holdout.ThresholdedStream`'s: ``smoother``,
-    ``window``, ``alpha``, ``r``, ``fanout``, ``depth`` and ``block`` as for the hierarchy
-    (same defaults: the flat spread over geometric chunks), and for the threshold ``c``
+    ``window``, ``alpha``, ``r``, ``fanout``, ``depth``, ``block``, ``grid`` and ``calendar`` as for
+    the hierarchy (same defaults: the flat spread over geometric chunks, or over calendar days
+    with a grid, the hold-out's rows too; the rows after the hold-out are on the grid shifted by
+    ``m`` rows), and for the threshold ``c``
     (Eq. 6's constant, 60), ``step`` (candidate spacing, see
     :func:`dpsql.mechanisms.noisy_max.default_step`) and ``levels_for_nm``.
 
@@ -48,10 +51,13 @@ class ToPS(ThresholdedStream):
                  m: int | None = None, smoother: str = "none", window: int = 8, alpha: float = 0.6,
                  r: int | None = None, fanout: int = 16, depth: int | None = None, block: int | None = None,
                  holdout_share: float = 0.5, c: float = 60.0, step: float | None = None,
-                 levels_for_nm: str = "paper", threshold: float | None = None, noise: Draws):
-        (self.fanout, _, self.smoother, self.window, self.alpha, self.r, self.depth,
-         self.block) = check_hierarchy_options(fanout=fanout, consistency=True, smoother=smoother, window=window,
-                                               alpha=alpha, r=r, depth=depth, block=block)
+                 levels_for_nm: str = "paper", threshold: float | None = None, grid=None,
+                 calendar: str = DEFAULT_CALENDAR, noise: Draws):
+        (self.fanout, _, self.smoother, self.window, self.alpha, self.r, self.depth, self.block, self.grid,
+         self.calendar) = check_hierarchy_options(fanout=fanout, consistency=True, smoother=smoother, window=window,
+                                               alpha=alpha, r=r, depth=depth, block=block, grid=grid, calendar=calendar)
+        if self.grid is not None and n is not None:
+            self.grid.check_rows(n)
         self.c = _validate.real(c, "c", minimum=0.0, strict=True)
         bound = _validate.bounds(lower, upper)[1] - _validate.bounds(lower, upper)[0]
         self.step = default_step(bound) if step is None else _validate.real(step, "step", minimum=0.0, strict=True)
@@ -73,12 +79,14 @@ class ToPS(ThresholdedStream):
                              noise=self._draws.lane(Lane.NOISY_MAX))
 
     def _stream_phase(self, thresholds: np.ndarray, initials: np.ndarray | None) -> StreamMachine:
+        grid = None if self.grid is None else self.grid.shifted(self.m)  # the rows after the hold-out
         return HierarchyStream(epsilon=self.epsilon, upper=float(thresholds[0]), smoother=self.smoother,
                                window=self.window, alpha=self.alpha, r=self.r, fanout=self.fanout, depth=self.depth,
-                               block=self.block, noise=self._draws[0]).for_partitions(thresholds, self._draws,
-                                                                                      initials)
+                               block=self.block, grid=grid, calendar=self.calendar,
+                               noise=self._draws[0]).for_partitions(thresholds, self._draws, initials)
 
     def _method_params(self) -> dict:
         stream = self._stream or self._stream_phase(np.array([self.bound]), None)
         layout = {k: v for k, v in stream.params().items() if k not in ("epsilon", "lower", "upper")}
-        return {**layout, "c": self.c, "step": self.step, "levels_for_nm": self.levels_for_nm}
+        return {**layout, "grid": None if self.grid is None else self.grid.plain(), "c": self.c, "step": self.step,
+                "levels_for_nm": self.levels_for_nm}

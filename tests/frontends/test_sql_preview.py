@@ -5,7 +5,8 @@ import pytest
 
 import dpsql
 
-COLUMNS = ["method", "n", "epsilon", "delta", "notion", "neighbour", "length", "sd", "margin", "level", "assumption"]
+COLUMNS = ["method", "n", "epsilon", "delta", "notion", "neighbour", "length", "sd", "margin", "noise", "spreading",
+           "level", "assumption"]
 
 
 @pytest.fixture
@@ -43,6 +44,7 @@ def test_sql_preview_equals_the_python_preview(con, budget, method, params, sql_
         assert (row["notion"], row["neighbour"], row["assumption"]) == (expected.notion, expected.neighbour,
                                                                         expected.assumption)
         assert row["sd"] == expected.sd[row["length"]] and row["margin"] == expected.margin[row["length"]]
+        assert (row["noise"], row["spreading"]) == (expected.noise[row["length"]], expected.spreading[row["length"]])
         assert row["level"] == 0.95
     assert budget.spent == (0.0, 0.0) and budget.history().height == 0
 
@@ -52,7 +54,7 @@ def test_columns_lengths_and_level(con):
                        "level := 0.9)")
     assert relation.columns == COLUMNS
     assert [str(t) for t in relation.types] == ["VARCHAR", "BIGINT", "DOUBLE", "DOUBLE", "VARCHAR", "VARCHAR",
-                                                "BIGINT", "DOUBLE", "DOUBLE", "DOUBLE", "VARCHAR"]
+                                                "BIGINT", "DOUBLE", "DOUBLE", "DOUBLE", "DOUBLE", "DOUBLE", "VARCHAR"]
     got = rows(con, "SELECT length, margin, level FROM dp_preview('laplace', 50, epsilon := 1, upper := 10, "
                     "lengths := [1, 10, 100], level := 0.9)")
     expected = dpsql.preview("laplace", n=50, lengths=[1, 10, 100], level=0.9, epsilon=1.0, upper=10.0)
@@ -61,7 +63,8 @@ def test_columns_lengths_and_level(con):
 
 def test_a_method_without_range_sums_gives_one_row_of_cost(con):
     (row,) = rows(con, "SELECT * FROM dp_preview('threshold', 1000, epsilon := 0.5, upper := 10)")
-    assert (row["epsilon"], row["length"], row["sd"], row["margin"]) == (0.5, None, None, None)
+    assert (row["epsilon"], row["length"], row["sd"], row["margin"], row["noise"], row["spreading"]) == (
+        0.5, None, None, None, None, None)
 
 
 def test_preview_reads_no_table_and_charges_nothing(con, budget):
@@ -98,3 +101,13 @@ def test_a_misspelt_preview_parameter_is_named(con):
                                                       r"'upper'\?\)") as caught:
         con.sql("SELECT * FROM dp_preview('laplace', 100, epsilon := 1, uper := 1)")
     assert "It takes method, n (in this order)" in str(caught.value)
+
+
+def test_sql_preview_on_a_grid_shows_days_without_spreading(con):
+    got = rows(con, "SELECT length, margin, noise, spreading FROM dp_preview('hierarchy', 48204, epsilon := 1, "
+                    "upper := 8000, grid := ['2012-10-02 09:00', '1h'], lengths := [24, 30])")
+    expected = dpsql.preview("hierarchy", n=48204, epsilon=1.0, upper=8000.0, grid=("2012-10-02 09:00", "1h"),
+                             lengths=[24, 30])
+    assert [(r["length"], r["noise"], r["spreading"]) for r in got] == [
+        (k, expected.noise[k], expected.spreading[k]) for k in (24, 30)]
+    assert got[0]["spreading"] == 0.0 < got[1]["spreading"] and got[0]["margin"] == got[0]["noise"]

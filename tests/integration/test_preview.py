@@ -80,3 +80,24 @@ def test_preview_shows_in_a_notebook():
 def test_bad_previews_are_typed_errors_naming_the_parameter(kwargs, error, word):
     with pytest.raises(error, match=word):
         dpsql.preview(**kwargs)
+
+
+def test_the_margin_shows_its_noise_and_spreading_parts():
+    """Row-count blocks: a day's window cuts blocks, and most of its margin is spreading; on a grid
+    a day is a block: its margin is the noise alone, far below (the issue's 'GROUP BY day' case)."""
+    rows = dpsql.preview("tops", n=48_204, epsilon=1.0, upper=8000.0)
+    grid = dpsql.preview("tops", n=48_204, epsilon=1.0, upper=8000.0, grid=("2012-10-02T09:00", "1h"))
+    for p in (rows, grid):
+        for length in p.sd:
+            assert p.margin[length] == pytest.approx(p.noise[length] + p.spreading[length])
+            assert p.noise[length] == pytest.approx(2.1213 * p.sd[length], rel=0.05)  # sd: rms; noise: mean
+    assert rows.spreading[24] > 10 * rows.noise[24] and rows.margin[24] > 24 * 8000.0 * 0.5
+    assert grid.spreading[24] == grid.spreading[168] == 0.0 and grid.margin[24] < rows.margin[24] / 4
+    assert grid.to_polars().columns == ["length", "sd", "margin", "noise", "spreading"]
+    assert "spreading ±0" in repr(grid) and "of which spreading" in grid._repr_html_()
+
+
+def test_on_a_grid_the_default_lengths_are_a_row_a_day_and_a_week_of_its_rows():
+    quarter_hours = dpsql.preview("hierarchy", n=100_000, epsilon=1.0, upper=5.0, grid=("2024-01-01T00:07", "15m"))
+    assert list(quarter_hours.sd) == [1, 96, 672] and quarter_hours.spreading[96] == 0.0
+    assert list(dpsql.preview("hierarchy", n=100_000, epsilon=1.0, upper=5.0).sd) == [1, 24, 168]

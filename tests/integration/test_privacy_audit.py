@@ -11,6 +11,7 @@ import pytest
 import dpsql
 from dpsql import testing
 from dpsql.errors import NonPrivateRelease
+from dpsql.mechanisms.hierarchy import Chunk, Forest
 from dpsql.mechanisms.svt import AboveThreshold
 from dpsql.methods import COUNT_METHODS, METHODS, machine_for
 from dpsql.noise import Lane
@@ -133,7 +134,8 @@ def test_per_level_budgets_compose_to_at_most_epsilon_exactly(method, epsilon):
             machine = machine_for(method, n, testing.draws(0), {"epsilon": epsilon, "upper": 3.0, "fanout": 2,
                                                                   "depth": 0})
             for levels in range(1, 40):
-                assert Fraction(machine._lattice(levels).epsilon) * levels <= Fraction(epsilon)
+                per_level = machine.layout.level_epsilons(Chunk(0, 0, 1, 1, Forest(2, levels, 1)))
+                assert len(per_level) == levels and sum(map(Fraction, per_level)) <= Fraction(epsilon)
         assert machine.cost == (epsilon, 0.0)
 
 

@@ -2,12 +2,14 @@
 against the covariance of the block noise pushed through the smoother's linear map, and the
 bias bound of a range that cuts a block (the flattening bound), by hand."""
 
+import json
+
 import numpy as np
 import pytest
 from oracles import design_matrix, reference_outputs
 
-from dpsql.error_models import SegmentedNoise
-from dpsql.mechanisms.block_error import BlockStreamNoise
+from dpsql.error_models import ErrorModel, SegmentedNoise
+from dpsql.mechanisms.block_error import BlockStreamNoise, CalendarBlockNoise
 from dpsql.mechanisms.hierarchy import Forest, leaf_interval_variance
 from dpsql.streams.hierarchy import HierarchyStream
 from dpsql.testing import draws
@@ -58,7 +60,7 @@ def test_range_variance_is_exact_for_linear_smoothers(name, consistency, evaluat
     assert isinstance(model, BlockStreamNoise)
     chunk = machine.layout.chunk(0)
     assert (chunk.rows, chunk.block, chunk.forest) == (200, g, Forest(4, 3, 4))
-    variance = float(machine._lattice(chunk.forest.levels).variance[0])
+    variance = float(machine._lattices(chunk)[0].variance[0])
     released = -(-n // g) if name == "none" else n // g
     linear = np.stack([reference_outputs(name, np.eye(released)[k], g, n) for k in range(released)], axis=1)
     sigma = np.zeros((released, released))
@@ -86,8 +88,8 @@ def test_range_variance_is_exact_over_geometric_chunks():
     assert isinstance(model, SegmentedNoise)
     released = -(-n // g)  # 75 blocks, the last one 60 rows (flushed at close)
     sigma = np.zeros((released, released))
-    sigma[:64, :64] = leaf_covariance(first.forest, float(machine._lattice(2).variance[0]))
-    sigma[64:, 64:] = leaf_covariance(second.forest, float(machine._lattice(3).variance[0]))[:11, :11]
+    sigma[:64, :64] = leaf_covariance(first.forest, float(machine._lattices(first)[0].variance[0]))
+    sigma[64:, 64:] = leaf_covariance(second.forest, float(machine._lattices(second)[0].variance[0]))[:11, :11]
     linear = np.stack([reference_outputs("none", np.eye(released)[k], g, n) for k in range(released)], axis=1)
     starts, stops = ranges(n, 200, 4)
     starts, stops = np.r_[0, 4000, 4095, 4096, 32, starts], np.r_[n, 4200, 4097, n, 4160, stops]
@@ -107,7 +109,7 @@ def test_median_error_model_uses_released_positions():
                                [np.median(sums[:t]) for t in range(1, len(sums) + 1)])
     model = machine.describe()["error"]
     chunk = machine.layout.chunk(0)
-    sigma = leaf_covariance(chunk.forest, float(machine._lattice(chunk.forest.levels).variance[0]))[:40, :40]
+    sigma = leaf_covariance(chunk.forest, float(machine._lattices(chunk)[0].variance[0]))[:40, :40]
     # rows 0..39: blocks 0 and 1, and 8 rows of block 2, whose prediction is median(u_0, u_1) / g
     c = np.zeros(len(sums))
     c[:2] = 1.0 + 8 / g * 0.5
@@ -143,18 +145,39 @@ def test_block_stream_error_model_is_built_on_first_query():
 # --- the bias bound ----------------------------------------------------------------------------------
 
 def test_flat_bias_bound_by_hand():
-    """Spread evenly: a cut at offset a of a block of len rows is off by at most a (len - a) / len * bound."""
+    """Spread evenly: a run of k rows of a block of len rows is off by at most k (len - k) / len * bound;
+    a range cutting two blocks adds its two runs' bounds."""
     flat = model()
     starts, stops = np.array([30, 100, 0, 10, 250, 30, 0]), np.array([270, 300, 1000, 20, 251, 30, 50])
-    cut = [30 * 70 / 100 * 2, 0.0, 0.0, 10 * 90 / 100 * 2, 50 * 50 / 100 * 2, 30 * 70 / 100 * 2, 0.0]
-    end = [70 * 30 / 100 * 2, 0.0, 0.0, 20 * 80 / 100 * 2, 51 * 49 / 100 * 2, 30 * 70 / 100 * 2, 50 * 50 / 100 * 2]
-    # a short window inside a block: the release says nothing of its share, at most its length * bound
-    expected = np.minimum(np.add(cut, end), (stops - starts) * 2.0)
+    expected = [70 * 30 / 100 * 2 + 70 * 30 / 100 * 2, 0.0, 0.0, 10 * 90 / 100 * 2, 1 * 99 / 100 * 2, 0.0,
+                50 * 50 / 100 * 2]
     np.testing.assert_allclose(flat.range_bias_bound(starts, stops), expected)
-    assert flat.range_bias_bound(np.array([10]), np.array([20]))[0] == 20.0  # 10 rows of at most 2
-    assert flat.range_bias_bound(np.array([30]), np.array([270]))[0] == 84.0
+    assert flat.range_bias_bound(np.array([10]), np.array([20]))[0] == 18.0  # not 10 rows * 2, nor two cuts
     # chunk boundaries (every 500 rows here) are block boundaries
     assert flat.range_bias_bound(np.array([500]), np.array([1000]))[0] == 0.0
+
+
+def test_flat_spreading_bound_covers_and_is_reached():
+    """Noise aside, a flat spread's range sums are off by at most the bound, and values with every cut
+    block's mass outside the range reach it (the bound is exact, not loose)."""
+    rng = np.random.default_rng(5)
+    g, bound, n = 10, 2.0, 60
+    flat = model(n_rows=n, block=g, chunk_blocks=6, bound=bound)
+    starts = rng.integers(0, n, 400)
+    stops = np.minimum(starts + rng.integers(0, 25, 400), n)
+    limits = flat.range_bias_bound(starts, stops)
+
+    def error(values):
+        spread = np.repeat(values.reshape(-1, g).mean(axis=1), g)
+        truth, released = np.r_[0, np.cumsum(values)], np.r_[0, np.cumsum(spread)]
+        return np.abs((released[stops] - released[starts]) - (truth[stops] - truth[starts]))
+
+    for trial in range(200):
+        values = rng.choice([0.0, bound], n) if trial % 2 else rng.uniform(0, bound, n)
+        assert np.all(error(values) <= limits + 1e-9)
+    for k, (a, b) in enumerate(zip(starts, stops)):
+        outside = np.where((np.arange(n) >= a) & (np.arange(n) < b), 0.0, bound)
+        assert error(outside)[k] == pytest.approx(limits[k], abs=1e-9)
 
 
 def test_flat_bias_bound_of_a_short_last_block():
@@ -188,3 +211,33 @@ def test_segmented_noise_adds_the_pieces():
         np.testing.assert_allclose(getattr(segmented, measure)(starts, stops), expected)
     assert segmented.range_bias_bound(np.array([350]), np.array([450]))[0] == pytest.approx(
         50 * 50 / 100 * 2 + 50 * 2.0)
+
+
+# --- calendar blocks ---------------------------------------------------------------------------------
+
+def calendar_model(n_rows=24 * 10 + 15, short_last_block=False):
+    return CalendarBlockNoise(n_rows=n_rows, grid={"first": "2024-03-01T09:00", "step": "1h"},
+                              level_variances=[2.0, 8.0, 50.0], consistent=True, bound=3.0,
+                              short_last_block=short_last_block)
+
+
+def test_calendar_spreading_bound_by_hand():
+    """Days are blocks (the first one 15 rows, from 9 am): whole days carry no spreading; cuts
+    carry their runs' bounds; a flushed last day of 7 rows is a block of 7."""
+    model = calendar_model()
+    starts, stops = np.array([0, 15, 15, 20, 20, 39]), np.array([15, 39, 255, 30, 50, 46])
+    # rows 15..38 are the second day: 20..30 is a run of 10 of its 24 rows; 20..50 cuts it (19 rows
+    # after the cut) and the third day (11 rows before the cut)
+    expected = [0.0, 0.0, 0.0, 10 * 14 / 24 * 3.0, 19 * 5 / 24 * 3.0 + 11 * 13 / 24 * 3.0, 7 * 17 / 24 * 3.0]
+    np.testing.assert_allclose(model.range_bias_bound(starts, stops), expected)
+    flushed = calendar_model(n_rows=24 * 10 + 15 + 7, short_last_block=True)
+    assert flushed.range_bias_bound(np.array([255]), np.array([262]))[0] == 0.0
+    assert flushed.range_bias_bound(np.array([258]), np.array([262]))[0] == pytest.approx(3 * 4 / 7 * 3.0)
+
+
+def test_calendar_error_model_survives_a_ledger_record():
+    model = calendar_model(n_rows=24 * 400)
+    again = ErrorModel.from_state(json.loads(json.dumps(model.to_state())))
+    starts, stops = np.array([0, 15, 100, 3000]), np.array([24 * 400, 39, 2000, 9000])
+    np.testing.assert_array_equal(again.range_variance(starts, stops), model.range_variance(starts, stops))
+    np.testing.assert_array_equal(again.range_bias_bound(starts, stops), model.range_bias_bound(starts, stops))
