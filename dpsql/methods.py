@@ -47,6 +47,10 @@ METHODS: dict[str, Callable[..., StreamMachine]] = {
 
 #: Methods releasing counts of events per time bucket (the input is an event table's time column).
 COUNT_METHODS = ("pegasus", "count_laplace", "count_smoothed")
+#: Methods whose partitioned release chooses one threshold for the fleet by default (``threshold_by``).
+POOLED_METHODS = ("tops", "pak")
+#: Methods whose blocks and levels follow the calendar when a partition's rows lie on a time grid.
+GRID_METHODS = ("hierarchy", "tops")
 
 
 @functools.cache

@@ -31,6 +31,7 @@ from typing import overload
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from dpsql import _progress, _validate
 from dpsql._fingerprint import fingerprint, values_digest
@@ -40,32 +41,35 @@ from dpsql.addresses import partition_address, partition_addresses, refuse_repea
 from dpsql.budget import Budget, default_budget
 from dpsql.errors import InvalidParameter, scrubbed
 from dpsql.ledger import CachedAnswer
-from dpsql.methods import machine_for, unsized_charge
+from dpsql.mechanisms.calendar import calendar_by_default
+from dpsql.methods import GRID_METHODS, POOLED_METHODS, machine_for, unsized_charge
 from dpsql.noise import DrawsBatch, Keystream
 from dpsql.parts import Descriptions, Keys, Parts
 from dpsql.records import describe
 from dpsql.release import PartitionedRelease, Release, StreamMachine, chunks_of, release_batched, run_machine
+from dpsql.streams.holdout import DEFAULT_HOLDOUT, pooled_by_key, pooled_counts
+from dpsql.timegrid import RowGrid, partition_grids
 
 
 @overload
 def publish(method: str, values, *, budget: Budget | None = ..., column: str = ..., partition_offsets: None = ...,
             partition_keys: None = ..., partition_levels: None = ..., order_keys: Sequence = ...,
-            fresh: bool = ..., note: str | None = ..., source: str | None = ..., progress: bool = ...,
-            **params) -> Release: ...
+            order_values=..., fresh: bool = ..., note: str | None = ..., source: str | None = ...,
+            progress: bool = ..., **params) -> Release: ...
 
 
 @overload
 def publish(method: str, values, *, budget: Budget | None = ..., column: str = ...,
             partition_offsets: Sequence[int], partition_keys: Sequence | None = ...,
-            partition_levels: Sequence[int] | None = ..., order_keys: Sequence = ..., fresh: bool = ...,
-            note: str | None = ..., source: str | None = ..., progress: bool = ...,
+            partition_levels: Sequence[int] | None = ..., order_keys: Sequence = ..., order_values=...,
+            fresh: bool = ..., note: str | None = ..., source: str | None = ..., progress: bool = ...,
             **params) -> Release | PartitionedRelease: ...
 
 
 def publish(method: str, values, *, budget: Budget | None = None, column: str = "values",
             partition_offsets: Sequence[int] | None = None, partition_keys: Sequence | None = None,
-            partition_levels: Sequence[int] | None = None, order_keys: Sequence = (), fresh: bool = False,
-            note: str | None = None, source: str | None = None, progress: bool = True,
+            partition_levels: Sequence[int] | None = None, order_keys: Sequence = (), order_values=None,
+            fresh: bool = False, note: str | None = None, source: str | None = None, progress: bool = True,
             **params) -> Release | PartitionedRelease:
     """Release ``values`` privately with ``method`` and charge ``budget`` once.
 
@@ -94,6 +98,11 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
     order_keys : sequence of arrays
         The public order (and partition) key columns in stream order, as the front end read
         them: part of what identifies the data for the answer cache.
+    order_values : array-like, optional
+        Each row's order key, in stream order: a partitioned ToPS or PAK release pools the
+        fleet's earliest rows to choose its threshold (``threshold_by="fleet"``, the default), as
+        a continual stream appended in time order does; without them, the first rows of every
+        partition by row number.
     fresh : bool
         Release anew (and charge) even if an identical release's answer is recorded.
     note : str, optional
@@ -111,9 +120,11 @@ def publish(method: str, values, *, budget: Budget | None = None, column: str = 
     data = _validate.values(values, column)
     offsets = _offsets(partition_offsets, len(data))
     addresses, keys = _addresses(partition_offsets, partition_keys, len(offsets) - 1)
+    if order_values is not None and len(order_values) != len(data):
+        raise InvalidParameter(f"order_values must give one order key per row ({len(data)}), got {len(order_values)}")
     request = _Request(method, data, offsets, addresses, partition_offsets is not None, keys,
                        partition_levels, list(order_keys), params, note,
-                       f"array of {len(data)} values" if source is None else source)
+                       f"array of {len(data)} values" if source is None else source, order_values)
     failure = None
     try:
         with _progress.shown(progress):
@@ -128,23 +139,24 @@ class _Request:
     noisy value and key in its own frames, so that they die with a failure."""
 
     def __init__(self, method, data, offsets, addresses, partitioned, keys, levels, order_keys, params, note,
-                 source):
+                 source, order_values=None):
         self.method, self.data, self.offsets, self.addresses = method, data, offsets, addresses
         self.partitioned, self.keys, self.levels, self.order_keys = partitioned, keys, levels, order_keys
-        self.params, self.note, self.source = params, note, source
+        self.params, self.note, self.source, self.order_values = params, note, source, order_values
         self.lengths = np.diff(offsets)
 
     def release(self, budget: Budget | None, *, fresh: bool) -> Release | PartitionedRelease:
         keystream = Keystream.fresh()
-        templates = self._templates(keystream)
+        plan = self._plan(keystream)
         levels = np.zeros(len(self.lengths), np.int64) if self.levels is None else np.asarray(self.levels, np.int64)
         if levels.shape != self.lengths.shape:
             raise InvalidParameter(f"partition_levels must give one level per partition ({len(self.lengths)}), "
                                    f"got {len(levels)}")
-        # the cost of each (level, length) pair present: machines of one length cost the same
-        pairs = np.unique(np.stack([levels, self.lengths], axis=1), axis=0).tolist()
-        costs = [templates[n].cost for _, n in pairs]
-        first = templates[int(self.lengths[0])]
+        # the cost of each (level, group) pair present: machines of one group cost the same
+        present = np.unique(levels * len(plan.templates) + plan.groups).tolist()
+        costs = [plan.templates[p % len(plan.templates)].cost for p in present]
+        pairs = [(p // len(plan.templates), p % len(plan.templates)) for p in present]
+        first = plan.templates[int(plan.groups[0])]
         charge = Charge(method=self.method, epsilon=compose([c[0] for c in costs], [lv for lv, _ in pairs]),
                         delta=compose([c[1] for c in costs], [lv for lv, _ in pairs]),
                         neighbour=Neighbour(first.neighbour), notion=Notion(first.notion), w=first.w,
@@ -152,8 +164,7 @@ class _Request:
                         source=self.source)
         if budget is None:
             _refuse_private_without_budget(keystream)
-            parts, values = _run_partitions(self.method, templates, self.data, self.offsets, keystream,
-                                            self.addresses, self.params)
+            parts, values = _run_partitions(self.method, plan, self.data, self.offsets, keystream, self.addresses)
             return self._assemble(parts, values, charge, release_id=None, first_handle=None)
         digest = self._fingerprint(budget, charge) if budget.caches else None
         if digest is not None and not fresh:
@@ -161,8 +172,7 @@ class _Request:
             if answered is not None:
                 return answered
         budget.check(charge)
-        parts, values = _run_partitions(self.method, templates, self.data, self.offsets, keystream, self.addresses,
-                                        self.params)
+        parts, values = _run_partitions(self.method, plan, self.data, self.offsets, keystream, self.addresses)
         release = self._assemble(parts, values, charge, release_id=None, first_handle=None)
         charge = Charge(**{**charge.__dict__, "method": parts[0].method, "params": _public(parts[0].params)})
         answer = None if digest is None else CachedAnswer(digest, keystream.private, keystream.key,
@@ -170,13 +180,29 @@ class _Request:
         receipt = budget.charge(charge, handles=len(values), description=describe(release), answer=answer)
         return self._assemble(parts, values, charge, release_id=receipt.release_id, first_handle=receipt.first_handle)
 
-    def _templates(self, keystream: Keystream) -> dict[int, StreamMachine]:
-        """One unfed machine per partition length, drawing from the first partition of that
-        length: machines of one length (and these parameters) are identical until fed, and cost
-        the same."""
-        lengths, first = np.unique(self.lengths, return_index=True)
-        return {n: machine_for(self.method, n, keystream.partition(self.addresses[k].as_py()), self.params)
-                for n, k in zip(lengths.tolist(), first.tolist())}
+    def _plan(self, keystream: Keystream) -> _Plan:
+        """The machines' parameters per partition, and one unfed machine per group of partitions
+        with one length and the same parameters (drawing from the group's first partition):
+        machines of one group are identical until fed, and cost the same. A partitioned ToPS or
+        PAK release with ``threshold_by="fleet"`` (the default) and no threshold given first
+        chooses the fleet's threshold from its pooled hold-out (:func:`fleet_threshold`); a
+        hierarchy or ToPS release whose partitions' order keys lie on a time grid (hourly, daily,
+        ...: :func:`~dpsql.timegrid.partition_grids`) gives each its ``grid``, so its blocks and
+        levels follow the calendar (unless ``calendar="none"``)."""
+        params = [self.params]
+        which = np.zeros(len(self.lengths), np.int64)
+        if self.partitioned and self.method in POOLED_METHODS and self.params.get("threshold") is None and \
+                self.params.get("threshold_by", "fleet") == "fleet":
+            params, which = fleet_threshold(self.method, self.data, self.lengths, self.addresses, keystream,
+                                            self.params, self.order_values)
+        if self.method in GRID_METHODS and self.order_values is not None and calendar_by_default(self.params):
+            grids = partition_grids(self.order_values, self.offsets)  # each partition's time grid (public keys)
+            if grids is not None and grids[1].any():
+                params, which = _with_grids(params, which, *grids)
+        _, first, inverse = np.unique(self.lengths * len(params) + which, return_index=True, return_inverse=True)
+        templates = {g: machine_for(self.method, int(self.lengths[k]), keystream.partition(self.addresses[k].as_py()),
+                                    params[int(which[k])]) for g, k in enumerate(first.tolist())}
+        return _Plan(inverse.reshape(-1), templates, [params[int(which[k])] for k in first.tolist()])
 
     def _answered(self, budget: Budget, digest: str, *, private: bool) -> Release | PartitionedRelease | None:
         """The budget's principal's identical earlier release, recomputed from its key over these
@@ -188,8 +214,8 @@ class _Request:
             return None
         record, answer = stored
         keystream = Keystream(answer.key, private=answer.private)
-        _, values = _run_partitions(self.method, self._templates(keystream), self.data, self.offsets, keystream,
-                                    self.addresses, self.params)
+        _, values = _run_partitions(self.method, self._plan(keystream), self.data, self.offsets, keystream,
+                                    self.addresses)
         if values_digest(values) != answer.digest:
             return None
         budget.record_hit(record, rows=len(self.data), note=self.note, source=self.source)
@@ -211,7 +237,8 @@ class _Request:
         data = self.addresses.buffers()[2]  # the addresses' bytes, and where each one ends
         addresses = np.frombuffer(data, dtype=np.uint8) if data is not None else np.empty(0, np.uint8)
         ends = np.frombuffer(self.addresses.buffers()[1], dtype=np.int64)
-        return fingerprint(header, [self.data, self.offsets, ends, addresses, *self.order_keys])
+        order = [] if self.order_values is None else [np.asarray(self.order_values)]
+        return fingerprint(header, [self.data, self.offsets, ends, addresses, *self.order_keys, *order])
 
 
 class DistributedRelease:
@@ -312,29 +339,90 @@ def _public(params: Mapping) -> dict:
     return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in params.items()}
 
 
-def _run_partitions(method: str, templates: dict[int, StreamMachine], data: np.ndarray, offsets: np.ndarray,
-                    keystream: Keystream, addresses: pa.Array, params: dict) -> tuple[Parts, np.ndarray]:
+@dataclasses.dataclass
+class _Plan:
+    """Partition ``k`` is released by a machine like ``templates[groups[k]]`` (built with
+    ``params[groups[k]]``): one length, one set of parameters per group."""
+
+    groups: np.ndarray
+    templates: dict[int, StreamMachine]
+    params: list[dict]
+
+
+
+
+def _with_grids(params: list[dict], which: np.ndarray, first: np.ndarray, step: np.ndarray
+                ) -> tuple[list[dict], np.ndarray]:
+    """``params`` (each partition's entry ``which``) with each partition's time grid (``first``
+    and ``step``; step 0: none): the distinct parameter sets and each partition's entry."""
+    first = np.where(step > 0, first, 0)
+    codes = [np.unique(column, return_inverse=True) for column in (which, first, step)]
+    combined = np.zeros(len(which), np.int64)
+    for distinct, inverse in codes:
+        combined = combined * len(distinct) + inverse.reshape(-1)
+    _, chosen, entry = np.unique(combined, return_index=True, return_inverse=True)
+    grids = [{**params[int(which[k])], **({"grid": RowGrid(int(first[k]), int(step[k])).plain()} if step[k] else {})}
+             for k in chosen.tolist()]
+    return grids, entry.reshape(-1)
+
+
+def fleet_threshold(method: str, data: np.ndarray, lengths: np.ndarray, addresses: pa.Array, keystream: Keystream,
+                    params: dict, order_values=None) -> tuple[list[dict], np.ndarray]:
+    """The fleet's threshold from its pooled hold-out (its earliest rows by ``order_values``, each
+    row's order key, ties by partition address, or without them the first rows of every partition
+    by row number then address; ``m`` rows in all: :mod:`dpsql.streams.holdout`), chosen
+    once by the method's rule from the fleet's draws (the unpartitioned address, which no
+    partition has) at ``(1 - holdout_share) * epsilon`` (a row is in the pool once, so the pool is
+    one mechanism); then the parameters of each partition's machine (the threshold, and how many
+    of its first rows were pooled: released at ``holdout_share * epsilon``, the rest at
+    ``epsilon``) as a list of distinct parameter sets and each partition's entry in it."""
+    total = int(lengths.sum())
+    m = DEFAULT_HOLDOUT if params.get("m") is None else _validate.integer(params["m"], "m", minimum=1)
+    if m >= total:
+        raise InvalidParameter(f"m (the fleet's pooled hold-out) must be < the number of values ({total}), got m={m}; "
+                               "pass a smaller m, or a threshold released before (threshold=)")
+    fleet = machine_for(method, total, keystream.partition(b""), {**params, "m": m})
+    rank = np.empty(len(lengths), np.int64)  # each partition's rank by address
+    rank[pc.sort_indices(addresses).to_numpy()] = np.arange(len(lengths))
+    if isinstance(order_values, list):  # a front end's chunks
+        order_values = pa.chunked_array(order_values)
+    if order_values is None:  # the first rows of every partition, by row number
+        counts = pooled_counts(np.zeros(len(lengths), np.int64), lengths, rank, m)
+    else:  # the fleet's earliest rows
+        counts = pooled_by_key(order_values, np.repeat(np.arange(len(lengths)), lengths), rank, m, len(lengths))
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    pool = data[np.repeat(starts, counts) + (np.arange(m) - np.repeat(np.cumsum(counts) - counts, counts))]
+    theta = fleet.pooled_threshold(pool)  # type: ignore[attr-defined]  # (a ThresholdedStream: POOLED_METHODS)
+    shared = {**{k: v for k, v in params.items() if k != "m"}, "threshold": theta}
+    if method == "pak":  # the pooled threshold's delta, paid by this release
+        shared["delta"] = fleet.cost[1]
+    distinct, which = np.unique(counts, return_inverse=True)
+    return [{**shared, "pooled_rows": int(c)} for c in distinct.tolist()], which.reshape(-1)
+
+
+def _run_partitions(method: str, plan: _Plan, data: np.ndarray, offsets: np.ndarray, keystream: Keystream,
+                    addresses: pa.Array) -> tuple[Parts, np.ndarray]:
     """The partitions' :class:`~dpsql.parts.Parts` (made when looked at), and all their values in one array.
 
-    ``templates`` holds one unfed machine per partition length (built with the draws of the
-    first partition of that length). Batchable machines release each group of equal-length
-    partitions in one run over a ``(k, n)`` view of their rows, each partition drawing from
-    its own address (all partitions' masks computed in one pass; a group of one is the
-    ordinary single stream); the others run partition by partition.
+    ``plan`` holds one unfed machine per group of partitions (one length, one set of parameters).
+    Batchable machines release each group in one run over a ``(k, n)`` view of its rows, each
+    partition drawing from its own address (all partitions' masks computed in one pass; a group
+    of one is the ordinary single stream); the others run partition by partition.
     """
     lengths = np.diff(offsets)
-    groups: list[tuple[int, np.ndarray]] = []  # (length, the partitions of that length)
-    order = np.argsort(lengths, kind="stable")
-    bounds = np.flatnonzero(np.diff(lengths[order])) + 1
+    groups: list[tuple[int, np.ndarray]] = []  # (group, its partitions)
+    order = np.argsort(plan.groups, kind="stable")
+    bounds = np.flatnonzero(np.diff(plan.groups[order])) + 1
     for members in np.split(order, bounds):
-        groups.append((int(lengths[members[0]]), members))
+        groups.append((int(plan.groups[members[0]]), members))
     kinds = np.empty(len(lengths), dtype=np.int64)
     makers: list = []
+    templates = plan.templates
     if next(iter(templates.values())).batchable and len(lengths) > 1:
         values = pooled_array(len(data))
         draws = keystream.partitions(addresses)
-        for n, members in groups:
-            template = templates[n]
+        for g, members in groups:
+            template, n = templates[g], int(lengths[members[0]])
             if len(members) == 1:
                 span = slice(int(offsets[members[0]]), int(offsets[members[0]]) + n)
                 run_machine(template, chunks_of(data[span]), n, values[span])
@@ -352,16 +440,17 @@ def _run_partitions(method: str, templates: dict[int, StreamMachine], data: np.n
                 makers += [(batch, int(j)) for j in first]
     else:
         spans = list(itertools.pairwise(offsets.tolist()))
-        first_of_length = {n: int(members[0]) for n, members in groups}
-        machines = [templates[b - a] if first_of_length[b - a] == k
-                    else machine_for(method, b - a, keystream.partition(addresses[k].as_py()), params)
+        first_of_group = {g: int(members[0]) for g, members in groups}
+        machines = [templates[int(plan.groups[k])] if first_of_group[int(plan.groups[k])] == k
+                    else machine_for(method, b - a, keystream.partition(addresses[k].as_py()),
+                                     plan.params[int(plan.groups[k])])
                     for k, (a, b) in enumerate(spans)]
         pieces = [run_machine(m, chunks_of(data[a:b]), b - a) for m, (a, b) in zip(machines, spans)]
         values = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         kinds[:] = np.arange(len(machines))
         makers = [(m, None) for m in machines]
     # a partition's outputs: one per row, or the machine's fixed number (a threshold: one)
-    per_partition = np.array([templates[n].n_outputs or n for n in lengths.tolist()]) if \
+    per_partition = np.array([templates[int(g)].n_outputs or int(n) for g, n in zip(plan.groups, lengths)]) if \
         any(t.n_outputs for t in templates.values()) else lengths
     outputs = np.concatenate([[0], np.cumsum(per_partition)])
     return Parts(Descriptions(kinds, makers), values, outputs, private=keystream.private), values

@@ -290,3 +290,34 @@ def ticks(times, column: str, datetime: bool) -> np.ndarray:
 
 def _numeric(value) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def partition_grids(keys, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The :class:`RowGrid` of every partition at once: ``(first, step)`` per partition (step 0
+    where its keys are not on a grid: one row, a gap, unequal steps), the rows ``offsets[k] ..
+    offsets[k + 1] - 1`` of ``keys`` (temporal, ascending within each partition) being partition
+    ``k``'s; None when the keys are not temporal (no partition has a calendar).
+
+    >>> hours = np.datetime64("2024-03-01") + np.arange(6) * np.timedelta64(1, "h")
+    >>> first, step = partition_grids(np.r_[hours[:3], hours[[0, 2, 3]]], np.array([0, 3, 6]))
+    >>> step.tolist()
+    [3600000000000, 0]
+    """
+    try:
+        times = ticks(keys, "order key", datetime=True)
+    except (InvalidData, InvalidParameter, InvalidTimeKey):
+        return None
+    starts, lengths = offsets[:-1], np.diff(offsets)
+    partitions = len(starts)
+    first = times[starts] if partitions else np.empty(0, np.int64)
+    steps = np.diff(times)  # partition [a, b)'s steps are steps[a : b - 1]
+    inside = np.ones(len(steps), bool)
+    inside[offsets[1:-1] - 1] = False  # the step from one partition's last row to the next one's first
+    owner = np.repeat(np.arange(partitions), np.maximum(lengths - 1, 0))
+    candidate = np.zeros(partitions, np.int64)
+    many = lengths >= 2
+    candidate[many] = steps[starts[many]]
+    differs = np.bincount(owner, weights=steps[inside] != candidate[owner], minlength=partitions) > 0
+    positive = np.maximum(candidate, 1)
+    good = many & ~differs & (candidate > 0) & ((DAY % positive == 0) | (candidate == DAY))
+    return first, np.where(good, candidate, 0)

@@ -1,6 +1,6 @@
-"""One append to a continual stream: the rows of a stream of values (:class:`RangeAppend`) or the
-events of a count stream (:class:`CountAppend`), validated, ordered and released, all partitions
-together (:mod:`dpsql.continual.fleet`), inside the one transaction that commits them.
+"""One append to a stream of values (:class:`RangeAppend`): its rows validated, ordered and
+released, all partitions together (:mod:`dpsql.continual.fleet`), inside the one transaction that
+commits them (count streams: :mod:`dpsql.continual.counts`).
 
 A stream of values releases every new row at once: with its final value when its machine outputs
 it (a per-row method, a block that completes), else with a *provisional* value, a prediction from
@@ -11,6 +11,7 @@ recorded (``dp_final`` says which); a row's values never change once recorded.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,28 +20,27 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dpsql import _validate
-from dpsql.continual.fleet import SHARD, Fleet, MachineClass, Shard, merge_classes, split_state
+from dpsql.continual.fleet import SHARD, MachineClass, Shard, merge_classes, split_state
 from dpsql.continual.state import (
     FINAL,
     TAG,
     StreamSpec,
-    bucket_starts,
     decoded,
     numeric,
     refuse_null_keys,
     same_type,
     short_tags,
 )
-from dpsql.errors import InvalidTimeKey, LateRow
+from dpsql.errors import InvalidTimeKey
 from dpsql.noise import DrawsBatch
 from dpsql.release import feed_into
-from dpsql.timegrid import instant, ticks
+from dpsql.timegrid import RowGrid, partition_grids, ticks
 
 if TYPE_CHECKING:
     from dpsql.continual.stream import Stream
 
 
-class _Released:
+class Released:
     """The rows an append releases, piece by piece: for the ledger's chunk (partition ordinal, row
     index, order key, value, final, tag) and for the caller."""
 
@@ -68,8 +68,32 @@ class _Released:
             else:
                 columns[name] = np.concatenate(parts)
         table = pa.table(columns)
-        order = np.lexsort((table["dp_index"].to_numpy(), table["dp_partition"].to_numpy()))
-        return table if (np.diff(order) == 1).all() else table.take(pa.array(order))
+        partition, index = table["dp_partition"].to_numpy(), table["dp_index"].to_numpy()
+        if len(partition) > 1 and not ((np.diff(partition) > 0) | ((np.diff(partition) == 0) & (np.diff(index) > 0))
+                                       ).all():
+            # by partition and row; a row released twice in one append (a lazy frame's later batch
+            # completed its block) keeps its last version
+            order = np.lexsort((index, partition))
+            last = np.append((np.diff(partition[order]) != 0) | (np.diff(index[order]) != 0), True)
+            table = table.take(pa.array(order[last]))
+        return table
+
+
+@dataclass
+class _New:
+    """An append's new rows, partition by partition (``counts[g]`` rows of partition
+    ``ordinals[g]`` from ``starts[g]``), with their value tags and the partitions' draws."""
+
+    ordinals: np.ndarray
+    starts: np.ndarray
+    counts: np.ndarray
+    keys: pa.Array
+    values: np.ndarray
+    tags: np.ndarray
+    rows_of_new: np.ndarray
+    draws: DrawsBatch
+    #: the rows still provisional after this append, of the partitions it fed (position, index, key, tag)
+    pending: list = field(default_factory=list)
 
 
 class RangeAppend:
@@ -82,10 +106,11 @@ class RangeAppend:
 
     def run(self) -> pa.Table:
         stream = self.stream
-        released, like = _Released(), None
+        released, like = Released(), None
         with stream._store.appending(stream.budget.scope, stream.name) as (conn, row):
             fleet = stream._fleet(conn, row)
             self.fleet = fleet
+            self.pool = stream._pool(fleet)
             self.since: dict[int, pa.Scalar | None] = {}  # each partition's watermark before this append
             for table in self.batches:  # one batch, or a lazy frame's sorted batches: one transaction
                 like = like or table
@@ -94,18 +119,29 @@ class RangeAppend:
             stream._commit(conn, row, fleet, released)
         return stream._appended(released, like)
 
-    def _batch(self, table: pa.Table, released: _Released) -> None:
+    def _batch(self, table: pa.Table, released: Released) -> None:
         frame, value = self._ordered(table)
         label = f"stream {self.stream.name!r}"
-        starts = _group_starts(frame, self.spec, label)
+        starts = group_starts(frame, self.spec, label)
         stops = np.append(starts[1:], frame.height)
         keys = frame.get_column(self.spec.order_by).to_arrow()
         values = self._values = frame.get_column(value).to_numpy()
         ordinals = self.stream._ordinals(self.fleet, frame, starts)
         shards = ordinals // SHARD
-        for index in np.unique(shards).tolist():
+        keys_by_shard, plans = {}, []
+        for index in np.unique(shards).tolist():  # repeats and late rows first, in every shard
             groups = np.flatnonzero(shards == index)
-            self._advance(self.fleet.shard(index), ordinals[groups], starts[groups], stops[groups], keys, values,
+            shard = self.fleet.shard(index)
+            keys_by_shard[index] = typed = same_type(keys, shard.watermark, self.stream)
+            first = self._past_watermark(shard, ordinals[groups], ordinals[groups] - index * SHARD, starts[groups],
+                                         stops[groups], typed, released)
+            plans.append((shard, groups, first))
+        if self.pool is not None:  # the fleet's pooled hold-out takes its rows first
+            news = np.concatenate([first for _, _, first in plans])
+            chosen = np.concatenate([groups for _, groups, _ in plans])
+            self.pool.add(ordinals[chosen], stops[chosen] - news, news, values, keys)
+        for shard, groups, first in plans:
+            self._advance(shard, ordinals[groups], first, stops[groups], keys_by_shard[shard.index], values,
                           released)
 
     def _ordered(self, table: pa.Table) -> tuple[pl.DataFrame, str]:
@@ -125,13 +161,12 @@ class RangeAppend:
         return frame.sort([*spec.partition_by, spec.order_by], maintain_order=True), value
 
     def _advance(self, shard: Shard, ordinals: np.ndarray, starts: np.ndarray, stops: np.ndarray,
-                 keys: pa.Array, values: np.ndarray, released: _Released) -> None:
-        """Release the rows ``starts[g]:stops[g]`` of the partitions ``ordinals`` (all in
-        ``shard``): repeats and late rows first, then every machine class's new rows at once."""
+                 keys: pa.Array, values: np.ndarray, released: Released) -> None:
+        """Release the new rows ``starts[g]:stops[g]`` of the partitions ``ordinals`` (all in
+        ``shard``): every machine class's at once (partitions waiting for their fleet's pooled
+        threshold: provisionally)."""
         stream = self.stream
         positions = ordinals - shard.index * SHARD
-        keys = same_type(keys, shard.watermark, stream)
-        starts = self._past_watermark(shard, ordinals, positions, starts, stops, keys, released)
         counts = stops - starts
         if not counts.any():
             return
@@ -142,8 +177,9 @@ class RangeAppend:
         tags = short_tags(draws.tags(np.repeat(np.arange(len(ordinals)), counts), values[rows_of_new]))
         where = np.full(shard.size, -1, dtype=np.int64)  # each touched position's place among the groups
         where[positions] = np.arange(len(positions))
+        new = _New(ordinals, starts, counts, keys, values, tags, rows_of_new, draws)
         classes: list[MachineClass] = []
-        for machine_class in _units(shard.classes, stream._batchable):
+        for machine_class in units(shard.classes, stream._batchable):
             members = machine_class.members
             touched = where[members] >= 0
             if not touched.any():
@@ -152,61 +188,158 @@ class RangeAppend:
             rest = np.flatnonzero(~touched)
             if len(rest):
                 classes.append(MachineClass(members[rest], None if machine_class.state is None else split_state(
-                    machine_class.state, len(members), rest)))
+                    machine_class.state, len(members), rest), machine_class.params))
             chosen = np.flatnonzero(touched)
-            for n in np.unique(counts[where[members[chosen]]]).tolist():
-                subset = chosen[counts[where[members[chosen]]] == n]
-                groups = where[members[subset]]
+            waiting = self.pool is not None and machine_class.params is None
+            if waiting and self.pool.threshold is None:  # the pool is not full: nothing to feed yet
+                classes.append(self._hold(shard, members[chosen], where[members[chosen]], new, released))
+                continue
+            pooled, backlog = (self.pool.partition_params(ordinals[where[members[chosen]]]) if waiting else
+                               (np.zeros(len(chosen), np.int64), None))
+            # partitions fed together: as many new rows, pooled rows and rows before
+            _, key = np.unique(np.stack([counts[where[members[chosen]]], pooled, shard.rows[members[chosen]]]),
+                               axis=1, return_inverse=True)
+            for value in np.unique(key).tolist():
+                picked = np.flatnonzero(key.reshape(-1) == value)
+                subset = chosen[picked]
                 state = None if machine_class.state is None else split_state(machine_class.state, len(members),
                                                                              subset)
-                classes.append(self._feed(shard, members[subset], state, groups, n, ordinals, starts, keys, values,
-                                          tags, rows_of_new, counts, draws, released))
+                params = self.pool.machine_params(int(pooled[picked[0]])) if waiting else machine_class.params
+                earlier = None if backlog is None else np.array([backlog[j][:int(shard.rows[members[s]])]
+                                                                 for j, s in zip(picked, subset)])
+                for on_grid, grid in self._grids(shard, members[subset], where[members[subset]], new, params,
+                                                 fresh=machine_class.state is None):
+                    classes.append(self._feed(shard, members[subset][on_grid], state if state is None else split_state(
+                        state, len(subset), on_grid), grid, None if earlier is None else earlier[on_grid],
+                        where[members[subset]][on_grid], new, released))
         shard.classes = merge_classes(classes, stream._batchable)
+        _replace_pending(shard, positions, new.pending)
         shard.rows[positions] += counts
         released.new_rows += int(counts.sum())
         last = pa.array(starts + counts - 1)
         shard.watermark = _set(shard.watermark, positions, keys.take(last), keys.type)
 
-    def _feed(self, shard: Shard, members: np.ndarray, state: dict | None, groups: np.ndarray, n: int,
-              ordinals, starts, keys: pa.Array, values: np.ndarray, tags: np.ndarray, rows_of_new, counts,
-              draws: DrawsBatch, released: _Released) -> MachineClass:
-        """Feed ``n`` new rows to each of the partitions ``members`` (one class, one position):
-        their batched machine, restored, gives the final values it outputs and provisional ones
-        for the rest; returns the class they form after."""
-        stream = self.stream
-        k = len(members)
+    def _grids(self, shard: Shard, members: np.ndarray, groups: np.ndarray, new: _New, params: dict | None, *,
+               fresh: bool) -> list[tuple[np.ndarray, dict | None]]:
+        """The partitions ``members`` (one position) by time grid, with their machines' parameters:
+        a partition first fed (``fresh``) whose order keys so far lie on a grid (hourly, daily, ...:
+        :func:`~dpsql.timegrid.partition_grids`) gets it, so its blocks and levels follow the
+        calendar; a partition on a grid must stay on it (its layout is fixed: a gap is refused)."""
+        stream, k, n = self.stream, len(members), int(new.counts[groups[0]])
         fed, final = int(shard.rows[members[0]]), int(shard.final[members[0]])
-        machine = stream._batch_machine(draws.take(groups), state)
-        rows = starts[groups][:, None] + np.arange(n)
-        chunk = values[rows] if stream._batchable else values[rows[0]]
-        room = np.empty((k, fed - final + n)) if stream._batchable else np.empty(fed - final + n)
-        out = feed_into(machine, chunk, room).reshape(k, -1)
+        grid = (params or {}).get("grid", stream.spec.params.get("grid"))
+        if grid is not None:
+            self._check_grid(RowGrid.of(grid), fed, new, groups)
+            return [(np.arange(k), params)]
+        if not fresh or not stream._calendar:
+            return [(np.arange(k), params)]
+        old_keys, _ = _pending(shard, members, final, fed)
+        keys = _interleaved(old_keys, new.keys.take(pa.array(_ranges(new.starts[groups], np.full(k, n)))),
+                            fed - final, n, k)
+        grids = partition_grids(keys, np.arange(k + 1) * (fed - final + n))
+        if grids is None:
+            return [(np.arange(k), params)]
+        first, step = np.where(grids[1] > 0, grids[0], 0), grids[1]
+        _, inverse = np.unique(np.stack([first, step]), axis=1, return_inverse=True)
+        out = []
+        for code in np.unique(inverse).tolist():
+            on_grid = np.flatnonzero(inverse.reshape(-1) == code)
+            j = int(on_grid[0])
+            grid_params = {"grid": RowGrid(int(first[j]), int(step[j])).plain()} if step[j] else {}
+            out.append((on_grid, {**(params or {}), **grid_params} if grid_params or params else None))
+        return out
+
+    def _check_grid(self, grid: RowGrid, fed: int, new: _New, groups: np.ndarray) -> None:
+        """Refuse new rows off a partition's time grid (a gap, a key between two slots)."""
+        n = int(new.counts[groups[0]])
+        rows = _ranges(new.starts[groups], np.full(len(groups), n))
+        times = ticks(new.keys.take(pa.array(rows)), f"stream {self.stream.name!r}: {self.spec.order_by}", True)
+        expected = grid.first + (fed + np.tile(np.arange(n), len(groups))) * grid.step
+        off = np.flatnonzero(times != expected)
+        if len(off):
+            shown = new.keys[int(rows[off[0]])].as_py()
+            raise InvalidTimeKey(f"stream {self.stream.name!r}: order key {shown!r} leaves "
+                                 f"its partition's time grid (every {grid.plain()['step']} from "
+                                 f"{grid.plain()['first']}, row {fed + int(off[0]) % n} expected at "
+                                 f"{np.datetime64(int(expected[off[0]]), 'ns')}): a partition on a grid keeps its "
+                                 "calendar blocks, so its rows come without gaps (nothing of this append was kept; "
+                                 "register the stream with calendar='none' for rows off a grid)")
+
+    def _feed(self, shard: Shard, members: np.ndarray, state: dict | None, params: dict | None,
+              earlier: np.ndarray | None, groups: np.ndarray, new: _New, released: Released) -> MachineClass:
+        """Feed the new rows (as many for each) of the partitions ``members`` (one class, one
+        position; ``groups``: theirs among ``new``'s): their batched machine, restored (and first
+        fed their ``earlier`` rows, a fleet's pooled ones, when it starts), gives the final values it
+        outputs and provisional ones for the rest; returns the class they form after."""
+        stream = self.stream
+        k, n = len(members), int(new.counts[groups[0]])
+        fed, final = int(shard.rows[members[0]]), int(shard.final[members[0]])
+        machine = stream._batch_machine(new.draws.take(groups), state, params)
+        chunk = new.values[new.starts[groups][:, None] + np.arange(n)]
+        if earlier is not None and earlier.shape[1]:
+            chunk = np.concatenate([earlier.reshape(k, -1), chunk], axis=1)
+        room = np.empty((k, fed - final + n))
+        out = feed_into(machine, chunk if stream._batchable else chunk[0], room if stream._batchable else room[0])
+        out = out.reshape(k, -1)
         waiting = machine.provisional()
         waiting = np.empty((k, 0)) if waiting is None else np.asarray(waiting).reshape(k, -1)
+        self._record(shard, members, groups, new, out, waiting, released, machine)
+        return MachineClass(members, machine.snapshot(), params)
+
+    def _hold(self, shard: Shard, members: np.ndarray, groups: np.ndarray, new: _New,
+              released: Released) -> MachineClass:
+        """Release the new rows of partitions waiting for their fleet's pooled threshold: each at
+        the middle of the public bounds (nothing is released yet to predict from)."""
+        lower = float(self.spec.params.get("lower", 0.0))
+        middle = lower + (float(self.spec.params["upper"]) - lower) / 2
+        fed, counts = shard.rows[members], new.counts[groups]
+        for ahead, n in np.unique(np.stack([fed, counts], axis=1), axis=0).tolist():  # one position, one count
+            same = np.flatnonzero((fed == ahead) & (counts == n))
+            waiting = np.full((len(same), ahead - int(shard.final[members[same[0]]]) + n), middle)
+            self._record(shard, members[same], groups[same], new, np.empty((len(same), 0)), waiting, released)
+        return MachineClass(members, None, None)
+
+    def _record(self, shard: Shard, members: np.ndarray, groups: np.ndarray, new: _New, out: np.ndarray,
+                waiting: np.ndarray, released: Released, machine=None) -> None:
+        """Record what partitions ``members`` (one position) release now: ``out`` final and
+        ``waiting`` provisional values of their rows ``final ..``: their earlier provisional rows
+        (keys and tags kept with them), then their new ones."""
+        k, n = len(members), int(new.counts[groups[0]])
+        fed, final = int(shard.rows[members[0]]), int(shard.final[members[0]])
         emitted, provisional = out.shape[1], waiting.shape[1]
-        if emitted + provisional != fed - final + n:
-            raise AssertionError(f"{type(machine).__name__} accounted for {emitted + provisional} rows, "
-                                 f"expected {fed - final + n}")
-        # the rows released now: the partition's earlier provisional rows, then the new ones
-        old_keys, old_tags = _pending(shard, members, final, fed)
-        new_positions = _ranges(starts[groups], np.full(k, n))
         count = fed - final + n
-        keys_now = _interleaved(old_keys, keys.take(pa.array(new_positions)), fed - final, n, k)
-        group_tags = tags[_ranges(np.searchsorted(rows_of_new, starts[groups]), np.full(k, n))]
+        if emitted + provisional != count:
+            raise AssertionError(f"{type(machine).__name__} accounted for {emitted + provisional} rows, "
+                                 f"expected {count}")
+        old_keys, old_tags = _pending(shard, members, final, fed)
+        keys_now = _interleaved(old_keys, new.keys.take(pa.array(_ranges(new.starts[groups], np.full(k, n)))),
+                                fed - final, n, k)
+        group_tags = new.tags[_ranges(np.searchsorted(new.rows_of_new, new.starts[groups]), np.full(k, n))]
         tags_now = np.concatenate([old_tags.reshape(k, -1), group_tags.reshape(k, n)], axis=1).reshape(-1)
         value_now = np.concatenate([out, waiting], axis=1).reshape(-1)
         final_now = np.tile(np.arange(count) < emitted, k)
-        ordinal_now = np.repeat(ordinals[groups], count)
         index_now = np.tile(np.arange(final, final + count, dtype=np.int64), k)
         public = {f"dp_{c}": pa.array(v) for c, v in machine.take_public().items()} if getattr(
             machine, "public_columns", ()) else None
-        released.add(ordinal_now, index_now, keys_now, value_now, final_now, tags_now, public)
+        # rows still provisional from earlier appends keep the value they were released at: not again
+        changed = final_now | (index_now >= fed)
+        if not changed.all():
+            picked = pa.array(np.flatnonzero(changed))
+            released.add(np.repeat(new.ordinals[groups], count)[changed], index_now[changed], keys_now.take(picked),
+                         value_now[changed], final_now[changed], tags_now[changed],
+                         None if public is None else {c: v.take(picked) for c, v in public.items()})
+        else:
+            released.add(np.repeat(new.ordinals[groups], count), index_now, keys_now, value_now, final_now, tags_now,
+                         public)
         shard.final[members] = final + emitted
-        _set_pending(shard, members, keys_now, tags_now, final_now, index_now)
-        return MachineClass(members, machine.snapshot())
+        waiting_rows = np.flatnonzero(~final_now)
+        new.pending.append(pa.table({"position": pa.array(np.repeat(members, count)[waiting_rows]),
+                                     "index": pa.array(index_now[waiting_rows]),
+                                     "key": keys_now.take(pa.array(waiting_rows)),
+                                     TAG: pa.array(tags_now[waiting_rows])}))
 
     def _past_watermark(self, shard: Shard, ordinals, positions, starts, stops, keys: pa.Array,
-                        released: _Released) -> np.ndarray:
+                        released: Released) -> np.ndarray:
         """Where each group's new rows start: rows at or below the partition's watermark must
         repeat rows appended before (returned as recorded), else the append is refused."""
         if shard.watermark is None or not len(positions):
@@ -238,16 +371,16 @@ class RangeAppend:
         return starts
 
 
-def _units(classes: list[MachineClass], batchable: bool) -> list[MachineClass]:
+def units(classes: list[MachineClass], batchable: bool) -> list[MachineClass]:
     """The classes as machines advance them: whole for batched machines, else one partition each
     (partitions that joined together share a class until they are first fed)."""
     if batchable:
         return classes
-    return [c if len(c.members) == 1 else MachineClass(c.members[j:j + 1], None) for c in classes
+    return [c if len(c.members) == 1 else MachineClass(c.members[j:j + 1], None, c.params) for c in classes
             for j in range(len(c.members) if c.state is None else 1)]
 
 
-def _group_starts(frame: pl.DataFrame, spec: StreamSpec, label: str, *, order: str | None = None,
+def group_starts(frame: pl.DataFrame, spec: StreamSpec, label: str, *, order: str | None = None,
                   unique_keys: bool = True) -> np.ndarray:
     """The first row of each partition of a sorted batch; refuses a key twice in one partition."""
     order = order or spec.order_by
@@ -288,25 +421,37 @@ def _interleaved(old: pa.Array, new: pa.Array, q: int, n: int, k: int) -> pa.Arr
 
 
 def _pending(shard: Shard, members: np.ndarray, final: int, fed: int) -> tuple[pa.Array, np.ndarray]:
-    """The keys and tags of the provisional rows ``final .. fed - 1`` of each of ``members``."""
+    """The keys and tags of the provisional rows ``final .. fed - 1`` of each of ``members``
+    (the pending table is sorted by position, then row)."""
     if fed == final or shard.pending is None:
         return pa.array([], pa.null()), np.empty(0, np.int32)
     pending = shard.pending
-    chosen = pending.filter(pc.is_in(pending["position"], value_set=pa.array(members)))
-    return chosen["key"].combine_chunks(), chosen[TAG].to_numpy()
+    chosen = np.zeros(shard.size, bool)
+    chosen[members] = True
+    rows = np.flatnonzero(chosen[pending["position"].to_numpy()])
+    return pending["key"].take(pa.array(rows)).combine_chunks(), pending[TAG].to_numpy()[rows]
 
 
-def _set_pending(shard: Shard, members: np.ndarray, keys: pa.Array, tags: np.ndarray, final: np.ndarray,
-                 indices: np.ndarray) -> None:
-    """Replace the provisional rows of ``members`` by those still provisional now."""
-    waiting = np.flatnonzero(~final)
-    rows = pa.table({"position": pa.array(np.repeat(members, len(final) // max(len(members), 1))[waiting]),
-                     "index": pa.array(indices[waiting]), "key": keys.take(pa.array(waiting)),
-                     TAG: pa.array(tags[waiting])})
+def _replace_pending(shard: Shard, members: np.ndarray, rows: list[pa.Table]) -> None:
+    """The provisional rows of ``members`` are now ``rows`` (tables of position, index, key, tag):
+    the shard's pending table, still sorted by position, then row."""
+    if not len(members):
+        return
+    touched = np.zeros(shard.size, bool)
+    touched[members] = True
+    pieces = [r for r in rows if r.num_rows]
     if shard.pending is not None and shard.pending.num_rows:
-        kept = shard.pending.filter(pc.invert(pc.is_in(shard.pending["position"], value_set=pa.array(members))))
-        rows = pa.concat_tables([kept, rows.cast(kept.schema)]) if kept.num_rows else rows
-    shard.pending = rows.sort_by([("position", "ascending"), ("index", "ascending")]) if rows.num_rows else None
+        kept = np.flatnonzero(~touched[shard.pending["position"].to_numpy()])
+        if len(kept):
+            pieces.insert(0, shard.pending.take(pa.array(kept)))
+    if not pieces:
+        shard.pending = None
+        return
+    table = pa.concat_tables(pieces, promote_options="permissive") if len(pieces) > 1 else pieces[0]
+    positions = table["position"].to_numpy()
+    if len(pieces) > 1 and (np.diff(positions) < 0).any():  # each piece is sorted by position, then row
+        table = table.take(pa.array(np.argsort(positions, kind="stable")))
+    shard.pending = table
 
 
 def _set(column: pa.Array | None, positions: np.ndarray, values: pa.Array, kind: pa.DataType) -> pa.Array:
@@ -318,138 +463,3 @@ def _set(column: pa.Array | None, positions: np.ndarray, values: pa.Array, kind:
     joined = pa.concat_arrays([base, values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values])
     picks = np.where(chooser >= 0, len(base) + chooser, index)
     return joined.take(pa.array(picks))
-
-
-class CountAppend:
-    """One append of events to a count stream (see :meth:`Stream.append`). Every partition closes
-    its buckets together (up to the stream's ``closed`` fact), each by its own machine."""
-
-    def __init__(self, stream: Stream, batches, until):
-        self.stream = stream
-        self.spec: StreamSpec = stream.spec
-        self.batches = batches
-        self.until = until
-
-    def run(self) -> pa.Table:
-        stream = self.stream
-        released, like = _Released(), None
-        with stream._store.appending(stream.budget.scope, stream.name) as (conn, row):
-            fleet = self.fleet = stream._fleet(conn, row)
-            closed = int(fleet.facts.get("closed", 0))
-            target = closed if self.until is None else self._closing(closed)
-            for table in self.batches:
-                like = like or table
-                self._count(fleet, self._bucketed(table), closed)
-            self._close(fleet, target, released)
-            fleet.facts["closed"] = max(closed, target)
-            stream._commit(conn, row, fleet, released)
-        return stream._appended(released, like)
-
-    def _bucketed(self, table: pa.Table) -> pl.DataFrame:
-        """The batch's events with their buckets (events before the grid's start dropped), by partition."""
-        spec, label = self.spec, f"stream {self.stream.name!r}"
-        frame = decoded(pl.from_arrow(table), spec.partition_by)
-        refuse_null_keys(frame, spec, label)
-        buckets = spec.grid.buckets(ticks(table[spec.order_by], f"{label}: {spec.order_by}", spec.datetime))
-        frame = frame.with_columns(pl.Series("__bucket", buckets)).filter(pl.col("__bucket") >= 0)
-        return frame.sort([*spec.partition_by, "__bucket"], maintain_order=True)
-
-    def _count(self, fleet: Fleet, frame: pl.DataFrame, closed: int) -> None:
-        """Add a batch's events to their partitions' open buckets (refusing late ones)."""
-        if not frame.height:
-            return
-        stream = self.stream
-        buckets = frame.get_column("__bucket").to_numpy()
-        late = buckets < closed
-        if late.any():
-            raise LateRow(f"stream {stream.name!r}: an event at {self._time_of(int(buckets[late][0]))} falls in a "
-                          f"bucket already released (the stream is closed up to {self._time_of(closed)}); nothing "
-                          "of this append was kept")
-        starts = _group_starts(frame, self.spec, f"stream {stream.name!r}", order="__bucket", unique_keys=False)
-        ordinals = stream._ordinals(fleet, frame, starts)
-        which = np.repeat(ordinals, np.diff(np.append(starts, frame.height)))
-        for index in np.unique(which // SHARD).tolist():
-            mine = which // SHARD == index
-            shard = fleet.shard(index)
-            events = pa.table({"position": pa.array(which[mine] - index * SHARD), "bucket": pa.array(buckets[mine]),
-                               "count": pa.array(np.ones(int(mine.sum())))})
-            if shard.counts is not None and shard.counts.num_rows:
-                events = pa.concat_tables([shard.counts, events])
-            summed = events.group_by(["position", "bucket"]).aggregate([("count", "sum")])
-            shard.counts = pa.table({"position": summed["position"], "bucket": summed["bucket"],
-                                     "count": summed["count_sum"]})
-
-    def _closing(self, closed: int) -> int:
-        grid = self.spec.grid
-        until = instant(self.until, "until") if grid.datetime else _validate.real(self.until, "until")
-        target = int(grid.buckets(np.array([until]))[0])
-        if target < closed:
-            from dpsql.errors import InvalidParameter
-
-            raise InvalidParameter(f"stream {self.stream.name!r}: until={self.until!r} is earlier than the buckets "
-                                   f"already closed (up to {self._time_of(closed)})")
-        return target
-
-    def _close(self, fleet: Fleet, target: int, released: _Released) -> None:
-        """Release every partition's buckets up to ``target`` (empty ones as zeros): each class of
-        partitions at one position by one (batched) machine."""
-        stream = self.stream
-        for index in range(-(-fleet.partitions // SHARD)):
-            shard = fleet.shard(index)
-            if not (shard.rows < target).any():
-                continue
-            counts = self._open_counts(shard, target)
-            classes: list[MachineClass] = []
-            for machine_class in _units(shard.classes, stream._batchable):
-                members = machine_class.members
-                fed = shard.rows[members]
-                for start in np.unique(fed).tolist():
-                    chosen = np.flatnonzero(fed == start)
-                    state = None if machine_class.state is None else split_state(machine_class.state, len(members),
-                                                                                 chosen)
-                    if start >= target:
-                        classes.append(MachineClass(members[chosen], state))
-                        continue
-                    classes.append(self._release(shard, members[chosen], state, counts, start, target, released))
-            shard.classes = merge_classes(sorted(classes, key=lambda c: int(c.members[0])), stream._batchable)
-            if shard.counts is not None and shard.counts.num_rows:
-                kept = shard.counts.filter(pc.greater_equal(shard.counts["bucket"], target))
-                shard.counts = kept if kept.num_rows else None
-
-    def _open_counts(self, shard: Shard, target: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Each position's counted buckets before ``target``: ``(buckets, counts)``."""
-        counts = shard.counts
-        if counts is None or not counts.num_rows:
-            return {}
-        due = counts.filter(pc.less(counts["bucket"], target)).sort_by("position")
-        positions = due["position"].to_numpy()
-        bounds = np.flatnonzero(np.diff(positions)) + 1
-        return {int(p[0]): (b, c) for p, b, c in zip(np.split(positions, bounds), np.split(due["bucket"].to_numpy(),
-                                                                                          bounds),
-                                                     np.split(due["count"].to_numpy(), bounds))}
-
-    def _release(self, shard: Shard, members: np.ndarray, state: dict | None, counts: dict, start: int, target: int,
-                 released: _Released) -> MachineClass:
-        """Buckets ``start .. target - 1`` of the partitions ``members`` (one position), released."""
-        stream = self.stream
-        k, n = len(members), target - start
-        matrix = np.zeros((k, n))
-        for j, position in enumerate(members.tolist()):
-            if position in counts:
-                buckets, values = counts[position]
-                matrix[j, buckets - start] = values
-        ordinals = shard.index * SHARD + members
-        machine = stream._batch_machine(stream._draws(self.fleet, ordinals), state)
-        out = np.asarray(machine.feed(matrix if stream._batchable else matrix[0])).reshape(k, -1)
-        public = {f"dp_{c}": pa.array(v) for c, v in machine.take_public().items()} if getattr(
-            machine, "public_columns", ()) else None
-        emitted = out.shape[1]
-        buckets = np.tile(np.arange(start, start + emitted, dtype=np.int64), k)
-        released.add(np.repeat(ordinals, emitted), buckets, bucket_starts(buckets, self.spec), out.reshape(-1),
-                     np.ones(k * emitted, bool), np.zeros(k * emitted, np.int32), public)
-        released.new_rows += k * emitted
-        shard.rows[members] = shard.final[members] = target
-        return MachineClass(members, machine.snapshot())
-
-    def _time_of(self, bucket: int):
-        return bucket_starts(np.array([bucket]), self.spec)[0].as_py()

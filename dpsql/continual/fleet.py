@@ -41,11 +41,13 @@ SHARD = 1 << 16
 
 @dataclass
 class MachineClass:
-    """Partitions (positions in their shard, ascending) at one machine position, and the
-    snapshot of the batched machine over them (None: nothing fed yet)."""
+    """Partitions (positions in their shard, ascending) at one machine position, the snapshot of
+    the batched machine over them (None: nothing fed yet) and the parameters their machine takes
+    besides the stream's (a fleet's pooled threshold and each one's pooled rows; None: none yet)."""
 
     members: np.ndarray
     state: dict | None = None
+    params: dict | None = None
 
 
 @dataclass
@@ -81,7 +83,7 @@ class Shard:
         return _state.pack({
             "rows": self.rows, "final": self.final,
             "watermark": None if self.watermark is None else table_bytes(pa.table({"key": self.watermark})),
-            "classes": [{"members": c.members, "state": c.state} for c in self.classes],
+            "classes": [{"members": c.members, "state": c.state, "params": c.params} for c in self.classes],
             "pending": None if self.pending is None else table_bytes(self.pending),
             "counts": None if self.counts is None else table_bytes(self.counts)})
 
@@ -90,7 +92,8 @@ class Shard:
         d = _state.unpack(data)
         return cls(index, np.asarray(d["rows"], np.int64), np.asarray(d["final"], np.int64),
                    None if d["watermark"] is None else table_of(d["watermark"])["key"].combine_chunks(),
-                   [MachineClass(np.asarray(c["members"], np.int64), c["state"]) for c in d["classes"]],
+                   [MachineClass(np.asarray(c["members"], np.int64), c["state"], c.get("params"))
+                    for c in d["classes"]],
                    None if d["pending"] is None else table_of(d["pending"]),
                    None if d["counts"] is None else table_of(d["counts"]))
 
@@ -152,6 +155,8 @@ def merge_classes(classes: list[MachineClass], batchable: bool) -> list[MachineC
     out: list[MachineClass] = []
     for c in classes:
         for o in out:
+            if o.params != c.params:
+                continue
             state = merged_state(o.state, len(o.members), c.state, len(c.members))
             if state is not None or (o.state is None and c.state is None):
                 order = np.argsort(np.concatenate([o.members, c.members]), kind="stable")

@@ -125,6 +125,7 @@ def convert(fleet: Fleet, store, conn, stream_row, partition_by, batchable: bool
         shard = fleet.shard(index)
         shard.classes = merge_classes(sorted(shard.classes, key=lambda c: int(c.members[0])), batchable)
     fleet.facts["closed"] = closed
+    fleet.facts["threshold_by"] = "partition"  # earlier versions chose a threshold per partition
     store.drop_legacy_partitions(conn, stream_row.release_id)
 
 

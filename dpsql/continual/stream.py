@@ -51,8 +51,10 @@ from dpsql._tables import arrow_batches
 from dpsql.accounting import Kind
 from dpsql.addresses import partition_address, partition_addresses
 from dpsql.continual import rows as stored
-from dpsql.continual.appends import CountAppend, RangeAppend
+from dpsql.continual.appends import RangeAppend
+from dpsql.continual.counts import CountAppend
 from dpsql.continual.fleet import SHARD, Fleet, split_state
+from dpsql.continual.pool import Pool, pools
 from dpsql.continual.state import (
     FINAL,
     ROW_COLUMN,
@@ -74,7 +76,8 @@ from dpsql.errors import (
     scrubbed,
 )
 from dpsql.ledger.streams import StreamRow, StreamStore
-from dpsql.methods import COUNT_METHODS, METHODS, check_method, machine_for, unsized_charge
+from dpsql.mechanisms.calendar import calendar_by_default
+from dpsql.methods import COUNT_METHODS, GRID_METHODS, METHODS, check_method, machine_for, unsized_charge
 from dpsql.noise import KEY_BYTES, LEGACY_SCHEME, Draws, DrawsBatch, Keystream
 from dpsql.release import Release
 from dpsql.timegrid import TimeGrid, duration, instant
@@ -283,7 +286,8 @@ class Stream:
         """Every released row's latest version (normalised chunks), and the directory."""
         directory = stored.directory(self._store, conn, self._store.get(self.budget.scope, self.name),
                                      self.spec.partition_by)
-        chunks = [stored.normalized(*chunk[:2], chunk[3]) for chunk in self._store.chunks(conn, self.release_id)]
+        chunks = [stored.normalized(ordinal, first_row, data)
+                  for ordinal, first_row, _rows, data in self._store.chunks(conn, self.release_id)]
         return stored.latest(chunks), directory
 
     def released(self, start=None, stop=None, partition=None) -> pa.Table:
@@ -292,12 +296,13 @@ class Stream:
         (its key, or a tuple for several partition columns)."""
         with self.budget.ledger.reading(f"read stream {self.name!r}") as conn:
             rows, directory = self._latest(conn)
-        if rows is None:
+        if rows is None or directory is None:
             return self._empty_output()
         if partition is not None:
             ordinal = self._ordinal_of(directory, partition)
             rows = rows.filter(pc.equal(rows["dp_partition"], ordinal)) if ordinal is not None else rows.slice(0, 0)
         table = self._output(rows, directory)
+        assert table is not None  # (rows were given)
         key = self.spec.order_by
         if start is not None:
             table = table.filter(pc.greater_equal(table[key], scalar_like(start, table[key].type)))
@@ -375,19 +380,21 @@ class Stream:
         lie within it)."""
         fleet = Fleet(self._store, conn, self._store.get(self.budget.scope, self.name), self.spec.partition_by)
         mine = None if rows is None else rows.filter(pc.equal(rows["dp_partition"], ordinal))
-        state = None
+        state, params = None, None
         if fleet.partitions:
             shard = fleet.shard(ordinal // SHARD)
             position = ordinal - shard.index * SHARD
             for machine_class in shard.classes:
                 where = np.flatnonzero(machine_class.members == position)
-                if len(where) and machine_class.state is not None:
-                    state = split_state(machine_class.state, len(machine_class.members), where)
+                if len(where):
+                    params = machine_class.params
+                    if machine_class.state is not None:
+                        state = split_state(machine_class.state, len(machine_class.members), where)
         else:  # a stream still stored per partition (converted by its next append)
             legacy = self._store.legacy_partitions(conn, self.release_id)
             state = stored.PartitionState.unpack(legacy[ordinal].state).machine
         draws = self._draws_of(directory, np.array([ordinal]))
-        machine = self._batch_machine(draws, state)
+        machine = self._batch_machine(draws, state, params)
         if mine is not None and getattr(machine, "public_columns", None):
             finals = mine.filter(mine[FINAL])
             machine.restore_public({c: finals[f"dp_{c}"].to_numpy() for c in machine.public_columns})
@@ -406,6 +413,11 @@ class Stream:
                           "neighbour": machine.neighbour, "notion": machine.notion})
 
     # -- helpers shared by the appends ------------------------------------------------------
+
+    @property
+    def _calendar(self) -> bool:
+        """Do the stream's partitions on a time grid get calendar blocks?"""
+        return self.spec.method in GRID_METHODS and calendar_by_default(self.spec.params)
 
     @property
     def _batchable(self) -> bool:
@@ -461,10 +473,20 @@ class Stream:
         column = "__noise_address" if "__noise_address" in directory.column_names else "__address"
         return self._keystream().partitions(directory[column].take(pa.array(ordinals)).combine_chunks())
 
-    def _batch_machine(self, draws: DrawsBatch, state: dict | None):
+    def _pool(self, fleet: Fleet) -> Pool | None:
+        """The fleet's pooled hold-out, for a partitioned stream whose threshold is the fleet's."""
+        if not pools(self.spec.method, self.spec.params, self.spec.partition_by) or \
+                fleet.facts.get("threshold_by") == "partition":  # a stream of an earlier version: its own way
+            return None
+        return Pool(fleet, self.spec.method, self.spec.params, self._keystream().partition(b""))
+
+    def _batch_machine(self, draws: DrawsBatch, state: dict | None, params: dict | None = None):
         """The machine of the partitions ``draws`` (one, for methods that release one at a time),
-        continued from ``state``."""
-        machine = machine_for(self.spec.method, None, draws[0], self.spec.params)
+        with the class's ``params`` beside the stream's (a fleet's threshold: no hold-out length of
+        its own), continued from ``state``."""
+        own = self.spec.params if params is None else {
+            **{k: v for k, v in self.spec.params.items() if k != "m"}, **params}
+        machine = machine_for(self.spec.method, None, draws[0], own)
         if self._batchable:
             machine = machine.batched(draws)
         if state is not None:
@@ -511,7 +533,8 @@ class Stream:
         fleet.commit()
         self._store.finish(conn, row, new_rows, fleet.partitions)
         # a row repeated and released again in this append (a hold-out completed): its latest version
-        rows = stored.latest([*released.recorded, *([chunk] if chunk is not None else [])])
+        rows = stored.latest([*released.recorded, *([chunk] if chunk is not None else [])]) if released.recorded \
+            else chunk
         released.output = self._output(rows, fleet.directory if fleet.partitions else None)
 
     def _appended(self, released, like: pa.Table | None) -> pa.Table:
@@ -523,7 +546,7 @@ class Stream:
 
     def _output(self, rows: pa.Table | None, directory: pa.Table | None) -> pa.Table | None:
         """Released rows as returned: partition columns, order key, value, dp_row, dp_final."""
-        if rows is None:
+        if rows is None or directory is None:
             return None
         ordinals = rows["dp_partition"].to_numpy()
         handles = directory["__first_handle"].to_numpy()[ordinals] + rows["dp_index"].to_numpy()

@@ -92,8 +92,9 @@ def release_ordered(context: Context, plan: Plan) -> tuple[dict[str, pa.ChunkedA
         partition_keys = pa.chunked_array(keys[plan.partition_by]).take(pa.array(offsets[:-1]))
     return keys, publish(plan.method, values, budget=context.budget, column=plan.value_col,
                                  partition_offsets=offsets, partition_keys=partition_keys,
-                                 order_keys=list(keys.values()), fresh=fresh, note=note, source=plan.reads,
-                                 **params)
+                                 order_keys=list(keys.values()),
+                                 order_values=None if plan.order_by is None else keys[plan.order_by], fresh=fresh,
+                                 note=note, source=plan.reads, **params)
 
 
 def orders_in_numpy(order_type: str, partition_type: str | None) -> bool:

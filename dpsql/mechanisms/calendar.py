@@ -50,6 +50,15 @@ CALENDARS = (*LEVEL_SHARES, "none")
 DEFAULT_CALENDAR = "day"
 
 
+def calendar_by_default(params: dict) -> bool:
+    """Do a release's parameters leave its blocks to the calendar when its rows lie on a time
+    grid (no grid, layout or predictive smoother given, the calendar not turned off)? Front ends
+    then give each partition the grid of its order keys."""
+    return (params.get("grid") is None and params.get("calendar", DEFAULT_CALENDAR) != "none"
+            and all(params.get(k) is None for k in ("r", "depth", "block"))
+            and params.get("smoother", "none") == "none")
+
+
 def level_epsilons(epsilon: float, shares: Sequence[float]) -> tuple[float, ...]:
     """``epsilon * share`` per level, the last one lowered (by rounding only) so that the levels
     never add up to more than ``epsilon`` in exact arithmetic.

@@ -67,6 +67,8 @@ class RowsInTimeOrder:
         self.partition_keys: pa.Table | list | None = None
         #: the order key column in time order (what identifies the data for the answer cache)
         self.order_keys: list = []
+        #: the order keys in time order, typed (datetimes as ``datetime64``): a time grid's calendar
+        self.order_values: np.ndarray | None = None
 
     def gather(self, values: np.ndarray) -> np.ndarray:
         return values[self.permutation]
@@ -134,6 +136,7 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
             rows = RowsInTimeOrder(ordered.permutation, ordered.offsets, bool(partition_names))
             # the times in order from the ordered keys: no gather of the column through the permutation
             rows.order_keys = [ordered.times().astype(physical.to_numpy().dtype, copy=False)]
+            rows.order_values = _typed(rows.order_keys[0], order.dtype)
             _set_partition_keys(rows, frame, partition_names)
             return rows, ordered.values
     rows = _sorted_by_columns(frame, order_name, partition_names, labels)
@@ -141,8 +144,19 @@ def time_order(frame: pl.DataFrame, values: np.ndarray, order_name: str, partiti
     if order.dtype in (pl.Int128, pl.UInt128):  # numpy has no 128-bit integers: their exact decimal text
         order = order.cast(pl.String)
     rows.order_keys = [order.to_numpy()[rows.permutation]]
+    rows.order_values = _typed(rows.order_keys[0], frame.get_column(order_name).dtype)
     _set_partition_keys(rows, frame, partition_names)
     return rows, rows.gather(values)
+
+
+def _typed(physical: np.ndarray, dtype) -> np.ndarray:
+    """Order keys as numpy holds their type: datetimes and dates as ``datetime64`` (a time grid's
+    calendar needs their unit), others as they are."""
+    if isinstance(dtype, pl.Datetime):  # (zoned: the physical value is the UTC instant)
+        return physical.view(f"datetime64[{dtype.time_unit}]")
+    if dtype == pl.Date:
+        return physical.astype(np.int64).view("datetime64[D]")
+    return physical
 
 
 def _set_partition_keys(rows: RowsInTimeOrder, frame: pl.DataFrame, partition_names: Sequence[str]) -> None:

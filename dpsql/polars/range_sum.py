@@ -119,7 +119,8 @@ def range_sum(value: pl.Expr, *, order_by=None, method: str = RANGE_SUM_METHOD, 
     def release(values: np.ndarray, rows: RowsInTimeOrder, column: str, source: str):
         return publish(method, values, budget=budget, column=column, note=note, source=source,
                        partition_offsets=rows.offsets if rows.partitioned else None,
-                       partition_keys=rows.partition_keys, order_keys=rows.order_keys, fresh=fresh, **params)
+                       partition_keys=rows.partition_keys, order_keys=rows.order_keys,
+                       order_values=rows.order_values, fresh=fresh, **params)
 
     def output(result, rows: RowsInTimeOrder) -> pl.Series:
         values = pl.Series(rows.scatter(result.values), dtype=pl.Float64)

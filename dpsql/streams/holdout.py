@@ -46,6 +46,9 @@ from dpsql.timegrid import RowGrid
 
 #: The hold-out length when none is given: fixed (a stream's length is unknown).
 DEFAULT_HOLDOUT = 4096
+#: Where a partitioned release's threshold comes from: one for the fleet, from the first rows of all
+#: its partitions pooled (``m`` rows in all), or one per partition, from each one's first ``m`` rows.
+THRESHOLD_BY = ("fleet", "partition")
 _MIN_THRESHOLD = 2.0**-30
 # The stream phase's segment of the error model reaches as far as any range asked for.
 _ANY_LENGTH = 1 << 62
@@ -79,11 +82,16 @@ class ThresholdedStream(StreamMachine):
 
     def __init__(self, n: int | None = None, *, epsilon: float, upper: float, lower: float = 0.0,
                  m: int | None = None, holdout_share: float = 0.5, threshold: float | None = None,
-                 noise: Draws):
+                 threshold_by: str = "fleet", pooled_rows: int | None = None, noise: Draws):
         self.epsilon = _validate.epsilon(epsilon)
         self.lower, self.upper = _validate.bounds(lower, upper)
         self.bound = self.upper - self.lower
+        self.threshold_by = _validate.choice(threshold_by, "threshold_by", THRESHOLD_BY)
         self.given_threshold = None
+        #: True for a partition of a fleet whose threshold came from a pooled hold-out (see module docstring)
+        self.pooled = pooled_rows is not None
+        if self.pooled and threshold is None:
+            raise InvalidParameter("pooled_rows is set by a fleet release, with the threshold of its pooled hold-out")
         if threshold is not None:
             theta = _validate.real(threshold, "threshold") - self.lower
             if not 0 < theta <= self.bound:
@@ -91,7 +99,7 @@ class ThresholdedStream(StreamMachine):
             self.given_threshold = theta
             if m is not None:
                 raise InvalidParameter("m (hold-out length) does not apply when a threshold is given")
-            self.m = 0
+            self.m = _validate.integer(pooled_rows, "pooled_rows", minimum=0) if self.pooled else 0
         else:
             self.m = DEFAULT_HOLDOUT if m is None else _validate.integer(m, "m", minimum=1)
             if n is not None and self.m >= n:
@@ -102,7 +110,7 @@ class ThresholdedStream(StreamMachine):
         # rounded so that the two hold-out charges never add up to more than epsilon
         self.epsilon_holdout = largest_share(self.epsilon, self.holdout_share * self.epsilon,
                                            rest=self.epsilon_threshold)
-        if self.given_threshold is None:
+        if self.given_threshold is None or self.m:
             self._check_holdout_epsilon()
         self._start(DrawsBatch([noise]))
 
@@ -135,12 +143,23 @@ class ThresholdedStream(StreamMachine):
         self._stream: StreamMachine | None = None
         self._holdout: HierarchyStream | None = None
         self._lead = ()
-        if self.given_threshold is not None:
+        if self.given_threshold is not None and not self.m:
             self._begin_stream(np.full(self.partitions, self.given_threshold), None)
 
     @property
     def cost(self) -> tuple[float, float]:
-        return self.epsilon, (0.0 if self.given_threshold is not None else self.threshold_delta)
+        # a threshold released before was paid for then; a fleet's pooled one by this release
+        return self.epsilon, (0.0 if self.given_threshold is not None and not self.pooled else self.threshold_delta)
+
+    def pooled_threshold(self, values: np.ndarray) -> float:
+        """The threshold of a fleet's pooled hold-out ``values`` (each row of the pool once), chosen
+        by this machine's rule from its own draws (the fleet's): ``(1 - holdout_share) * epsilon``
+        (and the method's delta) for all of them, as a single stream's hold-out costs; in data units.
+        The fleet's partitions then release their pooled rows (``pooled_rows``) at
+        ``holdout_share * epsilon`` and the rest at ``epsilon``, clipped at it."""
+        holdout = np.ascontiguousarray(np.clip(self._shift(np.asarray(values, dtype=np.float64)), 0.0, self.bound))
+        theta = np.clip(self._choose_thresholds(holdout[None, :]), _MIN_THRESHOLD * self.bound, self.bound)
+        return float(theta[0]) + self.lower
 
     @abstractmethod
     def _choose_thresholds(self, holdout: np.ndarray) -> np.ndarray:
@@ -211,7 +230,10 @@ class ThresholdedStream(StreamMachine):
         held = self._held[0] if len(self._held) == 1 else np.concatenate(self._held, axis=1)
         holdout = np.clip(self._shift(held), 0.0, self.bound)
         self._held = []
-        thresholds = np.clip(self._choose_thresholds(holdout), _MIN_THRESHOLD * self.bound, self.bound)
+        if self.given_threshold is not None:  # a fleet's, from the pool these rows were in
+            thresholds = np.full(self.partitions, self.given_threshold)
+        else:
+            thresholds = np.clip(self._choose_thresholds(holdout), _MIN_THRESHOLD * self.bound, self.bound)
         self._holdout = self._holdout_machine(thresholds)
         released = np.concatenate([self._holdout.feed(holdout), self._holdout.close()], axis=1)
         self._begin_stream(thresholds, np.clip(released.mean(axis=1), 0.0, thresholds))
@@ -280,6 +302,9 @@ class ThresholdedStream(StreamMachine):
                   "holdout_share": self.holdout_share, **self._method_params()}
         if self.given_threshold is not None:
             params["threshold"] = self.given_threshold + self.lower
+        if self.pooled:
+            params.update(threshold_by="fleet", pooled_rows=self.m)
+        if self.given_threshold is not None and not self.pooled:
             components = {}
         else:
             components = {"threshold": (self.epsilon_threshold, self.threshold_delta),
@@ -295,3 +320,80 @@ class ThresholdedStream(StreamMachine):
         return dict(method=self.method, params=params, threshold=float(self.thresholds[partition]) + self.lower,
                     error=error, components=components)
 
+
+
+def pooled_counts(start: np.ndarray, count: np.ndarray, order: np.ndarray, need: int) -> np.ndarray:
+    """How many rows each partition gives a fleet's pooled hold-out of ``need`` more rows: partition
+    ``p`` offers its rows ``start[p] .. start[p] + count[p] - 1`` (row numbers within it), and rows
+    are taken by row number, then by ``order`` (each partition's rank: by address), the first rows
+    of every partition first, until ``need`` are taken (all of them if fewer are offered).
+
+    >>> pooled_counts(np.zeros(3, np.int64), np.array([5, 1, 5]), np.array([0, 1, 2]), 6)
+    array([3, 1, 2])
+    """
+    start, count = np.asarray(start, np.int64), np.asarray(count, np.int64)
+    if need <= 0 or not len(count):
+        return np.zeros(len(count), np.int64)
+    if count.sum() <= need:
+        return count.copy()
+
+    def taken(row: int) -> int:  # rows offered with row numbers below ``row``
+        return int(np.clip(row - start, 0, count).sum())
+
+    low, high = int(start.min()), int((start + count).max())  # taken(low) < need <= taken(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if taken(middle) < need else (low, middle)
+    counts = np.clip(low - start, 0, count)  # every row numbered below ``low``
+    at_low = np.flatnonzero((start <= low) & (low < start + count))  # partitions offering row ``low``
+    chosen = at_low[np.argsort(order[at_low], kind="stable")][:need - int(counts.sum())]
+    counts[chosen] += 1
+    return counts
+
+
+def pooled_by_key(keys, partition_of_row: np.ndarray, partition_rank: np.ndarray, need: int,
+                  partitions: int) -> np.ndarray:
+    """How many rows each of ``partitions`` gives a fleet's pooled hold-out of ``need`` rows taken
+    by order key (``keys``, one per row: a numpy array or an Arrow array), ties by the partition's
+    rank (by address): the fleet's earliest rows. Each partition's keys ascend, so its pooled rows
+    are its first ones.
+
+    >>> pooled_by_key(np.array([5, 1, 2, 1, 3]), np.array([0, 1, 1, 2, 2]), np.array([0, 2, 1]), 3, 3)
+    array([0, 2, 1])
+    """
+    n = len(partition_of_row)
+    if need <= 0:
+        return np.zeros(partitions, np.int64)
+    if need >= n:
+        return np.bincount(partition_of_row, minlength=partitions).astype(np.int64)
+    ranks = partition_rank[partition_of_row]
+    numeric = _numeric_keys(keys)
+    if numeric is None:  # text and other keys: Arrow sorts them
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        order = pc.sort_indices(pa.table({"key": keys, "rank": ranks}), sort_keys=[("key", "ascending"),
+                                                                                   ("rank", "ascending")])
+        chosen = order.to_numpy()[:need]
+    else:
+        kth = np.partition(numeric, need - 1)[need - 1]  # the need-th smallest key
+        below = np.flatnonzero(numeric < kth)
+        ties = np.flatnonzero(numeric == kth)
+        chosen = np.concatenate([below, ties[np.argsort(ranks[ties], kind="stable")][:need - len(below)]])
+    return np.bincount(partition_of_row[chosen], minlength=partitions).astype(np.int64)
+
+
+def _numeric_keys(keys) -> np.ndarray | None:
+    """Order keys as numbers numpy compares (integers, floats, dates, times: their physical
+    values), or None for others (text)."""
+    if isinstance(keys, np.ndarray) and keys.dtype.kind in "iufMm":
+        return keys.view(np.int64) if keys.dtype.kind in "Mm" else keys
+    import pyarrow as pa
+
+    if isinstance(keys, (pa.Array, pa.ChunkedArray)):
+        kind = keys.type
+        if pa.types.is_integer(kind) or pa.types.is_floating(kind):
+            return keys.to_numpy()
+        if pa.types.is_temporal(kind):
+            return keys.cast(pa.int64() if kind.bit_width == 64 else pa.int32()).to_numpy()
+    return None

@@ -49,12 +49,13 @@ class PakStream(ThresholdedStream):
     def __init__(self, n: int | None = None, *, epsilon: float, upper: float, delta: float | None = None,
                  lower: float = 0.0, m: int | None = None, holdout_share: float = 0.15, tail_p: float = 0.005,
                  lam: float = 0.85, beta_lt: float = 0.006, rho: float = 1.0, horizon: int | None = None,
-                 threshold: float | None = None, noise: Draws):
+                 threshold: float | None = None, threshold_by: str = "fleet", pooled_rows: int | None = None,
+                 noise: Draws):
         # before the base class starts the stream phase, which a given threshold does at once
         self.horizon = None if horizon is None else _validate.integer(horizon, "horizon", minimum=1)
         super().__init__(n, epsilon=epsilon, upper=upper, lower=lower, m=m, holdout_share=holdout_share,
-                         threshold=threshold, noise=noise)
-        if threshold is not None:  # chosen (and paid for) before: no hold-out, no delta
+                         threshold=threshold, threshold_by=threshold_by, pooled_rows=pooled_rows, noise=noise)
+        if threshold is not None and not self.pooled:  # chosen (and paid for) before: no hold-out, no delta
             if delta:
                 raise InvalidParameter("delta does not apply to PAK with a given threshold (its stream phase is pure "
                                        "epsilon-DP)")

@@ -51,8 +51,8 @@ class ToPS(ThresholdedStream):
                  m: int | None = None, smoother: str = "none", window: int = 8, alpha: float = 0.6,
                  r: int | None = None, fanout: int = 16, depth: int | None = None, block: int | None = None,
                  holdout_share: float = 0.5, c: float = 60.0, step: float | None = None,
-                 levels_for_nm: str = "paper", threshold: float | None = None, grid=None,
-                 calendar: str = DEFAULT_CALENDAR, noise: Draws):
+                 levels_for_nm: str = "paper", threshold: float | None = None, threshold_by: str = "fleet",
+                 pooled_rows: int | None = None, grid=None, calendar: str = DEFAULT_CALENDAR, noise: Draws):
         (self.fanout, _, self.smoother, self.window, self.alpha, self.r, self.depth, self.block, self.grid,
          self.calendar) = check_hierarchy_options(fanout=fanout, consistency=True, smoother=smoother, window=window,
                                                alpha=alpha, r=r, depth=depth, block=block, grid=grid, calendar=calendar)
@@ -63,7 +63,7 @@ class ToPS(ThresholdedStream):
         self.step = default_step(bound) if step is None else _validate.real(step, "step", minimum=0.0, strict=True)
         self.levels_for_nm = _validate.choice(levels_for_nm, "levels_for_nm", NM_LEVELS)
         super().__init__(n, epsilon=epsilon, upper=upper, lower=lower, m=m, holdout_share=holdout_share,
-                         threshold=threshold, noise=noise)
+                         threshold=threshold, threshold_by=threshold_by, pooled_rows=pooled_rows, noise=noise)
         if threshold is None:  # refused now, not when the hold-out completes (a stream is charged before)
             try:
                 noisy_max_lattice(_validate.epsilon(self.epsilon_threshold))

@@ -58,8 +58,10 @@ def _one_shot(method, params, frame, seed):
     ordered = frame.sort(["meter", "ts"])
     keys, lengths = np.unique(ordered["meter"].to_numpy(), return_counts=True)
     with dpsql.testing.seeded(seed):
+        # the order keys: a fleet's pooled hold-out takes its earliest rows, as appends in time order do
         return keys, dpsql.publish(method, ordered["kwh"].to_numpy(), partition_offsets=np.r_[0, np.cumsum(lengths)],
-                                   partition_keys=keys.tolist(), epsilon=1.0, **params)
+                                   partition_keys=keys.tolist(), order_values=ordered["ts"].to_numpy(), epsilon=1.0,
+                                   **params)
 
 
 def _stream(budget, method, params, seed, name="s"):

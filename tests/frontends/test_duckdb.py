@@ -51,6 +51,11 @@ def ordering_path(request, monkeypatch):
     return request.param
 
 
+#: The table's order keys (hourly from the epoch, in time order): SQL gives them to the core, which
+#: derives from them the rows' time grid (calendar blocks) and a fleet's earliest rows.
+TS = (np.arange(1000) * 3600 * 10**6).astype("datetime64[us]")
+
+
 def _core(method, values, **params):
     """The release dpsql.publish gives (under the caller's seeded block: no budget needed)."""
     return dpsql.publish(method, values, **params)
@@ -88,7 +93,7 @@ def test_every_registered_stream_method_matches_the_core(con):
             out = con.sql(f"SELECT v FROM dp_range_sum('t', 'ts', 'v', method := '{method}', epsilon := 1, "
                           f"upper := 10{sql_params})").fetchnumpy()["v"]
         with dpsql.testing.seeded(9):
-            expected = _core(method, _data(1000), epsilon=1.0, upper=10.0, **params)
+            expected = _core(method, _data(1000), epsilon=1.0, upper=10.0, order_values=TS, **params)
         np.testing.assert_array_equal(out, expected.values, err_msg=method)
 
 
@@ -134,15 +139,17 @@ def test_window_error_bars_equal_the_release_error_model(con, method, partitione
                      RANGE BETWEEN INTERVAL 23 HOUR PRECEDING AND CURRENT ROW),
                whole AS ({'PARTITION BY g' if partitioned else ''})
         ORDER BY g, ts"""
-    values, groups = _data(1000), np.arange(1000) % 3
+    values, groups, ts = _data(1000), np.arange(1000) % 3, TS
     offsets = None
     if partitioned:
         values = np.concatenate([values[groups == k] for k in range(3)])
+        ts = np.concatenate([TS[groups == k] for k in range(3)])
         offsets = np.searchsorted(np.sort(groups), np.arange(4))
     with dpsql.testing.seeded(3):
         out = con.sql(query).pl()
     with dpsql.testing.seeded(3):
-        release = _core(method, values, epsilon=1.0, upper=10.0, partition_offsets=offsets, **params)
+        release = _core(method, values, epsilon=1.0, upper=10.0, partition_offsets=offsets, order_values=ts,
+                        **params)
     parts = release.parts if partitioned else (release,)
     for k, part in enumerate(parts):
         rows = out.filter(pl.col("g") == k)

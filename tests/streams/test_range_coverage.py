@@ -37,7 +37,11 @@ def windows(low, high, count, seed, shortest=3, longest=48):
 
 
 def release_many(method, values, k, seed, **params):
+    """``k`` independent releases of ``values``, as partitions of one release (each its own
+    threshold: these stand for independent streams)."""
     n = len(values)
+    if method in ("tops", "pak"):
+        params.setdefault("threshold_by", "partition")
     with seeded(seed):
         release = dpsql.publish(method, np.tile(values, k), partition_offsets=np.arange(0, k * n + 1, n), **params)
     return release

@@ -245,7 +245,7 @@ def test_holdout_total_is_unbiased():
     values = np.random.default_rng(4).uniform(0, 10, n)
     with seeded(5):
         release = dpsql.publish("tops", np.tile(values, k), partition_offsets=np.arange(0, k * n + 1, n),
-                                epsilon=0.5, upper=10.0, m=1000)
+                                epsilon=0.5, upper=10.0, m=1000, threshold_by="partition")
     errors = np.array([part.range_sum(0, 1000) - np.minimum(values[:1000], part.threshold).sum()
                        for part in release.parts])
     variances = np.array([part.range_variance(0, 1000) for part in release.parts])
@@ -261,7 +261,7 @@ def test_range_variance_across_the_holdout_matches_monte_carlo():
     k, n = 3000, 6000
     with seeded(12):
         release = dpsql.publish("tops", np.full(k * n, 3.0), partition_offsets=np.arange(0, k * n + 1, n),
-                                epsilon=1.0, upper=100.0)
+                                epsilon=1.0, upper=100.0, threshold_by="partition")
     starts, stops = np.array([0, 100, 4000, 4090, 10, 4096, 0, 5000]), np.array([n, 5000, 4200, 4100, 20, n, 4096,
                                                                                   5100])
     outs = np.concatenate([np.zeros((k, 1)), np.cumsum(release.values.reshape(k, n), axis=1)], axis=1)

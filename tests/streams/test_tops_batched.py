@@ -53,6 +53,8 @@ def test_batched_partitions_equal_their_single_streams(method, smoother):
     k, n = 6, 6000
     rows = _rows(k, n)
     params = dict(epsilon=0.8, upper=6000.0, lower=-5.0, smoother=smoother)
+    if method == "tops":  # each partition its own threshold, as alone
+        params["threshold_by"] = "partition"
     if smoother != "none":
         params["r"] = 2000
     with seeded(3) as release_keys:
@@ -69,7 +71,7 @@ def test_publish_groups_partitions_by_length():
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     values = np.concatenate([row[:length] for row, length in zip(_rows(len(lengths), max(lengths), 3), lengths)])
     keys_ = [f"p{j}" for j in range(len(lengths))]
-    params = dict(epsilon=1.0, upper=5000.0, smoother="mean")
+    params = dict(epsilon=1.0, upper=5000.0, smoother="mean", threshold_by="partition")
     with seeded(4) as release_keys:
         release = api.publish("tops", values, partition_offsets=offsets, partition_keys=keys_, **params)
     for j, (a, b) in enumerate(itertools.pairwise(offsets)):
@@ -83,10 +85,10 @@ def test_a_partitions_release_does_not_depend_on_the_others():
     offsets = np.arange(0, 4 * 5000 + 1, 5000)
     with seeded(6):
         four = api.publish("tops", rows.ravel(), partition_offsets=offsets, partition_keys=["a", "b", "c", "d"],
-                           epsilon=0.5, upper=4000.0)
+                           epsilon=0.5, upper=4000.0, threshold_by="partition")
     with seeded(6):
         two = api.publish("tops", rows[[2, 0]].ravel(), partition_offsets=offsets[:3], partition_keys=["c", "a"],
-                          epsilon=0.5, upper=4000.0)
+                          epsilon=0.5, upper=4000.0, threshold_by="partition")
     np.testing.assert_array_equal(two.part(0).values, four.part(2).values)
     np.testing.assert_array_equal(two.part(1).values, four.part(0).values)
 

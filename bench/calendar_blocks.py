@@ -34,7 +34,7 @@ same release here (identical values, the tightened spreading bound). A second ta
 and random-range MSEs on the synthetic families of ``bench/utility_range.py`` (given an hourly
 grid from 2020-01-01) against their BENCHMARKS figures' configuration.
 
-Run: PYTHONPATH=. python bench/calendar.py [--reps N] [--baseline CHECKOUT]
+Run: PYTHONPATH=. python bench/calendar_blocks.py [--reps N] [--baseline CHECKOUT]
 """
 
 from __future__ import annotations
@@ -285,7 +285,7 @@ def section(reps: int, baseline: str | None) -> str:
             "clipped total; `days = day before`: the share of days whose released total equals the previous "
             "day's; W24: MSE of every 24-row window sum; ranges: MSE of 1,000 ranges with both ends uniform. "
             "`traffic` is in sample (the README's example); the other tables are held out (module docstring of "
-            "`bench/calendar.py`). `rows, this branch`: the release without a grid (values identical to today's; "
+            "`bench/calendar_blocks.py`). `rows, this branch`: the release without a grid (values identical to today's; "
             "the spreading bound of a range inside one block tightened). `calendar, p95 threshold (what-if)`: the "
             "grid, and the threshold given as the 95th percentile of the first 4,096 rows, computed without "
             "privacy (so no hold-out: every row at the full epsilon), to show what a threshold chosen for daily "
@@ -318,7 +318,7 @@ def main() -> None:
     body = section(args.reps, args.baseline) + f"\n\nRun time {time.perf_counter() - started:.0f} s."
     baseline = " --baseline <checkout of main>" if args.baseline else ""
     write_section("calendar", "Calendar-aware hierarchy: daily, weekly and monthly totals", body,
-                  command=f"PYTHONPATH=. python bench/calendar.py --reps {args.reps}{baseline}")
+                  command=f"PYTHONPATH=. python bench/calendar_blocks.py --reps {args.reps}{baseline}")
 
 
 if __name__ == "__main__":
