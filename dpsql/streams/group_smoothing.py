@@ -122,13 +122,14 @@ class GroupedOrWhole:
         self._risk_before = np.full((1, 2), np.inf)
 
     def feed(self, y: np.ndarray, restarts: np.ndarray) -> Smoothed:
-        """Estimates for the next rows ``y`` (1-D); ``restarts[i]``: row ``i`` opens a group.
-        The result has the chosen smoother's ``values``, ``level``, ``weight``, ``spread`` and
-        ``length``, and ``whole`` (True where the whole-stream estimate was published), each
-        ``(1, rows)``."""
-        runs = (self._grouped.feed(y[None], restarts[None]), self._whole.feed(y[None]))
+        """Estimates for the next rows ``y`` (``(1, rows)``, as :meth:`AdaptiveSmoother.feed`);
+        ``restarts[0, i]``: row ``i`` opens a group. The result has the chosen smoother's
+        ``values``, ``level``, ``weight``, ``spread`` and ``length``, and ``whole`` (True where
+        the whole-stream estimate was published), each ``(1, rows)``."""
+        y = np.asarray(y, dtype=np.float64).reshape(1, -1)
+        runs = (self._grouped.feed(y, restarts), self._whole.feed(y))
         s2 = np.asarray(self.variance, dtype=np.float64)
-        terms = np.stack([cp_terms(out.values, y[None], 1.0 - out.weight
+        terms = np.stack([cp_terms(out.values, y, 1.0 - out.weight
                                    + level_share(out.level[0], out.weight[0], out.length[0])[None], s2)
                           for out in runs], axis=1)
         before, self._risk_before = risks_before(terms, self._risks, self._risk_before)

@@ -203,7 +203,8 @@ class PegasusStream(StreamMachine):
         derived ones (no format). Before format 3, ``"adaptive"`` was the grouped smoother."""
         given = self._given
         default_smoother, adaptive_share = FORMAT_DEFAULTS[snapshot_format]
-        smoother = _validate.choice(given["smoother"] or default_smoother, "smoother", SMOOTHERS)
+        smoother = default_smoother if given["smoother"] is None else given["smoother"]
+        smoother = _validate.choice(smoother, "smoother", SMOOTHERS)
         self.smoother = "grouped" if smoother == "adaptive" and snapshot_format != SNAPSHOT_FORMAT else smoother
         legacy = snapshot_format is None
         paper = legacy or self.smoother not in ADAPTIVE_SMOOTHERS
@@ -258,13 +259,9 @@ class PegasusStream(StreamMachine):
             estimates = smooth(units, self._perturber.granularity, group_start, self.smoother)[old:]
         else:
             restarts = group_start[old:] == np.arange(old, len(true))
-            if isinstance(self._smoother, GroupedOrWhole):
-                out = self._smoother.feed(noisy, restarts)
-                public["whole"] = out.whole[0]
-            else:
-                out = self._smoother.feed(noisy[None], restarts[None])
+            out = self._smoother.feed(noisy[None], restarts[None])
             estimates = out.values[0]
-            public.update(level=out.level[0], weight=out.weight[0], spread=out.spread[0])
+            public.update({name: getattr(out, name)[0] for name in self.public_columns if hasattr(out, name)})
         new_starts = starts[1:] if old else starts
         self._group_starts.append(new_starts + self._offset)
         self._public.add(public)

@@ -273,12 +273,12 @@ def test_the_grouped_or_whole_choice_in_any_chunks_and_snapshots_gives_the_one_s
     rng = np.random.default_rng(9)
     y = np.r_[rng.poisson(4.0, 3000), rng.poisson(12.0, 3000)].astype(np.float64)
     restarts = rng.random(6000) < 0.003
-    one_shot = GroupedOrWhole(8.0).feed(y, restarts)
+    one_shot = GroupedOrWhole(8.0).feed(y[None], restarts[None])
     assert 0 < one_shot.whole.mean() < 1
     smoother, at, parts = GroupedOrWhole(8.0), 0, []
     while at < len(y):
         step = int(rng.integers(1, 900))
-        parts.append(smoother.feed(y[at:at + step], restarts[at:at + step]))
+        parts.append(smoother.feed(y[None, at:at + step], restarts[None, at:at + step]))
         state = unpack(pack(smoother.snapshot()))
         smoother = GroupedOrWhole(8.0)
         smoother.restore(state)
