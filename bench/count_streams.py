@@ -34,14 +34,14 @@ seeded numpy generator: data, not privacy noise):
 adaptive smoother restarted at every group: ``smoother="grouped"``) run by today's code, on the
 same draws (the smoother's warm-up and the window candidates are today's). The figures of the
 code before issue 24 (commit 28083f4, this script without that row) are kept in
-:data:`BEFORE` and printed with the run.
+:data:`BEFORE` and printed with the run; that commit predates the noise redesign of 14f0104,
+so its seeded runs drew other noise (same laws) than today's.
 
 Run: ``python bench/count_streams.py`` (``--quick`` for a smoke run that writes nothing).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -49,8 +49,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _families import HOURLY_FAMILIES, shared, synthetic
-from _report import markdown_table, write_section
+from _families import HOURLY_FAMILIES, per_second, shared, synthetic
+from _report import markdown_table, report, run_options
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from dpsql import testing
@@ -89,14 +89,6 @@ stream, by the C_p risk of the rows before; the whole-stream one rarely loses it
 so the default now follows `count_smoothed` within the Grouper's share, and its re-smoothed window sums weigh
 the whole-stream levels too.
 """
-
-
-def per_second(hourly: np.ndarray, first_hour: int, hours: int, seed: int) -> np.ndarray:
-    """``hours`` hourly counts from ``first_hour`` as events at uniformly random seconds, counted per second."""
-    rng = np.random.default_rng(seed)
-    counts = hourly[first_hour:first_hour + hours].astype(np.int64)
-    seconds = np.repeat(np.arange(hours), counts) * 3600 + rng.integers(0, 3600, counts.sum())
-    return np.bincount(seconds, minlength=hours * 3600).astype(np.float64)
 
 
 def poisson_seconds(n: int, seed: int) -> np.ndarray:
@@ -161,13 +153,9 @@ def tables(sets, reps: int) -> tuple[str, str, dict]:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--reps", type=int, default=10)
-    args = parser.parse_args()
-    reps = 2 if args.quick else args.reps
+    quick, reps = run_options(default_reps=10)
     started = time.perf_counter()
-    sets = data_sets(args.quick)
+    sets = data_sets(quick)
     per_bucket, windows, _ = tables(sets, reps)
     described = "; ".join(f"{name}: {len(counts):,} steps, mean {counts.mean():.3g}, {window}-step windows"
                           for name, (_, counts, window) in sets.items())
@@ -177,14 +165,11 @@ def main():
             "within 1.1x of its figures before issue 24 on every smooth column, per bucket and per window.\n",
             "### Per-bucket MSE / count_laplace's\n", per_bucket,
             "\n### Window-sum MSE / count_laplace's (windows re-smoothed by default)\n", windows,
-            "\n### Before issue 24 (commit 28083f4, the same script, data and seeds)\n", BEFORE.strip(),
-            READING,
-            f"\nWhole run: {time.perf_counter() - started:.0f} s."]
-    text = "\n".join(body)
-    print(text)
-    if not args.quick:
-        write_section("count_streams", "Count streams on smooth and rough data", text,
-                      command=f"python bench/count_streams.py --reps {reps}")
+            "\n### Before issue 24 (commit 28083f4, the same script, data and seeds; draws before the noise "
+            "redesign of 14f0104)\n", BEFORE.strip(),
+            READING]
+    report("count_streams", "Count streams on smooth and rough data", body, started=started, quick=quick,
+           command=f"python bench/count_streams.py --reps {reps}")
 
 
 if __name__ == "__main__":

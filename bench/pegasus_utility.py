@@ -30,7 +30,6 @@ Each figure is the median over ``--reps`` runs (default 5) with seeded test keys
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -38,8 +37,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _families import DATA
-from _report import markdown_table, write_section
+from _families import DATA, per_second
+from _report import markdown_table, report, run_options
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from dpsql import testing
@@ -75,13 +74,6 @@ theta lets a group span a daily cycle; the default re-smoothing takes it only wh
 """
 
 
-def per_second(hourly: np.ndarray, hours: int) -> np.ndarray:
-    rng = np.random.default_rng(0)  # data, not privacy noise
-    counts = hourly[:hours].astype(np.int64)
-    seconds = np.repeat(np.arange(hours), counts) * 3600 + rng.integers(0, 3600, counts.sum())
-    return np.bincount(seconds, minlength=hours * 3600).astype(np.float64)
-
-
 def measure(counts: np.ndarray, window: int, reps: int) -> list[list]:
     truth = np.convolve(counts, np.ones(window), "valid")  # complete windows only
     rows = []
@@ -106,15 +98,11 @@ def measure(counts: np.ndarray, window: int, reps: int) -> list[list]:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--reps", type=int, default=5)
-    args = parser.parse_args()
-    reps = 2 if args.quick else args.reps
+    quick, reps = run_options(default_reps=5)
     started = time.perf_counter()
     hourly = np.loadtxt(DATA / "traffic_volume_hourly.csv", delimiter=",", skiprows=1, usecols=1)
-    hours = 6 if args.quick else 48
-    seconds = per_second(hourly, hours)
+    hours = 6 if quick else 48
+    seconds = per_second(hourly, 0, hours, seed=0)
     header = ["method", "epsilon", "MSE per step", "vs Laplace", "MSE window sum", "vs Laplace"]
     body = [f"Medians over {reps} runs with seeded test keystreams (the same noise for every method of a run). "
             "Paper-era defaults: median smoother, grouper share 0.2, theta = 5 / eps_g, window sums of the "
@@ -127,13 +115,9 @@ def main():
             markdown_table(header, measure(seconds, 60, reps)),
             f"\n### Hourly counts: traffic volume, {len(hourly):,} steps, mean {hourly.mean():.0f}, 24-hour windows\n",
             markdown_table(header, measure(hourly, 24, reps)),
-            READING,
-            f"\nWhole run: {time.perf_counter() - started:.0f} s."]
-    text = "\n".join(body)
-    print(text)
-    if not args.quick:
-        write_section("pegasus_utility", "PeGaSus and count smoothing", text,
-                      command="python bench/pegasus_utility.py")
+            READING]
+    report("pegasus_utility", "PeGaSus and count smoothing", body, started=started, quick=quick,
+           command="python bench/pegasus_utility.py")
 
 
 if __name__ == "__main__":
