@@ -398,12 +398,33 @@ class _Segments:
 _GEOMETRIC = np.outer(BETAS[1:], BETAS[1:]) / (1.0 - np.outer(BETAS[1:], BETAS[1:]))
 
 
+#: ``beta_k^j`` and ``beta_k^(4096 j)`` for ``j < 4096`` (levels ``k >= 1``): powers up to ``2^24`` by two
+#: lookups; beyond, every level's power is below ``exp(-2^24 / 2^12)``, zero in float64.
+_POWER_STEP = 4096
+_LOW_POWERS = BETAS[1:] ** np.arange(_POWER_STEP, dtype=np.float64)[:, None]
+_HIGH_POWERS = BETAS[1:] ** (_POWER_STEP * np.arange(_POWER_STEP, dtype=np.float64))[:, None]
+
+
+def _powers(m: np.ndarray) -> np.ndarray:
+    """``beta_k^m`` (``(len(m), LEVELS)``) for integers ``m >= 0``, to a few ulps (table lookups:
+    a float power per entry costs more than the rest of a range's variance)."""
+    m = np.minimum(m, _POWER_STEP**2 - 1)
+    return _LOW_POWERS[m % _POWER_STEP] * _HIGH_POWERS[m // _POWER_STEP]
+
+
 def _geometric_form(x: np.ndarray, y: np.ndarray, m: np.ndarray) -> np.ndarray:
     """``sum_{k,l} x_k y_l sum_{d=1}^{m} (beta_k beta_l)^d`` per row of ``x``, ``y`` (``(ranges,
     LEVELS)``), for ``m`` per range: ``x Q y - (x B) Q (y B)`` with ``B = beta^m``, since
     ``q_kl^m = beta_k^m beta_l^m`` (no per-range ``LEVELS^2`` arrays)."""
-    decay = BETAS[1:] ** m[:, None].astype(np.float64)
+    decay = _powers(m)
     return np.sum((x @ _GEOMETRIC) * y, axis=1) - np.sum(((x * decay) @ _GEOMETRIC) * (y * decay), axis=1)
+
+
+def _distinct(values: np.ndarray) -> np.ndarray:
+    """The sorted distinct values of an int64 array (by one sort: ``np.unique``'s hashing is
+    slower on the hundreds of thousands of rows a range query asks for)."""
+    ordered = np.sort(values)
+    return ordered[np.r_[True, ordered[1:] != ordered[:-1]]] if len(ordered) else ordered
 
 
 class AdaptiveNoise(ErrorModel):
@@ -517,26 +538,25 @@ class AdaptiveNoise(ErrorModel):
         from ``c = max(a, s(b))``), ``h_b`` and ``c`` for the squares of that loss, and the tails'
         ``J = h_a - beta^(b-a) h_b`` (``h_b`` only if ``b`` is in ``a``'s segment) with ``s(a)``."""
         n = self._n
-        beta = BETAS[1:]
         s_b = cut.start_of(np.minimum(b_rows, n - 1))
         inside = (b_rows < n) & (s_b < b_rows)  # outputs from b on share b's segment with the range
         s_a = cut.start_of(a_rows)
         tail = a_rows > s_a
         c = np.maximum(a_rows, s_b)
-        wanted = np.unique(np.concatenate([b_rows[inside], a_rows[tail]]))
+        wanted = _distinct(np.concatenate([b_rows[inside], a_rows[tail]]))
         h = self._suffix_at(share, cut, wanted)
         h_b, h_a = np.zeros((len(b_rows), LEVELS)), np.zeros((len(a_rows), LEVELS))
         h_b[inside] = h[np.searchsorted(wanted, b_rows[inside])]
         h_a[tail] = h[np.searchsorted(wanted, a_rows[tail])]
         loss = np.zeros(len(b_rows))
         if inside.any():
-            positions = np.unique(np.concatenate([b_rows[inside], c[inside]]))
+            positions = _distinct(np.concatenate([b_rows[inside], c[inside]]))
             p = self._prefix_sums_at(u, cut.resets, positions)
             x = (p[np.searchsorted(positions, b_rows[inside])]
-                 - beta ** (b_rows - c)[inside, None] * p[np.searchsorted(positions, c[inside])])
+                 - _powers((b_rows - c)[inside]) * p[np.searchsorted(positions, c[inside])])
             loss[inside] = -2.0 * np.sum(h_b[inside] * x, axis=1)
         same = (b_rows < n) & (s_b == s_a)
-        j = h_a - np.where((same & tail)[:, None], beta ** (b_rows - a_rows)[:, None] * h_b, 0.0)
+        j = h_a - np.where((same & tail)[:, None], _powers(b_rows - a_rows) * h_b, 0.0)
         return loss, h_b, c, j, s_a
 
     def range_variance(self, starts, stops):
@@ -552,10 +572,12 @@ class AdaptiveNoise(ErrorModel):
         terms = [self._cut_terms(cut, share, u, a_rows, b_rows) for cut, share in zip(self._cuts, shares)]
         for loss, *_ in terms:
             total += loss
-        for _, h_b, c, j, s_a in terms:  # squares, and every pair of cuts over the rows both reach
-            for _, other_h_b, other_c, other_j, other_s_a in terms:
-                total += _geometric_form(h_b, other_h_b, b_rows - np.maximum(c, other_c))
-                total += _geometric_form(j, other_j, a_rows - np.maximum(s_a, other_s_a))
+        # the squares of each cut's pieces, and twice the products of two cuts' over the rows both reach
+        for first, (_, h_b, c, j, s_a) in enumerate(terms):
+            for second, (_, other_h_b, other_c, other_j, other_s_a) in enumerate(terms[first:], start=first):
+                times = 1.0 if second == first else 2.0
+                total += times * _geometric_form(h_b, other_h_b, b_rows - np.maximum(c, other_c))
+                total += times * _geometric_form(j, other_j, a_rows - np.maximum(s_a, other_s_a))
         out.ravel()[np.flatnonzero(hit)] = self._variance * np.maximum(total, 0.0)
         return out
 
