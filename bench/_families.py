@@ -29,6 +29,15 @@ def shared(name: str) -> tuple[np.ndarray, float]:
     return np.loadtxt(DATA / file, delimiter=",", skiprows=1, usecols=1).astype(np.float64), bound
 
 
+def per_second(hourly: np.ndarray, first_hour: int, hours: int, seed: int) -> np.ndarray:
+    """``hours`` hourly counts from ``first_hour`` spread as that many events at uniformly random
+    seconds of their hours (a seeded generator: data, not privacy noise), counted per second."""
+    rng = np.random.default_rng(seed)
+    counts = hourly[first_hour:first_hour + hours].astype(np.int64)
+    seconds = np.repeat(np.arange(hours), counts) * 3600 + rng.integers(0, 3600, counts.sum())
+    return np.bincount(seconds, minlength=hours * 3600).astype(np.float64)
+
+
 def extended(values: np.ndarray, n: int) -> np.ndarray:
     """``values`` repeated to ``n`` rows, as the ToPS paper extends short streams."""
     return np.resize(values, n)

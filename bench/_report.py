@@ -27,6 +27,27 @@ def machine() -> str:
             f"{platform.python_version()}, numpy {np.__version__}")
 
 
+def run_options(default_reps: int) -> tuple[bool, int]:
+    """From the command line: ``--quick`` (a smoke run of 2 runs that writes nothing) and the
+    runs per figure (``--reps``, ``default_reps`` unless given)."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--reps", type=int, default=default_reps)
+    args = parser.parse_args()
+    return args.quick, 2 if args.quick else args.reps
+
+
+def report(name: str, title: str, parts: list[str], *, started: float, quick: bool, command: str) -> None:
+    """Print ``parts`` (markdown) with the run's duration since ``started`` and, unless ``quick``,
+    write them as section ``name`` of BENCHMARKS.md."""
+    text = "\n".join([*parts, f"\nWhole run: {time.perf_counter() - started:.0f} s."])
+    print(text)
+    if not quick:
+        write_section(name, title, text, command=command)
+
+
 def write_section(name: str, title: str, body: str, command: str | None = None) -> None:
     """Replace section ``name`` of BENCHMARKS.md with ``body`` (markdown)."""
     command = command or "python " + " ".join(sys.argv)

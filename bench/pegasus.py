@@ -142,10 +142,10 @@ def main():
     hourly = np.loadtxt(DATA, delimiter=",", skiprows=1, usecols=1)
     body = [f"Data: `traffic_volume_hourly.csv` ({len(hourly):,} hourly counts, mean {hourly.mean():.0f}). "
             f"Each figure is the mean over {runs} runs with fresh OS-CSPRNG noise; PeGaSus at its defaults for "
-            "each smoother (median, average, js: grouper share 0.2, theta = 5 / eps_g; adaptive: share 0.02, "
-            "theta for 4096-step groups). Window sums as `window_sums` forms them by default (re-smoothed from the "
-            "noisy counts known at the window's end, except per-step Laplace's). Window MSE is over all complete "
-            "windows.\n",
+            "each smoother (median, average, js: grouper share 0.2, theta = 5 / eps_g; adaptive: share 0.004, "
+            "theta for 4096-step groups, the grouped or whole-stream estimate by risk). Window sums as "
+            "`window_sums` forms them by default (re-smoothed from the noisy counts known at the window's end, "
+            "except per-step Laplace's). Window MSE is over all complete windows.\n",
             f"### Hourly counts, {len(hourly):,} steps, {WINDOW_HOURS} h windows\n",
             ratio_table(accuracy(hourly, WINDOW_HOURS, runs))]
 

@@ -71,16 +71,19 @@ def pegasus(counts, *, epsilon: float, grouper_share: float | None = None, theta
     epsilon : float
         Total budget.
     grouper_share : float, optional
-        Share of ``epsilon`` for the Grouper, in (0, 1); default 0.02 with the adaptive
-        smoother (derived in :mod:`dpsql.streams.pegasus`: at most 5 % over per-step Laplace
-        where nothing smooths), 0.2 with the paper's smoothers.
+        Share of ``epsilon`` for the Grouper, in (0, 1); default 0.004 with the adaptive
+        smoothers (derived in :mod:`dpsql.streams.pegasus`: 0.8 % over per-step Laplace where
+        nothing smooths), 0.2 with the paper's smoothers.
     theta : float, optional
-        Grouper deviation threshold; default with the adaptive smoother: a constant stream's
+        Grouper deviation threshold; default with the adaptive smoothers: a constant stream's
         groups last 4096 steps on average (:func:`dpsql.streams.pegasus.default_theta`); with
         the paper's smoothers ``5 * sensitivity / eps_g``.
-    smoother : {"adaptive", "median", "average", "js"}, optional
-        Estimate from the noisy counts of the current group (up to now); default
-        ``"adaptive"`` (:mod:`dpsql.streams.smoothing`), ``"median"`` is the paper's.
+    smoother : {"adaptive", "grouped", "median", "average", "js"}, optional
+        Estimate from the noisy counts released up to now; default ``"adaptive"``: per
+        bucket, the adaptive smoother (:mod:`dpsql.streams.smoothing`) restarted at the
+        current group or run over the whole stream, whichever has the lower risk on the
+        buckets before (:class:`dpsql.streams.group_smoothing.GroupedOrWhole`, post-processing);
+        ``"grouped"`` always the restarted one; ``"median"`` is the paper's.
     sensitivity : float
         The most one neighbour changes one count.
     budget : dpsql.Budget, optional
@@ -91,8 +94,8 @@ def pegasus(counts, *, epsilon: float, grouper_share: float | None = None, theta
     dpsql.Release
         ``values`` are the estimates; ``error.range_variance`` is exact for ``average``
         and ``js``, an upper bound for ``median`` (see
-        :class:`dpsql.streams.pegasus.GroupPrefixNoise`) and exact given the smoother's
-        choices for ``adaptive`` (:class:`dpsql.streams.smoothing.AdaptiveNoise`); ``reports``
+        :class:`dpsql.streams.group_smoothing.GroupPrefixNoise`) and exact given the smoother's
+        choices for ``adaptive`` and ``grouped`` (:class:`dpsql.streams.smoothing.AdaptiveNoise`); ``reports``
         are the Perturber's noisy counts (public), from which window sums are re-smoothed.
 
     Examples

@@ -1,11 +1,14 @@
-"""PeGaSus's group smoothers (Chen et al., CCS 2017) and their error model.
+"""PeGaSus's group smoothers (Chen et al., CCS 2017), their error model, and the default
+Smoother that decides between the groups and the whole stream.
 
 The paper's Smoother is post-processing: the estimate of row ``t`` reads the noisy counts of
 its group's rows up to ``t`` and the released partition, nothing else. ``average`` releases
 their mean, ``median`` their median (mean of the two middle values for an even size) and
 ``js`` (James-Stein) ``(c~_t - mean) / |G| + mean``. :class:`GroupPrefixNoise` gives the noise
-variance of any range sum given the partition. Used by :class:`dpsql.streams.pegasus.PegasusStream`
-(which adds the adaptive smoother of :mod:`dpsql.streams.smoothing`).
+variance of any range sum given the partition. :class:`GroupedOrWhole` is the default
+(``smoother="adaptive"``): the adaptive smoother of :mod:`dpsql.streams.smoothing` restarted at
+every group, or the same smoother over the whole stream, whichever the released values say
+is better. Used by :class:`dpsql.streams.pegasus.PegasusStream`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from functools import cache
 import numpy as np
 
 from dpsql.error_models import ErrorModel
+from dpsql.streams.smoothing import AdaptiveSmoother, Smoothed, cp_terms, ewm_state, level_share, risks_before
 
 #: Group prefixes up to this size get their medians by batched sorting; longer groups
 #: run a two-heap running median.
@@ -85,6 +89,63 @@ def _running_median(values: list[float]) -> list[float]:
             heapq.heappush(lower, -heapq.heappop(upper))
         out.append(-lower[0] if len(lower) > len(upper) else (upper[0] - lower[0]) / 2)
     return out
+
+
+class GroupedOrWhole:
+    """PeGaSus's default Smoother: per row, the grouped or the whole-stream adaptive estimate,
+    whichever has the lower C_p risk over the rows before it.
+
+    Both are :class:`~dpsql.streams.smoothing.AdaptiveSmoother` runs over the Perturber's noisy
+    counts ``y`` (variance ``sigma2``): *grouped* restarts at the first row of every group of the
+    released partition (the paper's Smoother, which averages within groups), *whole* never
+    restarts (the per-bucket estimate of ``count_smoothed``, on these noisy counts). Given its
+    choices at row ``t``, each output is linear in ``y``, ``(1 - lam) y_t + lam m_k(t)``, with
+    weight ``o_t = 1 - lam + lam w_k(t)`` on ``y_t``, so ``(out_t - y_t)^2 + 2 sigma2 o_t - sigma2``
+    estimates its squared error without bias (C_p, clipped as the smoother's own). Both risks
+    are averaged over about ``MEMORY`` rows (:func:`~dpsql.streams.smoothing.risks_before`), and
+    row ``t`` publishes *whole* when its average before ``t`` is strictly lower, *grouped*
+    otherwise (ties, and the first row, keep PeGaSus's grouped estimate).
+
+    Post-processing: ``y`` and the partition are released (the Perturber's and the Grouper's
+    outputs, which ``epsilon`` pays for); both runs, their risks and the choice are functions of
+    them alone, so the choice costs nothing. The state (two smoothers' and two risk averages)
+    is public and a few kilobytes, and every step is the smoother's own piecewise arithmetic,
+    so a stream fed in any chunks, or snapshotted and restored between them, publishes the
+    same values bit for bit.
+    """
+
+    def __init__(self, variance: float):
+        self.variance = variance
+        self._grouped = AdaptiveSmoother(variance)
+        self._whole = AdaptiveSmoother(variance)
+        self._risks = ewm_state(1, 2)
+        self._risk_before = np.full((1, 2), np.inf)
+
+    def feed(self, y: np.ndarray, restarts: np.ndarray) -> Smoothed:
+        """Estimates for the next rows ``y`` (``(1, rows)``, as :meth:`AdaptiveSmoother.feed`);
+        ``restarts[0, i]``: row ``i`` opens a group. The result has the chosen smoother's
+        ``values``, ``level``, ``weight``, ``spread`` and ``length``, and ``whole`` (True where
+        the whole-stream estimate was published), each ``(1, rows)``."""
+        y = np.asarray(y, dtype=np.float64).reshape(1, -1)
+        runs = (self._grouped.feed(y, restarts), self._whole.feed(y))
+        s2 = np.asarray(self.variance, dtype=np.float64)
+        terms = np.stack([cp_terms(out.values, y, 1.0 - out.weight
+                                   + level_share(out.level[0], out.weight[0], out.length[0])[None], s2)
+                          for out in runs], axis=1)
+        before, self._risk_before = risks_before(terms, self._risks, self._risk_before)
+        whole = before[:, 1] < before[:, 0]
+        return Smoothed(whole=whole, **{name: np.where(whole, getattr(runs[1], name), getattr(runs[0], name))
+                                        for name in ("values", "level", "weight", "spread", "length")})
+
+    def snapshot(self) -> dict:
+        return {"grouped": self._grouped.snapshot(), "whole": self._whole.snapshot(), "risks": dict(self._risks),
+                "risk_before": self._risk_before.copy()}
+
+    def restore(self, state: dict) -> None:
+        self._grouped.restore(state["grouped"])
+        self._whole.restore(state["whole"])
+        self._risks = {**state["risks"], "count": int(state["risks"]["count"])}
+        self._risk_before = np.asarray(state["risk_before"], dtype=np.float64).copy()
 
 
 # -- Error model -------------------------------------------------------------------------------

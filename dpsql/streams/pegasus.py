@@ -13,10 +13,12 @@ Releases a stream of counts ``c_1, c_2, ...`` online. At each time ``t``:
   time ``t``: with ``G`` the group containing ``t`` (its rows up to ``t``),
   ``average`` releases ``mean(c~[G])``, ``median`` ``median(c~[G])`` (mean of the two
   middle values for an even size) and ``js`` (James-Stein)
-  ``(c~_t - mean(c~[G])) / |G| + mean(c~[G])``; ``adaptive`` (the default) releases the
-  adaptive smoother of :mod:`dpsql.streams.smoothing` restarted at every group's first row
-  (weighted means of the group so far over horizons of 2 to 4096 steps, the horizon and a
-  shrinkage toward ``c~_t`` chosen from the noisy counts already released).
+  ``(c~_t - mean(c~[G])) / |G| + mean(c~[G])``; ``grouped`` releases the adaptive smoother of
+  :mod:`dpsql.streams.smoothing` restarted at every group's first row (weighted means of the
+  group so far over horizons of 2 to 4096 steps, the horizon and a shrinkage toward ``c~_t``
+  chosen from the noisy counts already released); ``adaptive`` (the default) releases, row by
+  row, ``grouped``'s estimate or the same smoother's over the whole stream, whichever has the
+  lower C_p risk on the rows before (:class:`~dpsql.streams.group_smoothing.GroupedOrWhole`).
 
 Privacy: ``epsilon = eps_p + eps_g``-DP for add/remove-one-event neighbours, where one
 event changes one count by at most ``s`` (``sensitivity``, 1 for event counts; ``k`` for
@@ -42,13 +44,22 @@ step, and only the comparison is used.
 
 Defaults (the paper gives none in the text we follow; these are derived, not fitted)
 ------------------------------------------------------------------------------------
-* ``grouper_share = 0.02``. On a stream whose counts change from step to step by more than
-  the noise (hourly traffic with daily cycles), no smoother can beat the released noisy
-  count, so PeGaSus's error there is at least the Perturber's, ``2 s^2 / eps_p^2 = (1 -
-  share)^-2`` times per-step Laplace at the full epsilon. Allowing at most 5 % over Laplace
-  on such streams asks for ``share <= 1 - 1.05^-1/2 = 0.024``; 0.02 (4.1 % over Laplace)
-  leaves the adaptive smoother its own ~1 % on rough streams. (The earlier default
-  0.2 costs 56 % on such streams before any grouping error.)
+* ``grouper_share = 0.004``. On a stream whose counts change from step to step by more than
+  the noise (hourly counts with daily cycles), no smoother can beat the released noisy count,
+  so PeGaSus's error there is at least the Perturber's, ``2 s^2 / eps_p^2 = (1 - share)^-2``
+  times per-step Laplace at the full epsilon: no post-processing wins back the Grouper's
+  share. The default may lose at most 2 % to per-step Laplace (issue 24); half of that goes to
+  the share, ``share <= 1 - 1.01^-1/2 = 0.00496``, rounded down to 0.004 (0.8 % over Laplace),
+  the other half to the smoother's choices, which cost ``count_smoothed`` under 0.5 % on rough
+  streams. (Issue 14's 0.02 cost 4.1 % everywhere nothing smooths.) A small share gives up
+  little the adaptive smoother could use, roughly: after a long group, a change of level ``J``
+  lifts the group's deviation by about ``2 J`` a step and reaches the threshold below
+  (``58.7 s / eps_g``) after about ``29 s / (eps_g J)`` steps, while the smoother's guard, on
+  noisy counts of deviation ``sqrt 2 s / eps_p``, sees it after about ``(4.43 sqrt 2 s / (eps_p
+  J))^2 = 39 s^2 / (eps_p J)^2``. The Grouper is the sooner only for ``J < 1.34 s eps_g /
+  eps_p^2``, changes it takes over ``22 (eps_p / eps_g)^2`` steps to see: 52,000 at share 0.02,
+  over a million at 0.004. The groups stay (the paper's structure, and the ``grouped``
+  estimate the default weighs), and the default takes them only where the risk says so.
 * ``theta = b_q ln(3 L / 8)`` with ``b_q`` the scale of the Grouper's query noise (about
   ``8 s / eps_g``) and ``L = 2^12 = 4096``, the adaptive smoother's longest horizon. On a
   constant stream ``dev = 0`` and a group with noisy threshold ``theta + nu`` closes at each
@@ -57,21 +68,26 @@ Defaults (the paper gives none in the text we follow; these are derived, not fit
   group length ``(8 / 3) exp(theta / b_q) = L``: false restarts then leave the longest level
   its whole horizon on average. (The earlier ``theta = 5 s / eps_g`` is ``0.63 b_q``: mean
   groups of about 5 steps on a constant stream, fewer on real counts.)
-* ``smoother = "adaptive"``: it chooses its horizon (up to 4096 steps) and its shrinkage
-  toward ``c~_t`` from the C_p risk of the noisy counts, so on a rough stream it returns
-  ``c~_t`` (error: the Perturber's alone, the bound above) and on a smooth one averages as
-  far back as the guard allows; the paper's smoothers average the whole group so far, which
-  is right only where the group is constant. Measured in BENCHMARKS.md ("PeGaSus and count
-  smoothing") against the earlier defaults.
-* These two derived defaults assume the adaptive smoother, whose guard follows a change of
-  level inside a group within a few steps, so the Grouper only has to cut where the level
-  moves for long. The paper's smoothers (``median``, ``average``, ``js``) follow nothing
-  inside a group: with them a missed change persists until the group closes, so they keep
-  the paper-era defaults, ``grouper_share = 0.2`` and ``theta = 5 s / eps_g`` (a third-party
+* ``smoother = "adaptive"``: per row, the adaptive smoother restarted at the groups
+  (``grouped``) or over the whole stream, whichever has the lower C_p risk on the rows before
+  (:class:`~dpsql.streams.group_smoothing.GroupedOrWhole`; docs/algorithms.md, "How the
+  default decides"). Each chooses its horizon and shrinkage from the noisy counts, so on a
+  rough stream both return ``c~_t`` (error: the Perturber's alone, the bound above) and on a
+  smooth one average as far back as the guard allows; the whole-stream one never loses its
+  long horizons to a restart. The paper's smoothers average the whole group so far, which is
+  right only where the group is constant. Measured in BENCHMARKS.md ("Count streams on
+  smooth and rough data").
+* These derived defaults assume an adaptive smoother, whose guard follows a change of level
+  inside a group within a few steps, so the Grouper only has to cut where the level moves for
+  long. The paper's smoothers (``median``, ``average``, ``js``) follow nothing inside a group:
+  with them a missed change persists until the group closes, so they keep the paper-era
+  defaults, ``grouper_share = 0.2`` and ``theta = 5 s / eps_g`` (a third-party
   re-implementation's; mean groups of a few steps) unless given.
 
-Streams registered before these defaults (snapshots without a ``format``) keep the old
-ones (``0.2``, ``5 s / eps_g``, ``median``) for every parameter they did not set.
+Streams registered before these defaults keep the ones they were registered with, for every
+parameter they did not set: snapshots without a ``format``, the paper-era ones (``0.2``,
+``5 s / eps_g``, ``median``); snapshots of format 2 (issue 14), ``grouper_share = 0.02`` and the
+``grouped`` smoother (which format 2 called ``adaptive``).
 """
 
 from __future__ import annotations
@@ -87,25 +103,30 @@ from dpsql.mechanisms.svt import AboveThreshold
 from dpsql.noise import Draws
 from dpsql.release import StreamMachine
 from dpsql.streams.count_laplace import SMOOTHED_COLUMNS, PublicRows, count_neighbour, perturb_units
-from dpsql.streams.group_smoothing import GroupPrefixNoise, smooth
+from dpsql.streams.group_smoothing import GroupedOrWhole, GroupPrefixNoise, smooth
 from dpsql.streams.smoothing import LEVELS, AdaptiveNoise, AdaptiveSmoother
 
-SMOOTHERS = ("adaptive", "median", "average", "js")
+SMOOTHERS = ("adaptive", "grouped", "median", "average", "js")
+#: The smoothers the derived defaults are for (the others are the paper's).
+ADAPTIVE_SMOOTHERS = ("adaptive", "grouped")
 #: Steps after a group's start for which the first "above" is searched for every possible
 #: start at once; longer groups continue in :func:`_first_above_long`.
 SHORT_GROUP = 20
 #: ... unless a round resolves less than this share of the starts still open.
 MIN_RESOLVED_SHARE = 0.01
-DEFAULT_GROUPER_SHARE = 0.02
-DEFAULT_SMOOTHER = "adaptive"
+DEFAULT_GROUPER_SHARE = 0.004
 #: Mean length of a constant stream's groups under the default theta: the adaptive
 #: smoother's longest horizon.
 GROUP_LENGTH = 2**LEVELS
-#: The defaults before the derived ones (a third-party re-implementation's), kept for
-#: streams registered with them.
-LEGACY_DEFAULTS = {"grouper_share": 0.2, "theta_times_scale": 5.0, "smoother": "median"}
-#: Snapshot format of PegasusStream (absent: registered under the legacy defaults).
-SNAPSHOT_FORMAT = 2
+#: The paper-era defaults (a third-party re-implementation's): the paper's smoothers keep them,
+#: and streams registered before the derived ones.
+PAPER_DEFAULTS = {"grouper_share": 0.2, "theta_times_scale": 5.0}
+#: Snapshot format of PegasusStream.
+SNAPSHOT_FORMAT = 3
+#: Per snapshot format, the default smoother and the adaptive smoothers' default grouper share:
+#: none (registered before the derived defaults: all paper-era), 2 (issue 14), 3 (now).
+FORMAT_DEFAULTS = {None: ("median", PAPER_DEFAULTS["grouper_share"]), 2: ("grouped", 0.02),
+                   SNAPSHOT_FORMAT: ("adaptive", DEFAULT_GROUPER_SHARE)}
 
 
 def default_theta(svt: AboveThreshold, length: float = GROUP_LENGTH) -> float:
@@ -131,29 +152,31 @@ class PegasusStream(StreamMachine):
         Total budget; ``eps_g = grouper_share * epsilon`` goes to the Grouper and
         ``eps_p = epsilon - eps_g`` to the Perturber.
     grouper_share : float, optional
-        In (0, 1). Default 0.02 with the adaptive smoother (at most 5 % over per-step Laplace
-        where no smoothing helps), 0.2 with the paper's smoothers.
+        In (0, 1). Default 0.004 with the adaptive smoothers (0.8 % over per-step Laplace where
+        no smoothing helps), 0.2 with the paper's smoothers.
     theta : float, optional
-        Grouper deviation threshold ``theta_g``. Default with the adaptive smoother
+        Grouper deviation threshold ``theta_g``. Default with the adaptive smoothers
         ``b_q ln(3 * 4096 / 8)`` (about ``58.7 * sensitivity / eps_g``: a constant stream's
         groups last 4096 steps on average), with the paper's smoothers ``5 * sensitivity / eps_g``.
-    smoother : {"adaptive", "median", "average", "js"}, optional
-        Default "adaptive"; "median" is the paper's Example 3.5.
+    smoother : {"adaptive", "grouped", "median", "average", "js"}, optional
+        Default "adaptive" (grouped or whole-stream, by risk); "grouped" is the adaptive
+        smoother restarted at every group (issue 14's default); "median" is the paper's
+        Example 3.5.
     sensitivity : float
         The most one neighbour changes one count (1 for event counts).
 
     Noise addresses: step ``t``'s perturbation is index ``t`` of the ``ROWS`` lane, the
     threshold of a group opening at ``t`` index ``t`` of ``SVT_THRESHOLD`` and the test at
     ``t`` index ``t`` of ``SVT_QUERY``. The state is the open group (its true counts are
-    secret) and the adaptive smoother's. Every released row also carries public columns:
+    secret) and the adaptive smoothers'. Every released row also carries public columns:
     its group's first step (``group``: the released partition), the Perturber's noisy count
-    (``noisy``) and, for the adaptive smoother, its choices (``level``, ``weight``,
-    ``spread``); the error model needs them, re-smoothed window sums the noisy counts
-    (``Release.reports``).
+    (``noisy``) and, for the adaptive smoothers, their choices (``level``, ``weight``,
+    ``spread``, and for ``adaptive`` ``whole``: the whole-stream estimate was published);
+    the error model needs them, re-smoothed window sums the noisy counts (``Release.reports``).
 
     The ``ErrorModel`` is exact for ``average`` and ``js`` (:class:`GroupPrefixNoise`, linear in
     the Perturber noise given the released partition), an upper bound for ``median``, and
-    exact given the smoother's choices for ``adaptive``
+    exact given the smoother's choices for ``adaptive`` and ``grouped``
     (:class:`~dpsql.streams.smoothing.AdaptiveNoise`, a plug-in).
     """
 
@@ -164,7 +187,7 @@ class PegasusStream(StreamMachine):
         self.sensitivity = _validate.real(sensitivity, "sensitivity", minimum=0.0, strict=True)
         self._given = {"grouper_share": grouper_share, "theta": theta, "smoother": smoother}
         self._public = PublicRows(())  # per row output: group, noisy count, smoother's columns (_configure names them)
-        self._configure(legacy=False)
+        self._configure(SNAPSHOT_FORMAT)
         self.cost = (self.epsilon, 0.0)
         self.neighbour = count_neighbour(self.sensitivity)
         self._noise = noise
@@ -173,19 +196,21 @@ class PegasusStream(StreamMachine):
         self._open = _OpenGroup.empty()
         self._group_starts: list[np.ndarray] = []
 
-    def _configure(self, *, legacy: bool) -> None:
-        """Parameters from those given, the others defaulted (module docstring): the derived
-        defaults with the adaptive smoother, the paper-era ones with the Grouper-driven
-        smoothers or for a stream registered under them (``legacy``)."""
+    def _configure(self, snapshot_format: int | None) -> None:
+        """Parameters from those given, the others defaulted (module docstring) as streams of
+        ``snapshot_format`` were: the derived defaults with the adaptive smoothers, the
+        paper-era ones with the Grouper-driven smoothers or for a stream registered before the
+        derived ones (no format). Before format 3, ``"adaptive"`` was the grouped smoother."""
         given = self._given
-        smoother = given["smoother"]
-        if smoother is None:
-            smoother = LEGACY_DEFAULTS["smoother"] if legacy else DEFAULT_SMOOTHER
-        self.smoother = _validate.choice(smoother, "smoother", SMOOTHERS)
-        paper = legacy or self.smoother != "adaptive"
+        default_smoother, adaptive_share = FORMAT_DEFAULTS[snapshot_format]
+        smoother = default_smoother if given["smoother"] is None else given["smoother"]
+        smoother = _validate.choice(smoother, "smoother", SMOOTHERS)
+        self.smoother = "grouped" if smoother == "adaptive" and snapshot_format != SNAPSHOT_FORMAT else smoother
+        legacy = snapshot_format is None
+        paper = legacy or self.smoother not in ADAPTIVE_SMOOTHERS
         grouper_share, theta = given["grouper_share"], given["theta"]
         if grouper_share is None:
-            grouper_share = LEGACY_DEFAULTS["grouper_share"] if paper else DEFAULT_GROUPER_SHARE
+            grouper_share = PAPER_DEFAULTS["grouper_share"] if paper else adaptive_share
         self.grouper_share = _validate.probability(grouper_share, "grouper_share")
         self.eps_g = self.grouper_share * self.epsilon
         self.eps_p = largest_share(self.epsilon, self.epsilon - self.eps_g, rest=self.eps_g)
@@ -197,12 +222,16 @@ class PegasusStream(StreamMachine):
         if theta is not None:
             self.theta = _validate.real(theta, "theta")
         elif paper:
-            self.theta = LEGACY_DEFAULTS["theta_times_scale"] * self.sensitivity / self.eps_g
+            self.theta = PAPER_DEFAULTS["theta_times_scale"] * self.sensitivity / self.eps_g
         else:
             self.theta = default_theta(self._svt)
-        self._smoother = AdaptiveSmoother(self._perturber.variance) if self.smoother == "adaptive" else None
-        if self._smoother is not None:
-            self.public_columns: tuple[str, ...] = ("group", *SMOOTHED_COLUMNS)
+        self._smoother: GroupedOrWhole | AdaptiveSmoother | None = None
+        if self.smoother == "adaptive":
+            self._smoother = GroupedOrWhole(self._perturber.variance)
+            self.public_columns: tuple[str, ...] = ("group", *SMOOTHED_COLUMNS, "whole")
+        elif self.smoother == "grouped":
+            self._smoother = AdaptiveSmoother(self._perturber.variance)
+            self.public_columns = ("group", *SMOOTHED_COLUMNS)
         elif legacy:  # a continual stream's stored rows keep the columns they were registered with
             self.public_columns = ("group",)
         else:
@@ -232,7 +261,7 @@ class PegasusStream(StreamMachine):
             restarts = group_start[old:] == np.arange(old, len(true))
             out = self._smoother.feed(noisy[None], restarts[None])
             estimates = out.values[0]
-            public.update(level=out.level[0], weight=out.weight[0], spread=out.spread[0])
+            public.update({name: getattr(out, name)[0] for name in self.public_columns if hasattr(out, name)})
         new_starts = starts[1:] if old else starts
         self._group_starts.append(new_starts + self._offset)
         self._public.add(public)
@@ -246,7 +275,7 @@ class PegasusStream(StreamMachine):
 
     def take_public(self) -> dict[str, np.ndarray]:
         """Each row output since the last call: its group's first step (public), its noisy
-        count and the adaptive smoother's choices."""
+        count and the adaptive smoothers' choices."""
         return self._public.take()
 
     def restore_public(self, public: dict[str, np.ndarray]) -> None:
@@ -264,8 +293,8 @@ class PegasusStream(StreamMachine):
         return state
 
     def restore(self, state: dict) -> None:
-        if "format" not in state:  # registered under the legacy defaults: keep those it did not set
-            self._configure(legacy=True)
+        if state.get("format") != SNAPSHOT_FORMAT:  # registered under earlier defaults: keep those it did not set
+            self._configure(state.get("format"))
         self._rows, self._offset = int(state["rows"]), int(state["offset"])
         self._open = _OpenGroup(state["true"], state["units"], state["thresholds"], state["query_units"])
         if self._smoother is not None:
@@ -281,7 +310,7 @@ class PegasusStream(StreamMachine):
                                      columns.get("noisy"))
         else:
             error = AdaptiveNoise(self._perturber.variance, columns["level"], columns["weight"], columns["spread"],
-                                  starts, columns["noisy"])
+                                  starts, columns["noisy"], columns.get("whole"))
         params = {"epsilon": self.epsilon, "grouper_share": self.grouper_share, "eps_p": self.eps_p,
                   "eps_g": self.eps_g, "theta": self.theta, "smoother": self.smoother,
                   "sensitivity": self.sensitivity}

@@ -21,7 +21,8 @@ Algorithm
   candidate's mean squared error against the true count. ``R_k`` is its exponentially
   weighted average over about ``MEMORY`` rows, squared residuals clipped at ``RISK_CLIP *
   sigma2`` (a residual beyond the noise's plausible range is a change of level, which the
-  guard handles; it should not dominate the average for ``MEMORY`` rows).
+  guard handles; it should not dominate the average for ``MEMORY`` rows), and unknown
+  (``inf``) until ``WARM_UP`` rows are averaged.
 * **Guard** (Lepski's method, as intersecting confidence intervals): candidate ``k`` is
   admissible at ``t`` if the intervals ``m_j +- z_j(t) sqrt(sigma2 v_j)`` of all ``j <= k``
   share a point. After a change of level the long horizons disagree with the short ones
@@ -55,6 +56,11 @@ Defaults, derived from the noise model alone (never from data)
   draws a long one (the same rule as :func:`dpsql.error_models.quantile_multiplier`).
 * ``RISK_CLIP = LAPLACE_Z^2``: a squared residual above the square of that Laplace quantile
   is not noise at the guard's level.
+* ``WARM_UP = 6``: a risk average over ``N`` rows has a standard deviation of about
+  ``sqrt(5 / N) sigma2`` from the noise alone. Below 6 rows that exceeds ``sigma2``, the most
+  any candidate can gain over ``y_t``: the average cannot tell a candidate that gains from one
+  that loses (two equal counts at a stream's start make every level look free), so the risks
+  stay unknown, and the output is ``y_t``, until 6 rows are averaged.
 
 Exactness and speed: the weighted means are computed by pieces of ``PIECE`` rows at fixed
 stream positions (scaled prefix sums within a piece, carried across pieces and calls), and
@@ -87,6 +93,7 @@ TEST_LEVEL = 2.0 ** -(LEVELS + 1) / (LEVELS + 1)
 GAUSS_Z = NormalDist().inv_cdf(1.0 - TEST_LEVEL / 2.0)
 LAPLACE_Z = math.log(1.0 / TEST_LEVEL) / math.sqrt(2.0)
 RISK_CLIP = LAPLACE_Z**2
+WARM_UP = 6
 #: Rows per piece of the weighted-mean recursion (``2^255`` is the largest scale factor).
 PIECE = 256
 #: Rows smoothed at once (bounds the ``(rows, LEVELS + 1)`` temporaries to a few MB).
@@ -141,6 +148,26 @@ def _memory_table() -> np.ndarray:
 def _memory_weight(rows: np.ndarray) -> np.ndarray:
     table = _memory_table()
     return table[np.minimum(rows, len(table)) - 1]
+
+
+def cp_terms(estimate: np.ndarray, y: np.ndarray, own: np.ndarray | float, s2: np.ndarray) -> np.ndarray:
+    """Per row, the C_p risk term ``(estimate - y)^2 + 2 sigma2 own - sigma2`` of a linear estimate
+    putting weight ``own`` on ``y`` (unbiased for its squared error against the true count), the
+    squared residual clipped at ``RISK_CLIP sigma2`` (module docstring)."""
+    return np.minimum((estimate - y) ** 2, RISK_CLIP * s2) + 2.0 * s2 * own - s2
+
+
+def risks_before(terms: np.ndarray, state: dict, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The risk averages (about ``MEMORY`` rows, exponentially weighted) of the C_p ``terms``
+    ``(partitions, candidates, rows)`` as known *before* each row, continuing from ``state``
+    (:func:`ewm_state`, updated in place) and ``last`` (the averages after the previous row);
+    and the averages after the last row (the next call's ``last``). Before :data:`WARM_UP` rows
+    are averaged a risk is unknown (``inf``)."""
+    seen = state["count"] + np.arange(terms.shape[-1])  # rows averaged before each row
+    risks = ewm(terms, (_RHO,) * terms.shape[1], None, state) / _memory_weight(seen + 1)
+    before = np.concatenate([last[:, :, None], risks[:, :, :-1]], axis=2)
+    before[:, :, seen < WARM_UP] = np.inf  # too few rows to tell a gain from a loss
+    return before, (risks[:, :, -1].copy() if terms.shape[-1] else last)
 
 
 # -- exponentially weighted sums by pieces -----------------------------------------------------------
@@ -284,14 +311,8 @@ class AdaptiveSmoother:
         tables = [level_weights(k, length) for k in range(LEVELS + 1)]
         means = [y] + [sums[:, k - 1] * tables[k][0] for k in range(1, LEVELS + 1)]
         # risk of every level, known after each row; the choice at a row uses the one before it
-        terms = np.empty((parts, LEVELS, n))
-        for k in range(1, LEVELS + 1):
-            terms[:, k - 1] = np.minimum((means[k] - y) ** 2, RISK_CLIP * s2) + 2.0 * s2 * tables[k][0] - s2
-        rows = self._risks["count"] + 1 + idx
-        risks = ewm(terms, (_RHO,) * LEVELS, None, self._risks) / _memory_weight(rows)
-        before = np.concatenate([self._risk_before[:, :, None], risks[:, :, :-1]], axis=2)
-        if n:
-            self._risk_before = risks[:, :, -1].copy()
+        terms = np.stack([cp_terms(means[k], y, tables[k][0], s2) for k in range(1, LEVELS + 1)], axis=1)
+        before, self._risk_before = risks_before(terms, self._risks, self._risk_before)
         # Walk up the levels: the guard's running intersection of intervals, and the admissible
         # candidate of least shrunk risk so far (the identity's: sigma2, no shrinkage).
         low, high = means[0] - tables[0][2] * sd, means[0] + tables[0][2] * sd
@@ -345,6 +366,67 @@ class AdaptiveSmoother:
 # -- error model --------------------------------------------------------------------------------------
 
 
+def level_share(level: np.ndarray, weight: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """``lam_t w_k(t)``: the weight row ``t``'s output puts on its own value through its level's
+    mean (0 at level 0), from per-row ``level`` (``k``), ``weight`` (``lam``) and segment ``length``.
+    The output's whole weight on its own value is ``1 - lam_t + lam_t w_k(t)``."""
+    share = np.zeros(len(level))
+    for k in range(1, LEVELS + 1):
+        hit = level == k
+        if hit.any():
+            share[hit] = weight[hit] * level_weights(k, length[hit])[0]
+    return share
+
+
+class _Segments:
+    """One cut of the stream into segments (first rows ``starts``) and the rows (``rows``, a mask)
+    whose level means run within it."""
+
+    def __init__(self, starts: np.ndarray, rows: np.ndarray, n: int):
+        self.starts, self.rows = starts, rows
+        self.resets = np.zeros(n, dtype=bool)
+        self.resets[starts] = True
+        self.ends = np.zeros(n, dtype=bool)
+        self.ends[starts[1:] - 1] = True
+        self.ends[-1] = True
+
+    def start_of(self, rows: np.ndarray) -> np.ndarray:
+        return self.starts[np.searchsorted(self.starts, rows, side="right") - 1]
+
+
+#: ``q_kl / (1 - q_kl)`` for ``q_kl = beta_k beta_l`` (levels ``k, l >= 1``): ``sum_{d >= 1} q^d``.
+_GEOMETRIC = np.outer(BETAS[1:], BETAS[1:]) / (1.0 - np.outer(BETAS[1:], BETAS[1:]))
+
+
+#: ``beta_k^j`` and ``beta_k^(4096 j)`` for ``j < 4096`` (levels ``k >= 1``): powers up to ``2^24`` by two
+#: lookups; beyond, every level's power is below ``exp(-2^24 / 2^12)``, zero in float64.
+_POWER_STEP = 4096
+_LOW_POWERS = BETAS[1:] ** np.arange(_POWER_STEP, dtype=np.float64)[:, None]
+_HIGH_POWERS = BETAS[1:] ** (_POWER_STEP * np.arange(_POWER_STEP, dtype=np.float64))[:, None]
+
+
+def _powers(m: np.ndarray) -> np.ndarray:
+    """``beta_k^m`` (``(len(m), LEVELS)``) for integers ``m >= 0``, to a few ulps (table lookups:
+    a float power per entry costs more than the rest of a range's variance)."""
+    m = np.minimum(m, _POWER_STEP**2 - 1)
+    return _LOW_POWERS[m % _POWER_STEP] * _HIGH_POWERS[m // _POWER_STEP]
+
+
+def _geometric_form(x: np.ndarray, y: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """``sum_{k,l} x_k y_l sum_{d=1}^{m} (beta_k beta_l)^d`` per row of ``x``, ``y`` (``(ranges,
+    LEVELS)``), for ``m`` per range: ``x Q y - (x B) Q (y B)`` with ``B = beta^m``, since
+    ``q_kl^m = beta_k^m beta_l^m`` (no per-range ``LEVELS^2`` arrays)."""
+    decay = _powers(m)
+    return np.sum((x @ _GEOMETRIC) * y, axis=1) - np.sum(((x * decay) @ _GEOMETRIC) * (y * decay), axis=1)
+
+
+def _distinct(values: np.ndarray) -> np.ndarray:
+    """The sorted distinct values of an int64 array (by one sort: ``np.unique``'s hashing is
+    slower on the hundreds of thousands of rows a range query asks for)."""
+    ordered = np.sort(values)
+    return ordered[np.r_[True, ordered[1:] != ordered[:-1]]] if len(ordered) else ordered
+
+
 class AdaptiveNoise(ErrorModel):
     """Noise of the adaptive smoother's outputs given its choices (a plug-in, module docstring).
 
@@ -359,19 +441,27 @@ class AdaptiveNoise(ErrorModel):
     Squared and summed, each piece is a prefix sum or a geometric series: every range costs
     ``O(LEVELS^2)`` after two passes over the rows (exact; tested against the weight matrix).
 
+    With ``whole``, rows flagged True were smoothed over the whole stream (one segment from
+    row 0, their means ignoring ``starts``) and the others within ``starts``' segments, as
+    PeGaSus's default publishes (:class:`dpsql.streams.group_smoothing.GroupedOrWhole`). Each
+    cut gets its own suffix sums ``h`` over its own rows; the pieces above then add up over
+    the cuts, and the squared sums gain the cross terms of every pair of cuts over the rows
+    both reach (still exact given the choices).
+
     :meth:`range_bias_bound` adds the estimated smoothing error of each row in the range
     (``spread``: ``lam sqrt(max(R_k - sigma2 v_k, 0))``, the part of the level's C_p risk that is
     not noise); an estimate from released values, not a sure bound.
 
     Parameters are plain data (the ledger records them): ``variance`` (``sigma2``), per row
     ``level`` (int8), ``weight`` and ``spread``, the segment ``starts`` (the resets; ``[0]``
-    for a stream smoothed as one segment) and ``noisy``, the released noisy counts the outputs
+    for a stream smoothed as one segment), ``noisy``, the released noisy counts the outputs
     were computed from (kept with the model so that a release rebuilt from its ledger record
-    can still re-smooth its window sums, :func:`dpsql.streams.windows.window_sums`).
+    can still re-smooth its window sums, :func:`dpsql.streams.windows.window_sums`), and
+    ``whole`` (optional, per row).
     """
 
     def __init__(self, variance: float, level: np.ndarray, weight: np.ndarray, spread: np.ndarray,
-                 starts: np.ndarray, noisy: np.ndarray | None = None):
+                 starts: np.ndarray, noisy: np.ndarray | None = None, whole: np.ndarray | None = None):
         self._variance = float(variance)
         self.noisy = None if noisy is None else np.asarray(noisy, dtype=np.float64)
         self._level = np.asarray(level, dtype=np.int8)
@@ -380,6 +470,10 @@ class AdaptiveNoise(ErrorModel):
         self._n = n = len(self._level)
         starts = np.asarray(starts, dtype=np.int64)
         self._starts = np.unique(np.concatenate([[0], starts[(starts > 0) & (starts < n)]])) if n else np.zeros(1, int)
+        whole = np.zeros(n, dtype=bool) if whole is None else np.asarray(whole, dtype=bool)
+        self._cuts = [_Segments(self._starts, ~whole, n)] if n else []
+        if whole.any():
+            self._cuts.append(_Segments(np.zeros(1, dtype=np.int64), whole, n))
         self._prepared: tuple | None = None
 
     @property
@@ -387,48 +481,34 @@ class AdaptiveNoise(ErrorModel):
         """The first row of every segment (PeGaSus: of every group)."""
         return self._starts
 
-    def _segment_start(self, rows: np.ndarray) -> np.ndarray:
-        return self._starts[np.searchsorted(self._starts, rows, side="right") - 1]
-
-    def _rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``a_t`` (weight of the level's sum), own weight ``1 - lam_t`` and the reset flags."""
-        n = self._n
-        rows = np.arange(n)
-        length = rows - self._segment_start(rows) + 1
-        a = np.zeros(n)
-        for k in range(1, LEVELS + 1):
-            hit = self._level == k
-            if hit.any():
-                a[hit] = self._weight[hit] * level_weights(k, length[hit])[0]
-        resets = np.zeros(n, dtype=bool)
-        resets[self._starts] = True
-        return a, 1.0 - self._weight, resets
-
     def _prepare(self):
-        """``U`` (prefix sums of ``U^2``) once; the per-level passes are redone per call, keeping only
-        the rows asked for."""
+        """Every cut's ``a_t`` (its rows only) and ``U`` (prefix sums of ``U^2``), once; the per-level
+        passes are redone per call, keeping only the rows asked for."""
         if self._prepared is None:
-            a, own, resets = self._rows()
-            u = own.copy()
-            ends = np.zeros(self._n, dtype=bool)
-            ends[self._starts[1:] - 1] = True
-            ends[-1] = True
-            for lo, hi, h in self._suffix_sums(a, ends):
-                u[lo:hi] += h.sum(axis=0)
-            self._prepared = (a, ends, resets, u, np.concatenate([[0.0], np.cumsum(u * u)]))
+            rows = np.arange(self._n)
+            u = 1.0 - self._weight
+            shares = []
+            for cut in self._cuts:
+                share = np.zeros(self._n)
+                mine = rows[cut.rows]
+                share[mine] = level_share(self._level[mine], self._weight[mine], mine - cut.start_of(mine) + 1)
+                shares.append(share)
+                for lo, hi, h in self._suffix_sums(share, cut):
+                    u[lo:hi] += h.sum(axis=0)
+            self._prepared = (shares, u, np.concatenate([[0.0], np.cumsum(u * u)]))
         return self._prepared
 
-    def _suffix_sums(self, a: np.ndarray, ends: np.ndarray):
-        """``h^k_i`` (``(LEVELS, rows)``) by chunks of rows from the end: yields ``(lo, hi, h)``."""
+    def _suffix_sums(self, share: np.ndarray, cut: _Segments):
+        """``h^k_i`` (``(LEVELS, rows)``) of the rows of ``cut`` by chunks of rows from the end:
+        yields ``(lo, hi, h)``."""
         state = ewm_state(1, LEVELS)
-        n = self._n
-        for hi in range(n, 0, -BATCH):
+        for hi in range(self._n, 0, -BATCH):
             lo = max(0, hi - BATCH)
             x = np.zeros((1, LEVELS, hi - lo))
             for k in range(1, LEVELS + 1):
                 hit = self._level[lo:hi] == k
-                x[0, k - 1, hit] = a[lo:hi][hit]
-            h = ewm(x[:, :, ::-1], tuple(BETAS[1:]), ends[lo:hi][None, ::-1], state)[0, :, ::-1]
+                x[0, k - 1, hit] = share[lo:hi][hit]
+            h = ewm(x[:, :, ::-1], tuple(BETAS[1:]), cut.ends[lo:hi][None, ::-1], state)[0, :, ::-1]
             yield lo, hi, h
 
     def _prefix_sums_at(self, u: np.ndarray, resets: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -444,12 +524,40 @@ class AdaptiveNoise(ErrorModel):
             out[hit] = BETAS[1:] * z[0][:, before[hit] - lo].T
         return out
 
-    def _suffix_at(self, a: np.ndarray, ends: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    def _suffix_at(self, share: np.ndarray, cut: _Segments, rows: np.ndarray) -> np.ndarray:
         out = np.zeros((len(rows), LEVELS))
-        for lo, hi, h in self._suffix_sums(a, ends):
+        for lo, hi, h in self._suffix_sums(share, cut):
             hit = (rows >= lo) & (rows < hi)
             out[hit] = h[:, rows[hit] - lo].T
         return out
+
+    def _cut_terms(self, cut: _Segments, share: np.ndarray, u: np.ndarray, a_rows: np.ndarray,
+                   b_rows: np.ndarray) -> tuple[np.ndarray, ...]:
+        """One cut's part of the ranges ``[a, b)``: ``-2 sum_k h^k_b x^k`` (the range's rows lose
+        what outputs from ``b`` on in ``b``'s segment take, ``x^k = sum_{c <= i < b} U_i beta_k^(b-i)``
+        from ``c = max(a, s(b))``), ``h_b`` and ``c`` for the squares of that loss, and the tails'
+        ``J = h_a - beta^(b-a) h_b`` (``h_b`` only if ``b`` is in ``a``'s segment) with ``s(a)``."""
+        n = self._n
+        s_b = cut.start_of(np.minimum(b_rows, n - 1))
+        inside = (b_rows < n) & (s_b < b_rows)  # outputs from b on share b's segment with the range
+        s_a = cut.start_of(a_rows)
+        tail = a_rows > s_a
+        c = np.maximum(a_rows, s_b)
+        wanted = _distinct(np.concatenate([b_rows[inside], a_rows[tail]]))
+        h = self._suffix_at(share, cut, wanted)
+        h_b, h_a = np.zeros((len(b_rows), LEVELS)), np.zeros((len(a_rows), LEVELS))
+        h_b[inside] = h[np.searchsorted(wanted, b_rows[inside])]
+        h_a[tail] = h[np.searchsorted(wanted, a_rows[tail])]
+        loss = np.zeros(len(b_rows))
+        if inside.any():
+            positions = _distinct(np.concatenate([b_rows[inside], c[inside]]))
+            p = self._prefix_sums_at(u, cut.resets, positions)
+            x = (p[np.searchsorted(positions, b_rows[inside])]
+                 - _powers((b_rows - c)[inside]) * p[np.searchsorted(positions, c[inside])])
+            loss[inside] = -2.0 * np.sum(h_b[inside] * x, axis=1)
+        same = (b_rows < n) & (s_b == s_a)
+        j = h_a - np.where((same & tail)[:, None], _powers(b_rows - a_rows) * h_b, 0.0)
+        return loss, h_b, c, j, s_a
 
     def range_variance(self, starts, stops):
         starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
@@ -459,39 +567,17 @@ class AdaptiveNoise(ErrorModel):
         if not hit.any():
             return out
         a_rows, b_rows = starts[hit], stops[hit]
-        a, ends, resets, u, u2 = self._prepare()
+        shares, u, u2 = self._prepare()
         total = u2[b_rows] - u2[a_rows]
-        n = self._n
-        beta = BETAS[1:]
-        q = beta[:, None] * beta[None, :]
-
-        def geometric(m):  # sum_{d=1}^{m} q^d, (ranges, LEVELS, LEVELS)
-            m = m[:, None, None].astype(np.float64)
-            return q * (1.0 - q**m) / (1.0 - q)
-
-        s_b = self._segment_start(np.minimum(b_rows, n - 1))
-        inside = (b_rows < n) & (s_b < b_rows)  # outputs from b on share b's segment with the range
-        s_a = self._segment_start(a_rows)
-        tail = a_rows > s_a
-        wanted = np.unique(np.concatenate([b_rows[inside], a_rows[tail]]))
-        h = self._suffix_at(a, ends, wanted)
-        h_b = np.zeros((len(b_rows), LEVELS))
-        h_b[inside] = h[np.searchsorted(wanted, b_rows[inside])]
-        if inside.any():
-            c = np.maximum(a_rows, s_b)
-            positions = np.unique(np.concatenate([b_rows[inside], c[inside]]))
-            p = self._prefix_sums_at(u, resets, positions)
-            p_b = p[np.searchsorted(positions, b_rows[inside])]
-            p_c = p[np.searchsorted(positions, c[inside])]
-            x = p_b - beta ** (b_rows - c)[inside, None] * p_c
-            hb = h_b[inside]
-            total[inside] += (-2.0 * np.sum(hb * x, axis=1)
-                              + np.einsum("rk,rkl,rl->r", hb, geometric((b_rows - c)[inside]), hb))
-        if tail.any():
-            same = inside & (s_b == s_a)
-            j = h[np.searchsorted(wanted, a_rows[tail])] - np.where(
-                same[tail, None], beta ** (b_rows - a_rows)[tail, None] * h_b[tail], 0.0)
-            total[tail] += np.einsum("rk,rkl,rl->r", j, geometric((a_rows - s_a)[tail]), j)
+        terms = [self._cut_terms(cut, share, u, a_rows, b_rows) for cut, share in zip(self._cuts, shares)]
+        for loss, *_ in terms:
+            total += loss
+        # the squares of each cut's pieces, and twice the products of two cuts' over the rows both reach
+        for first, (_, h_b, c, j, s_a) in enumerate(terms):
+            for second, (_, other_h_b, other_c, other_j, other_s_a) in enumerate(terms[first:], start=first):
+                times = 1.0 if second == first else 2.0
+                total += times * _geometric_form(h_b, other_h_b, b_rows - np.maximum(c, other_c))
+                total += times * _geometric_form(j, other_j, a_rows - np.maximum(s_a, other_s_a))
         out.ravel()[np.flatnonzero(hit)] = self._variance * np.maximum(total, 0.0)
         return out
 

@@ -23,11 +23,10 @@ from dpsql.streams.smoothing import (
     GAUSS_Z,
     LAPLACE_Z,
     LEVELS,
-    MEMORY,
     AdaptiveSmoother,
-    ewm,
     ewm_state,
     level_weights,
+    risks_before,
 )
 
 
@@ -72,11 +71,12 @@ def resmoothed_windows(noisy: np.ndarray, variance: float, window: int, resets: 
 
     Candidates, each linear in the noisy counts ``y``: the raw sum ``Y_t`` of the window's
     noisy counts; each level's mean at ``t`` times the window's rows (every row re-estimated
-    by the level known at ``t``); with ``groups``, PeGaSus's group re-smoothing
-    (:func:`group_windows`). For a candidate ``T`` putting total weight ``A`` on the window's
-    rows, ``(T - Y)^2 - w sigma2 + 2 sigma2 A`` is an unbiased estimate of its squared error
-    (C_p, as for single rows); averaged over past windows, the admissible candidate of
-    least risk after shrinkage toward ``Y`` is taken, with risks known before ``t``.
+    by the level known at ``t``), of the adaptive smoother over the whole stream and, with
+    ``resets`` (PeGaSus's groups), of the one restarted at them; with ``groups``, PeGaSus's
+    group re-smoothing (:func:`group_windows`). For a candidate ``T`` putting total weight ``A``
+    on the window's rows, ``(T - Y)^2 - w sigma2 + 2 sigma2 A`` is an unbiased estimate of its
+    squared error (C_p, as for single rows); averaged over past windows, the admissible
+    candidate of least risk after shrinkage toward ``Y`` is taken, with risks known before ``t``.
     """
     noisy = np.asarray(noisy, dtype=np.float64)
     n = len(noisy)
@@ -85,40 +85,38 @@ def resmoothed_windows(noisy: np.ndarray, variance: float, window: int, resets: 
     rows = np.minimum(np.arange(1, n + 1), window).astype(np.float64)
     raw = cumulative[1:] - cumulative[np.maximum(np.arange(1, n + 1) - window, 0)]
     group_sums, group_units = group_windows(noisy, resets, window) if groups else (None, None)
-    smoother = AdaptiveSmoother(s2)
-    candidates = LEVELS + (2 if groups else 1)
-    rho = 1.0 - 1.0 / MEMORY
+    # (smoother, its restarts): the whole stream's, and the groups' where there are groups
+    smoothers = [(AdaptiveSmoother(s2), None)] + ([] if resets is None else [(AdaptiveSmoother(s2), resets)])
+    candidates = 1 + LEVELS * len(smoothers) + (1 if groups else 0)
     risk_state = ewm_state(1, candidates - 1)
-    risk_before = np.full(candidates - 1, np.inf)
+    risk_before = np.full((1, candidates - 1), np.inf)
     sums, variances = np.empty(n), np.empty(n)
     for lo in range(0, n, BATCH):
         hi = min(n, lo + BATCH)
-        out = smoother.feed(noisy[None, lo:hi], None if resets is None else resets[None, lo:hi], internals=True)
-        length, means, v, admissible = out.length[0], out.means[0], out.v[0], out.admissible[0]
         m, w = hi - lo, rows[lo:hi]
         total, weight, units = np.empty((candidates, m)), np.empty((candidates, m)), np.empty((candidates, m))
         ok = np.ones((candidates, m), dtype=bool)
         total[0], weight[0], units[0] = raw[lo:hi], w, w
-        covered = np.minimum(w.astype(np.int64), length)
-        for k in range(1, LEVELS + 1):
-            w_all = level_weights(k, length)[0]
-            w_in = level_weights(k, covered)[0]
-            total[k] = w * means[k]
-            weight[k] = w * w_all / w_in  # the level's weights on the window's rows, times its rows
-            units[k] = w * w * v[k]
-            ok[k] = admissible[k]
+        for first, (smoother, restarts) in zip(range(1, candidates, LEVELS), smoothers):
+            out = smoother.feed(noisy[None, lo:hi], None if restarts is None else restarts[None, lo:hi],
+                                internals=True)
+            length, means, v, admissible = out.length[0], out.means[0], out.v[0], out.admissible[0]
+            covered = np.minimum(w.astype(np.int64), length)
+            for k in range(1, LEVELS + 1):
+                c = first + k - 1
+                total[c] = w * means[k]
+                # the level's weights on the window's rows, times its rows
+                weight[c] = w * level_weights(k, length)[0] / level_weights(k, covered)[0]
+                units[c] = w * w * v[k]
+                ok[c] = admissible[k]
         if groups:
             total[-1], weight[-1], units[-1] = group_sums[lo:hi], group_units[lo:hi], group_units[lo:hi]
         # each candidate must agree with the raw sum (the window-level guard)
         spread = np.sqrt(np.maximum(units[1:] + w - 2.0 * weight[1:], 0.0) * s2)
         ok[1:] &= np.abs(total[1:] - raw[lo:hi]) <= np.maximum(GAUSS_Z * spread, LAPLACE_Z * np.sqrt(s2))
-        residual = (total[1:] - raw[lo:hi]) ** 2
-        terms = residual - s2 * w + 2.0 * s2 * weight[1:]
-        count = risk_state["count"]
-        risks = ewm(terms[None], (rho,) * (candidates - 1), None, risk_state)[0]
-        risks /= (1.0 - rho ** (count + 1 + np.arange(m))) / (1.0 - rho)
-        before = np.concatenate([risk_before[:, None], risks[:, :-1]], axis=1)
-        risk_before = risks[:, -1].copy()
+        terms = (total[1:] - raw[lo:hi]) ** 2 - s2 * w + 2.0 * s2 * weight[1:]
+        before, risk_before = risks_before(terms[None], risk_state, risk_before)
+        before = before[0]
         best, choice = s2 * w, np.zeros(m, dtype=np.intp)
         lam = np.zeros((candidates, m))
         for c in range(1, candidates):

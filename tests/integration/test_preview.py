@@ -59,7 +59,9 @@ def test_a_preview_is_an_upper_bound_for_data_dependent_methods():
     actual = np.sqrt(np.mean(release.range_variance(starts, starts + 4096)))
     assert release.threshold < 100.0 and actual < preview.sd[4096]
     groups = dpsql.preview("pegasus", n=10_000, epsilon=1.0, lengths=(1,))
-    assert groups.sd[1] ** 2 == pytest.approx(2 / 0.98**2, rel=2e-3)  # every count alone, at eps_p = 0.98 eps
+    share = groups.params["grouper_share"]
+    assert share == 0.004  # every count alone, at eps_p = (1 - share) eps
+    assert groups.sd[1] ** 2 == pytest.approx(2 / (1 - share) ** 2, rel=2e-3)
 
 
 def test_preview_shows_in_a_notebook():

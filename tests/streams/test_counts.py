@@ -231,6 +231,26 @@ def test_no_events_without_keys_releases_the_zero_stream():
     np.testing.assert_allclose(cols["dp_std_error"], np.sqrt(zeros.range_variance(np.arange(6), np.arange(1, 7))))
 
 
+@pytest.mark.parametrize("method", ["pegasus", "count_smoothed", "count_laplace"])
+def test_degenerate_streams_release_and_counts_beyond_the_lattice_are_refused_uncharged(method):
+    """All-zero streams and a single bucket are released like any other (the smoothers' warm-up
+    and choices need no history); counts at the int64 limit cannot carry lattice noise and are
+    refused with the typed error, before any charge."""
+    budget = dpsql.Budget.in_memory(epsilon=5.0)
+    with testing.seeded(5):
+        zero = dpsql.publish(method, np.zeros(300), epsilon=0.5, budget=budget)
+        single = release_event_counts(minutes(5, 7), start=T0, stop="2024-03-01T00:10", every="10m", epsilon=0.5,
+                                      method=method, budget=budget, window=3)
+    assert np.isfinite(zero.values).all() and zero.range_variance(0, 300) > 0
+    cols = single.columns()
+    assert len(cols["dp_count"]) == 1 and np.isfinite([cols["dp_std_error"][0], cols["dp_window_sum"][0]]).all()
+    assert budget.spent == (1.0, 0.0)
+    for huge in (np.full(10, float(np.iinfo(np.int64).max)), np.array([0.0, 2.0**62])):
+        with pytest.raises(dpsql.InvalidParameter, match=r"2\*\*53"):
+            dpsql.publish(method, huge, epsilon=0.5, budget=budget)
+    assert budget.spent == (1.0, 0.0) and len(budget.history()) == 2
+
+
 @pytest.mark.parametrize(("keys", "match"), [
     ({"room": np.array([1.0, np.nan])}, "partition column 'room' contains NaN"),
     ({"room": np.array(["a", None], dtype=object)}, "partition column 'room' contains 1 NULL value"),

@@ -398,7 +398,7 @@ def test_grouper_session_likelihood_ratio_within_e_epsilon():
         assert shifted < below < math.exp(1.0) * shifted
 
 
-@pytest.mark.parametrize("smoother", ["median", "average", "js"])
+@pytest.mark.parametrize("smoother", ["adaptive", "grouped", "median", "average", "js"])
 def test_release_is_online_future_counts_never_change_past_estimates(smoother):
     rng = np.random.default_rng(23)
     counts = rng.poisson(8, 400).astype(float)
