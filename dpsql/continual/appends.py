@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dpsql import _validate
-from dpsql.continual.fleet import SHARD, MachineClass, Shard, merge_classes, split_state
+from dpsql.continual.fleet import SHARD, MachineClass, Shard, merge_classes, same_groups, split_state
 from dpsql.continual.state import (
     FINAL,
     TAG,
@@ -111,7 +111,7 @@ class RangeAppend:
             fleet = stream._fleet(conn, row)
             self.fleet = fleet
             self.pool = stream._pool(fleet)
-            self.since: dict[int, pa.Scalar | None] = {}  # each partition's watermark before this append
+            self.before: dict[int, pa.Array | None] = {}  # each shard's watermarks before this append
             for table in self.batches:  # one batch, or a lazy frame's sorted batches: one transaction
                 like = like or table
                 if table.num_rows:  # nothing new (a quiet day, a filter that kept nothing): nothing
@@ -133,6 +133,7 @@ class RangeAppend:
             groups = np.flatnonzero(shards == index)
             shard = self.fleet.shard(index)
             keys_by_shard[index] = typed = same_type(keys, shard.watermark, self.stream)
+            self.before.setdefault(index, shard.watermark)
             first = self._past_watermark(shard, ordinals[groups], ordinals[groups] - index * SHARD, starts[groups],
                                          stops[groups], typed, released)
             plans.append((shard, groups, first))
@@ -156,8 +157,8 @@ class RangeAppend:
         if column.dtype != pl.Float64:
             value = "__value"
             frame = frame.with_columns(pl.Series(value, values))
-        if not spec.partition_by and frame.get_column(spec.order_by).is_sorted():
-            return frame, value  # rows usually arrive in time order: no sort needed
+        if _ascending(frame, [*spec.partition_by, spec.order_by]):
+            return frame, value  # rows usually arrive in order (by time; a fleet's by meter, then time)
         return frame.sort([*spec.partition_by, spec.order_by], maintain_order=True), value
 
     def _advance(self, shard: Shard, ordinals: np.ndarray, starts: np.ndarray, stops: np.ndarray,
@@ -197,10 +198,7 @@ class RangeAppend:
             pooled, backlog = (self.pool.partition_params(ordinals[where[members[chosen]]]) if waiting else
                                (np.zeros(len(chosen), np.int64), None))
             # partitions fed together: as many new rows, pooled rows and rows before
-            _, key = np.unique(np.stack([counts[where[members[chosen]]], pooled, shard.rows[members[chosen]]]),
-                               axis=1, return_inverse=True)
-            for value in np.unique(key).tolist():
-                picked = np.flatnonzero(key.reshape(-1) == value)
+            for picked in same_groups(counts[where[members[chosen]]], pooled, shard.rows[members[chosen]]):
                 subset = chosen[picked]
                 state = None if machine_class.state is None else split_state(machine_class.state, len(members),
                                                                              subset)
@@ -240,10 +238,8 @@ class RangeAppend:
         if grids is None:
             return [(np.arange(k), params)]
         first, step = np.where(grids[1] > 0, grids[0], 0), grids[1]
-        _, inverse = np.unique(np.stack([first, step]), axis=1, return_inverse=True)
         out = []
-        for code in np.unique(inverse).tolist():
-            on_grid = np.flatnonzero(inverse.reshape(-1) == code)
+        for on_grid in same_groups(first, step):
             j = int(on_grid[0])
             grid_params = {"grid": RowGrid(int(first[j]), int(step[j])).plain()} if step[j] else {}
             out.append((on_grid, {**(params or {}), **grid_params} if grid_params or params else None))
@@ -293,8 +289,8 @@ class RangeAppend:
         lower = float(self.spec.params.get("lower", 0.0))
         middle = lower + (float(self.spec.params["upper"]) - lower) / 2
         fed, counts = shard.rows[members], new.counts[groups]
-        for ahead, n in np.unique(np.stack([fed, counts], axis=1), axis=0).tolist():  # one position, one count
-            same = np.flatnonzero((fed == ahead) & (counts == n))
+        for same in same_groups(fed, counts):  # one position, one count
+            ahead, n = int(fed[same[0]]), int(counts[same[0]])
             waiting = np.full((len(same), ahead - int(shard.final[members[same[0]]]) + n), middle)
             self._record(shard, members[same], groups[same], new, np.empty((len(same), 0)), waiting, released)
         return MachineClass(members, None, None)
@@ -347,12 +343,13 @@ class RangeAppend:
         marks = shard.watermark.take(pa.array(positions))
         firsts = keys.take(pa.array(starts))
         old = pc.fill_null(pc.less_equal(firsts, marks), False).to_numpy(zero_copy_only=False)
+        before = self.before[shard.index]
         for g in np.flatnonzero(old).tolist():
             ordinal = int(ordinals[g])
             mark = marks[g]
             group = keys.slice(starts[g], stops[g] - starts[g])
             repeated = int(pc.sum(pc.less_equal(group, mark)).as_py() or 0)
-            since = self.since.setdefault(ordinal, mark)
+            since = before[int(positions[g])] if before is not None and positions[g] < len(before) else None
             if since is None or not since.is_valid:
                 again = group[:repeated]
             else:
@@ -366,8 +363,6 @@ class RangeAppend:
             if recorded is not None:
                 released.recorded.append(recorded)
             starts[g] += repeated
-        for g in np.flatnonzero(~old).tolist():
-            self.since.setdefault(int(ordinals[g]), marks[g])
         return starts
 
 
@@ -402,6 +397,24 @@ def group_starts(frame: pl.DataFrame, spec: StreamSpec, label: str, *, order: st
             raise InvalidTimeKey(f"{label}: order key {key[int(repeated[0]) + 1]!r} appears twice in one partition of "
                                  "this append; time keys must be unique within a partition")
     return np.flatnonzero(new)
+
+
+def _ascending(frame: pl.DataFrame, columns: list[str]) -> bool:
+    """Whether ``frame``'s rows are in ascending order of ``columns`` (lexicographic), checked
+    without sorting for columns of numbers and times (a column of another type: False)."""
+    if frame.height < 2:
+        return True
+    equal_so_far = np.ones(frame.height - 1, bool)  # rows equal to their predecessor in the columns so far
+    for name in columns:
+        column = frame.get_column(name)
+        if not (column.dtype.is_numeric() or column.dtype.is_temporal()):
+            return False
+        values = column.to_numpy()
+        before, after = values[:-1], values[1:]
+        if (equal_so_far & (before > after)).any():
+            return False
+        equal_so_far &= before == after
+    return True
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -541,8 +541,9 @@ class Stream:
         table = released.output
         if table is None or not table.num_rows:
             return self._empty_output(like)
-        return table.sort_by([(c, "ascending") for c in [*self.spec.partition_by, self.spec.order_by]]) \
-            if self.spec.partition_by else table
+        if not self.spec.partition_by or _partitions_ascend(table, self.spec.partition_by):
+            return table  # by partition ordinal, then row: by key already when the ordinals ascend with the keys
+        return table.sort_by([(c, "ascending") for c in [*self.spec.partition_by, self.spec.order_by]])
 
     def _output(self, rows: pa.Table | None, directory: pa.Table | None) -> pa.Table | None:
         """Released rows as returned: partition columns, order key, value, dp_row, dp_final."""
@@ -565,6 +566,15 @@ class Stream:
         return pa.schema([*((c, typed(c)) for c in self.spec.partition_by), (self.spec.order_by, key),
                           (self._value_column(), pa.float64()), (ROW_COLUMN, pa.int64()),
                           (FINAL, pa.bool_())]).empty_table()
+
+
+def _partitions_ascend(table: pa.Table, partition_by: tuple[str, ...]) -> bool:
+    """Whether rows grouped by partition come with their (one) partition key column ascending
+    (a fleet's partitions registered together: their ordinals follow their keys)."""
+    if len(partition_by) != 1:
+        return False
+    column = pl.from_arrow(table[partition_by[0]])
+    return isinstance(column, pl.Series) and column.is_sorted()
 
 
 def _kind_of(kind: pa.DataType) -> str:
