@@ -108,6 +108,7 @@ class RangeAppend:
         stream = self.stream
         released, like = Released(), None
         with stream._store.appending(stream.budget.scope, stream.name) as (conn, row):
+            self.conn = conn
             fleet = stream._fleet(conn, row)
             self.fleet = fleet
             self.pool = stream._pool(fleet)
@@ -342,27 +343,30 @@ class RangeAppend:
             return starts
         marks = shard.watermark.take(pa.array(positions))
         firsts = keys.take(pa.array(starts))
-        old = pc.fill_null(pc.less_equal(firsts, marks), False).to_numpy(zero_copy_only=False)
-        before = self.before[shard.index]
-        for g in np.flatnonzero(old).tolist():
-            ordinal = int(ordinals[g])
-            mark = marks[g]
-            group = keys.slice(starts[g], stops[g] - starts[g])
-            repeated = int(pc.sum(pc.less_equal(group, mark)).as_py() or 0)
-            since = before[int(positions[g])] if before is not None and positions[g] < len(before) else None
-            if since is None or not since.is_valid:
-                again = group[:repeated]
-            else:
-                again = group[:repeated].filter(pc.greater(group[:repeated], since))
-            if len(again):
-                raise InvalidTimeKey(f"stream {self.stream.name!r}: order key {again[0].as_py()!r} appears twice in "
-                                     "one partition of this append; time keys must be unique within a partition")
-            tags = short_tags(self.stream._draws(self.fleet, np.array([ordinal])).tags(
-                np.zeros(repeated, np.int64), self._values[starts[g]:starts[g] + repeated]))
-            recorded = self.stream._repeated(self.fleet, ordinal, group[:repeated], tags, mark)
-            if recorded is not None:
-                released.recorded.append(recorded)
-            starts[g] += repeated
+        old = np.flatnonzero(pc.fill_null(pc.less_equal(firsts, marks), False).to_numpy(zero_copy_only=False))
+        if not len(old):
+            return starts
+        lengths = stops[old] - starts[old]
+        rows = _ranges(starts[old], lengths)
+        group_of_row = np.repeat(np.arange(len(old)), lengths)
+        row_keys = keys.take(pa.array(rows))
+        # each partition's keys ascend: its rows at or below its watermark are its first ones
+        below = pc.less_equal(row_keys, marks.take(pa.array(old[group_of_row]))).to_numpy(zero_copy_only=False)
+        repeated = np.bincount(group_of_row[below], minlength=len(old))
+        rows, group_of_row, row_keys = rows[below], group_of_row[below], row_keys.filter(pa.array(below))
+        # above the partition's watermark before this append: appended by an earlier batch of it
+        since = _taken(self.before[shard.index], positions[old][group_of_row], keys.type)
+        again = np.flatnonzero(pc.fill_null(pc.greater(row_keys, since), True).to_numpy(zero_copy_only=False))
+        if len(again):
+            raise InvalidTimeKey(f"stream {self.stream.name!r}: order key {row_keys[int(again[0])].as_py()!r} appears "
+                                 "twice in one partition of this append; time keys must be unique within a partition")
+        draws = self.stream._draws(self.fleet, ordinals[old])
+        tags = short_tags(draws.tags(group_of_row, self._values[rows]))
+        recorded = self.stream._repeated(self.conn, shard, ordinals[old][group_of_row], row_keys, tags,
+                                         marks.take(pa.array(old[group_of_row])))
+        if recorded is not None:
+            released.recorded.append(recorded)
+        starts[old] += repeated
         return starts
 
 
@@ -415,6 +419,15 @@ def _ascending(frame: pl.DataFrame, columns: list[str]) -> bool:
             return False
         equal_so_far &= before == after
     return True
+
+
+def _taken(column: pa.Array | None, positions: np.ndarray, kind: pa.DataType) -> pa.Array:
+    """``column[positions]``, null where ``column`` has no such position (or is None)."""
+    if column is None:
+        return pa.nulls(len(positions), kind)
+    inside = positions < len(column)
+    taken = column.take(pa.array(np.where(inside, positions, 0)))
+    return taken if inside.all() else pc.if_else(pa.array(inside), taken, pa.nulls(len(positions), taken.type))
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from dpsql._chunks import table_of
 from dpsql.addresses import partition_addresses
@@ -141,18 +141,40 @@ def _put(column: pa.Array, position: int, value: pa.Array) -> pa.Array:
     return pa.array(values, column.type)
 
 
-def recorded_rows(chunks, ordinal: int, keys: pa.Array) -> pa.Table:
-    """The latest recorded version of partition ``ordinal``'s rows with order keys ``keys``, reading
-    ``chunks`` (newest first) back only as far as the smallest of them."""
-    found, smallest = [], pc.min(keys)
+def recorded_rows(chunks, ordinals: np.ndarray, keys: pa.Array) -> tuple[pa.Table | None, np.ndarray]:
+    """The latest recorded version of each row ``keys[i]`` of partition ``ordinals[i]``, reading
+    ``chunks`` (newest first: the first version found is the latest) back only until every row is
+    found; and where each row's version is in that table (-1: none recorded)."""
+    where = np.full(len(keys), -1, np.int64)
+    found, taken = [], 0
+    wanted = np.arange(len(keys))
+    partitions = np.unique(ordinals)
     for chunk_ordinal, first_row, _rows, data in chunks:
-        if chunk_ordinal >= 0 and chunk_ordinal != ordinal:
+        if chunk_ordinal >= 0 and not np.isin(chunk_ordinal, partitions):  # an earlier version's chunk
             continue
         table = normalized(chunk_ordinal, first_row, data)
-        mine = table.filter(pc.equal(table["dp_partition"], ordinal)) if chunk_ordinal < 0 else table
-        if not mine.num_rows:
-            continue
-        found.append(mine.filter(pc.is_in(mine["key"], value_set=keys.cast(mine["key"].type))))
-        if pc.less(pc.min(mine["key"]), smallest).as_py():
-            break  # older chunks hold smaller keys only
-    return latest(found[::-1]) if found else None
+        hit, at = matching(ordinals[wanted], keys.take(pa.array(wanted)), table["dp_partition"], table["key"])
+        if len(hit):
+            found.append(table.take(pa.array(at)))
+            where[wanted[hit]] = taken + np.arange(len(hit))
+            taken += len(hit)
+            wanted = np.delete(wanted, hit)
+        if not len(wanted):
+            break
+    if not found:
+        return None, where
+    return (pa.concat_tables(found, promote_options="permissive") if len(found) > 1 else found[0]), where
+
+
+def matching(ordinals: np.ndarray, keys: pa.Array, table_ordinals, table_keys) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs ``(i, j)`` with ``(ordinals[i], keys[i]) == (table_ordinals[j], table_keys[j])``
+    (each pair in the table at most once), as two arrays: a join, in Polars."""
+    if not len(keys) or not len(table_keys):
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    table_keys = table_keys.combine_chunks() if isinstance(table_keys, pa.ChunkedArray) else table_keys
+    left = pl.from_arrow(pa.table({"p": pa.array(np.asarray(ordinals, np.int64)), "k": keys.cast(table_keys.type),
+                                   "i": pa.array(np.arange(len(keys)))}))
+    right = pl.from_arrow(pa.table({"p": pa.array(np.asarray(table_ordinals, np.int64)), "k": table_keys,
+                                    "j": pa.array(np.arange(len(table_keys)))}))
+    pairs = left.join(right, on=["p", "k"], how="inner")
+    return pairs["i"].to_numpy(), pairs["j"].to_numpy()

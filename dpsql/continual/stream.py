@@ -53,11 +53,12 @@ from dpsql.addresses import partition_address, partition_addresses
 from dpsql.continual import rows as stored
 from dpsql.continual.appends import RangeAppend
 from dpsql.continual.counts import CountAppend
-from dpsql.continual.fleet import SHARD, Fleet, split_state
+from dpsql.continual.fleet import SHARD, Fleet, Shard, split_state
 from dpsql.continual.pool import Pool, pools
 from dpsql.continual.state import (
     FINAL,
     ROW_COLUMN,
+    TAG,
     StreamSpec,
     as_key,
     bucket_starts,
@@ -493,32 +494,35 @@ class Stream:
             machine.restore(state)
         return machine
 
-    def _repeated(self, fleet: Fleet, ordinal: int, keys: pa.Array, tags: np.ndarray, watermark) -> pa.Table | None:
-        """The recorded rows that ``keys`` (at or below partition ``ordinal``'s watermark, with value
-        tags ``tags``) repeat; refuses any that is not a repeat (late) or repeats a key with
-        another value (conflicting). Rows appended but never released (pending in a stream
-        converted from an earlier version) are repeats with nothing to return."""
-        recorded = stored.recorded_rows(self._store.chunks(fleet._conn, self.release_id, newest_first=True),
-                                        ordinal, keys)
-        known = [] if recorded is None else [(recorded["key"], recorded["dp_tag"])]
-        shard = fleet.shard(ordinal // SHARD)
-        if shard.pending is not None:
-            waiting = shard.pending.filter(pc.equal(shard.pending["position"], ordinal - shard.index * SHARD))
-            known.append((waiting["key"], waiting["dp_tag"]))
-        found = np.zeros(len(keys), bool)
-        for recorded_keys, recorded_tags in known:
-            at = pc.index_in(keys, value_set=recorded_keys.cast(keys.type)).to_numpy(zero_copy_only=False)
-            hit = ~np.isnan(at.astype(float))
-            differs = recorded_tags.to_numpy()[at[hit].astype(np.int64)] != tags[hit]
-            if differs.any():
-                key = keys.filter(pa.array(hit))[int(np.flatnonzero(differs)[0])].as_py()
-                raise ConflictingRow(f"stream {self.name!r}: order key {key!r} was appended before with another "
-                                     "value; a released row never changes (nothing of this append was kept)")
-            found |= hit
+    def _repeated(self, conn, shard: Shard, ordinals: np.ndarray, keys: pa.Array, tags: np.ndarray,
+                  watermarks: pa.Array) -> pa.Table | None:
+        """The recorded rows that the rows ``keys`` of partitions ``ordinals`` (at or below their
+        watermarks, with value tags ``tags``; all in ``shard``) repeat; refuses any that is not a
+        repeat (late) or repeats a key with another value (conflicting). Rows appended but never
+        released (pending in a stream converted from an earlier version) are repeats with nothing
+        to return."""
+        recorded, where = stored.recorded_rows(self._store.chunks(conn, self.release_id, newest_first=True),
+                                               ordinals, keys)
+        found = where >= 0
+        recorded_tags = np.zeros(len(keys), np.int64)
+        if recorded is not None:
+            recorded_tags[found] = recorded[TAG].to_numpy()[where[found]]
+        if shard.pending is not None and not found.all():
+            missing = np.flatnonzero(~found)
+            pending = shard.pending
+            wanted, at = stored.matching(ordinals[missing] - shard.index * SHARD, keys.take(pa.array(missing)),
+                                         pending["position"], pending["key"])
+            recorded_tags[missing[wanted]] = pending[TAG].to_numpy()[at]
+            found[missing[wanted]] = True
+        differs = np.flatnonzero(found & (recorded_tags != tags))
+        if len(differs):
+            raise ConflictingRow(f"stream {self.name!r}: order key {keys[int(differs[0])].as_py()!r} was appended "
+                                 "before with another value; a released row never changes (nothing of this append "
+                                 "was kept)")
         if not found.all():
-            late = keys[int(np.flatnonzero(~found)[0])].as_py()
-            raise LateRow(f"stream {self.name!r}: a row with order key {late!r} arrives at or below its "
-                          f"partition's watermark {watermark.as_py()!r} and repeats no row appended before; "
+            late = int(np.flatnonzero(~found)[0])
+            raise LateRow(f"stream {self.name!r}: a row with order key {keys[late].as_py()!r} arrives at or below its "
+                          f"partition's watermark {watermarks[late].as_py()!r} and repeats no row appended before; "
                           "nothing of this append was kept")
         return recorded
 
