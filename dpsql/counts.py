@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpsql import _validate, methods
+from dpsql._groups import group_codes
 from dpsql._names import checked_call
 from dpsql.accounting import largest_share
 from dpsql.budget import Budget
@@ -158,16 +159,15 @@ def bucket_events(times, *, domain: TimeDomain, keys: Mapping[str, object] | Non
         raise InvalidParameter("cap needs a privacy unit column (without one, each event counts once)")
     bucket = bucket[keep]
     if columns:
-        stacked = np.stack([_codes(c[keep]) for c in columns.values()], axis=1)
-        combos, partition = np.unique(stacked, axis=0, return_inverse=True)
-        partition = partition.ravel()
-        first = np.flatnonzero(keep)[_first_index(partition, len(combos))]
+        partition = group_codes(*(_codes(c[keep]) for c in columns.values()))
+        partitions = int(partition.max(initial=-1)) + 1
+        first = np.flatnonzero(keep)[_first_index(partition, partitions)]
         key_values = {name: c[first] for name, c in columns.items()}
     else:
-        combos, partition, key_values = np.zeros((1, 0)), np.zeros(bucket.size, dtype=np.int64), {}
+        partitions, partition, key_values = 1, np.zeros(bucket.size, dtype=np.int64), {}
     n_buckets = domain.n_buckets
-    counts = np.bincount(partition * n_buckets + bucket, minlength=len(combos) * n_buckets)
-    return Buckets(counts.reshape(len(combos), n_buckets), key_values, domain)
+    counts = np.bincount(partition * n_buckets + bucket, minlength=partitions * n_buckets)
+    return Buckets(counts.reshape(partitions, n_buckets), key_values, domain)
 
 
 def _key_column(values, name: str, n: int, *, partition: bool = False) -> np.ndarray:

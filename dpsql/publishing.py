@@ -35,6 +35,7 @@ import pyarrow.compute as pc
 
 from dpsql import _progress, _validate
 from dpsql._fingerprint import fingerprint, values_digest
+from dpsql._groups import group_codes
 from dpsql._memory import pooled_array
 from dpsql.accounting import Charge, Neighbour, Notion, compose
 from dpsql.addresses import partition_address, partition_addresses, refuse_repeated
@@ -356,11 +357,7 @@ def _with_grids(params: list[dict], which: np.ndarray, first: np.ndarray, step: 
     """``params`` (each partition's entry ``which``) with each partition's time grid (``first``
     and ``step``; step 0: none): the distinct parameter sets and each partition's entry."""
     first = np.where(step > 0, first, 0)
-    codes = [np.unique(column, return_inverse=True) for column in (which, first, step)]
-    combined = np.zeros(len(which), np.int64)
-    for distinct, inverse in codes:
-        combined = combined * len(distinct) + inverse.reshape(-1)
-    _, chosen, entry = np.unique(combined, return_index=True, return_inverse=True)
+    _, chosen, entry = np.unique(group_codes(which, first, step), return_index=True, return_inverse=True)
     grids = [{**params[int(which[k])], **({"grid": RowGrid(int(first[k]), int(step[k])).plain()} if step[k] else {})}
              for k in chosen.tolist()]
     return grids, entry.reshape(-1)

@@ -20,7 +20,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dpsql import _validate
-from dpsql.continual.fleet import SHARD, MachineClass, Shard, merge_classes, same_groups, split_state
+from dpsql._groups import same_groups
+from dpsql.continual.fleet import SHARD, MachineClass, Shard, merge_classes, split_state
 from dpsql.continual.state import (
     FINAL,
     TAG,

@@ -105,28 +105,6 @@ class Shard:
 # its partitions.
 
 
-def same_groups(*columns: np.ndarray) -> list[np.ndarray]:
-    """The indices of each set of rows equal in every column (integers), the sets in ascending
-    order of their values: ``np.unique(np.stack(columns), axis=1)``'s groups, without sorting the
-    common case (every partition of a fleet alike) and, else, by a lexicographic sort (``np.unique``
-    over columns compares whole records: a quarter of a second for 10^5 partitions).
-
-    >>> same_groups(np.array([2, 1, 2, 1]), np.array([0, 0, 0, 5]))
-    [array([1]), array([3]), array([0, 2])]
-    """
-    n = len(columns[0])
-    if not n:
-        return []
-    if all((column == column[0]).all() for column in columns):
-        return [np.arange(n)]
-    order = np.lexsort(columns[::-1])  # the first column is the primary key
-    changes = np.zeros(n - 1, bool)
-    for column in columns:
-        ordered = column[order]
-        changes |= ordered[1:] != ordered[:-1]
-    return np.split(order, np.flatnonzero(changes) + 1)
-
-
 def split_state(state, size: int, chosen: np.ndarray):
     """The snapshot of the partitions ``chosen`` (positions within the class) of a class of
     ``size`` partitions whose snapshot is ``state``."""

@@ -33,6 +33,7 @@ from abc import abstractmethod
 import numpy as np
 
 from dpsql import _validate
+from dpsql._groups import group_codes
 from dpsql.accounting import largest_share
 from dpsql.error_models import IndependentNoise, SegmentedNoise
 from dpsql.errors import InvalidParameter
@@ -291,8 +292,7 @@ class ThresholdedStream(StreamMachine):
         within = self._stream.partition_kinds()
         if within is None:
             return None
-        return np.unique(np.stack([np.unique(self.thresholds, return_inverse=True)[1], within]), axis=1,
-                         return_inverse=True)[1].reshape(-1)
+        return group_codes(self.thresholds, within)
 
     def describe(self) -> dict:
         return self.describe_partition(0)
