@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import io
 import json
@@ -42,6 +43,7 @@ def test_scopes_history_and_streams_are_shown_without_touching_the_file(tmp_path
     budget.stream("kwh", method="laplace", epsilon=0.25, order_by="t", value="v", upper=1.0)
     dpsql.Budget.open(path, scope="other", epsilon=1.0)
     del budget
+    gc.collect()  # closes this process's connections now (a reference cycle would close one, and checkpoint, later)
     before = _digest(path)
     shown = _cli("ledger", path, "--history", "--streams")
     assert shown.returncode == 0, shown.stderr
