@@ -7,6 +7,25 @@ from __future__ import annotations
 import numpy as np
 
 
+def unique(values: np.ndarray, *, return_index: bool = False, return_inverse: bool = False):
+    """``np.unique`` of a 1-D array (its distinct values, and as asked the first index of each and
+    each value's place among them), without sorting when every value is the same (a fleet's
+    partitions: one length, one bound).
+
+    >>> unique(np.array([3, 3, 3]), return_index=True, return_inverse=True)
+    (array([3]), array([0]), array([0, 0, 0]))
+    """
+    values = np.asarray(values).reshape(-1)
+    if len(values) and (values == values[0]).all():
+        found = (values[:1], np.zeros(1, np.intp), np.zeros(len(values), np.intp))
+    else:
+        found = np.unique(values, return_index=True, return_inverse=True)
+        found = (found[0], found[1], found[2].reshape(-1))
+    if not (return_index or return_inverse):
+        return found[0]
+    return (found[0],) + ((found[1],) if return_index else ()) + ((found[2],) if return_inverse else ())
+
+
 def group_codes(*columns: np.ndarray) -> np.ndarray:
     """Each row's group, numbered in ascending (lexicographic) order of the columns' values:
     ``np.unique(np.stack(columns), axis=1, return_inverse=True)[1]``.

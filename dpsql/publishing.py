@@ -35,7 +35,7 @@ import pyarrow.compute as pc
 
 from dpsql import _progress, _validate
 from dpsql._fingerprint import fingerprint, values_digest
-from dpsql._groups import group_codes
+from dpsql._groups import group_codes, unique
 from dpsql._memory import pooled_array
 from dpsql.accounting import Charge, Neighbour, Notion, compose
 from dpsql.addresses import partition_address, partition_addresses, refuse_repeated
@@ -47,7 +47,15 @@ from dpsql.methods import GRID_METHODS, POOLED_METHODS, machine_for, unsized_cha
 from dpsql.noise import DrawsBatch, Keystream
 from dpsql.parts import Descriptions, Keys, Parts
 from dpsql.records import describe
-from dpsql.release import PartitionedRelease, Release, StreamMachine, chunks_of, release_batched, run_machine
+from dpsql.release import (
+    BATCHED_CHUNK,
+    PartitionedRelease,
+    Release,
+    StreamMachine,
+    chunks_of,
+    release_batched,
+    run_machine,
+)
 from dpsql.streams.holdout import DEFAULT_HOLDOUT, pooled_by_key, pooled_counts
 from dpsql.timegrid import RowGrid, partition_grids
 
@@ -154,7 +162,7 @@ class _Request:
             raise InvalidParameter(f"partition_levels must give one level per partition ({len(self.lengths)}), "
                                    f"got {len(levels)}")
         # the cost of each (level, group) pair present: machines of one group cost the same
-        present = np.unique(levels * len(plan.templates) + plan.groups).tolist()
+        present = unique(levels * len(plan.templates) + plan.groups).tolist()
         costs = [plan.templates[p % len(plan.templates)].cost for p in present]
         pairs = [(p // len(plan.templates), p % len(plan.templates)) for p in present]
         first = plan.templates[int(plan.groups[0])]
@@ -200,7 +208,7 @@ class _Request:
             grids = partition_grids(self.order_values, self.offsets)  # each partition's time grid (public keys)
             if grids is not None and grids[1].any():
                 params, which = _with_grids(params, which, *grids)
-        _, first, inverse = np.unique(self.lengths * len(params) + which, return_index=True, return_inverse=True)
+        _, first, inverse = unique(self.lengths * len(params) + which, return_index=True, return_inverse=True)
         templates = {g: machine_for(self.method, int(self.lengths[k]), keystream.partition(self.addresses[k].as_py()),
                                     params[int(which[k])]) for g, k in enumerate(first.tolist())}
         return _Plan(inverse.reshape(-1), templates, [params[int(which[k])] for k in first.tolist()])
@@ -426,15 +434,17 @@ def _run_partitions(method: str, plan: _Plan, data: np.ndarray, offsets: np.ndar
                 kinds[members] = len(makers)
                 makers.append((template, None))
                 continue
-            batch = _release_group(template, data, values, offsets[members], n, draws.take(members))
-            group_kinds = batch.partition_kinds()
-            if group_kinds is None:
-                kinds[members] = len(makers) + np.arange(len(members))
-                makers += [(batch, j) for j in range(len(members))]
-            else:
-                _, first, inverse = np.unique(group_kinds, return_index=True, return_inverse=True)
-                kinds[members] = len(makers) + inverse
-                makers += [(batch, int(j)) for j in first]
+            per_batch = max(2, BATCHED_CHUNK // n)  # many short partitions: batches of whole rows
+            for batched in (members[at:at + per_batch] for at in range(0, len(members), per_batch)):
+                batch = _release_group(template, data, values, offsets[batched], n, draws.take(batched))
+                group_kinds = batch.partition_kinds()
+                if group_kinds is None:
+                    kinds[batched] = len(makers) + np.arange(len(batched))
+                    makers += [(batch, j) for j in range(len(batched))]
+                else:
+                    _, first, inverse = unique(group_kinds, return_index=True, return_inverse=True)
+                    kinds[batched] = len(makers) + inverse
+                    makers += [(batch, int(j)) for j in first]
     else:
         spans = list(itertools.pairwise(offsets.tolist()))
         first_of_group = {g: int(members[0]) for g, members in groups}

@@ -410,7 +410,9 @@ def release_from(machine: StreamMachine, chunks, n: int, *, private: bool) -> Re
 #: Values per chunk of a batched run (all partitions' columns together): a step's fixed cost
 #: is paid once for all partitions, and the temporaries stay a fraction of the input
 #: (1,000 x 10^4 rows: peak about 2.5 times the input, run time flat from 2^20 to 2^24).
-_BATCHED_CHUNK = 1 << 22
+#: Many short partitions are released in batches of about this many values, whole rows each
+#: (a chunk of a few columns of 10^6 partitions would be read with a stride).
+BATCHED_CHUNK = 1 << 22
 
 
 def release_batched(machine: StreamMachine, rows: np.ndarray, out: np.ndarray, draws) -> StreamMachine:
@@ -418,7 +420,7 @@ def release_batched(machine: StreamMachine, rows: np.ndarray, out: np.ndarray, d
     (``draws`` a :class:`~dpsql.noise.DrawsBatch` of ``k`` partitions) into ``out`` (``(k, n)``);
     returns the driven batch machine (partition ``j`` is described by its ``describe_partition(j)``)."""
     batch = machine.batched(draws)
-    run_machine(batch, chunks_of(rows, max(1, _BATCHED_CHUNK // len(rows))), rows.shape[1], out)
+    run_machine(batch, chunks_of(rows, max(1, BATCHED_CHUNK // len(rows))), rows.shape[1], out)
     return batch
 
 

@@ -31,6 +31,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from dpsql._groups import unique
 from dpsql.errors import InvalidParameter
 from dpsql.noise import BatchLaneDraws, LaneDraws
 from dpsql.sampling import MAX_NEG_LOG_UNIFORM, MAX_SCALE
@@ -179,7 +180,7 @@ class LatticeBatch:
     """
 
     def __init__(self, sensitivities: np.ndarray, epsilon: float):
-        distinct, which = np.unique(np.asarray(sensitivities, dtype=np.float64), return_inverse=True)
+        distinct, which = unique(np.asarray(sensitivities, dtype=np.float64), return_inverse=True)
         lattices = [LaplaceLattice.shared(float(s), epsilon) for s in distinct]
         self.epsilon = epsilon
         self.partitions = len(which)

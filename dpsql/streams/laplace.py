@@ -14,6 +14,7 @@ import copy
 import numpy as np
 
 from dpsql import _validate
+from dpsql._groups import unique
 from dpsql.error_models import IndependentNoise
 from dpsql.mechanisms.laplace import LatticeBatch
 from dpsql.noise import Draws, DrawsBatch, Lane
@@ -100,7 +101,7 @@ class LaplaceStream(RowNoiseStream):
 
     def partition_kinds(self) -> np.ndarray:
         # a partition's description is its lattice's variance and its row count (the same for all)
-        return np.unique(self._lattice.variance, return_inverse=True)[1]
+        return unique(self._lattice.variance, return_inverse=True)[1]
 
     def _values_to_release(self, rows: np.ndarray) -> np.ndarray:
         # Shifted by the public lower bound, so that the lattice units stay small however far
