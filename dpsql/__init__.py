@@ -16,7 +16,9 @@ from dpsql.duckdb import register
 from dpsql.errors import (
     BudgetExhausted,
     ConflictingRow,
+    DataChanged,
     DPError,
+    EnvironmentUnusable,
     HorizonExceeded,
     InvalidData,
     InvalidParameter,
@@ -44,6 +46,8 @@ __all__ = [
     "BudgetExhausted",
     "ConflictingRow",
     "DPError",
+    "DataChanged",
+    "EnvironmentUnusable",
     "HorizonExceeded",
     "InvalidData",
     "InvalidParameter",

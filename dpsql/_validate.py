@@ -117,7 +117,7 @@ def holdout(m, n: int, *, default: int) -> int:
 
 
 #: The largest integer magnitude every float64 holds exactly.
-_EXACT_INTEGERS = 2**53
+EXACT_INTEGERS = 2**53
 
 
 def _joined(column: pa.ChunkedArray) -> np.ndarray:
@@ -147,7 +147,7 @@ def _refuse_objects(items: np.ndarray, column: str) -> None:
             raise InvalidData(f"column {column!r} must be numeric: row {row} holds {type(item).__name__} {item!r}")
         whole = isinstance(item, numbers.Integral) or (isinstance(item, Decimal) and item.is_finite()
                                                         and item == item.to_integral_value())
-        if whole and abs(integer := int(item)) > _EXACT_INTEGERS:  # type: ignore[arg-type]
+        if whole and abs(integer := int(item)) > EXACT_INTEGERS:  # type: ignore[arg-type]
             raise InvalidData(_inexact_integers(column, f" (row {row}: {integer})"))
 
 
@@ -185,14 +185,14 @@ def numeric(data, column: str = "values") -> np.ndarray:
         except TypeError:
             data = data.to_numpy()
     arr = np.asarray(data)
-    if arr.dtype.kind == "f" and isinstance(data, list | tuple) and arr.size and np.abs(arr).max() >= _EXACT_INTEGERS:
+    if arr.dtype.kind == "f" and isinstance(data, list | tuple) and arr.size and np.abs(arr).max() >= EXACT_INTEGERS:
         # Python integers among floats, made floats by numpy: those beyond 2**53 were rounded
         _refuse_objects(np.asarray(data, dtype=object).ravel(), column)
     if arr.dtype == object:
         _refuse_objects(arr.ravel(), column)
     if arr.dtype.kind not in "biuf" and arr.dtype != object:
         raise InvalidData(f"column {column!r} must be numeric, got dtype {arr.dtype}")
-    if arr.dtype.kind in "iu" and arr.size and max(int(arr.max()), -int(arr.min())) > _EXACT_INTEGERS:
+    if arr.dtype.kind in "iu" and arr.size and max(int(arr.max()), -int(arr.min())) > EXACT_INTEGERS:
         raise InvalidData(_inexact_integers(column))
     try:
         arr = arr.astype(np.float64, copy=False)

@@ -68,6 +68,18 @@ class UnknownRelease(InvalidParameter):
     """No release with that id (or row handle) is recorded in the ledger."""
 
 
+class DataChanged(InvalidData):
+    """A distributed release's task (Spark) read rows other than those checked before the release
+    was charged: its source changed since. Nothing of that partition was released; a new release
+    (charged again) publishes the current data."""
+
+
+class EnvironmentUnusable(DPError):
+    """The machines a distributed release runs on cannot run it: executors that cannot import
+    dpsql, run another version of it, or lack what Spark needs to run its tasks (pandas, pyarrow).
+    The message names what is missing and where; nothing was charged."""
+
+
 class LedgerError(DPError):
     """The ledger cannot be used: a read-only or full disk, a corrupt file, a lock held too
     long, a server gone away, an in-memory ledger used from a forked process. The message

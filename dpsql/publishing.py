@@ -25,6 +25,7 @@ message, with no traceback into them, no ``__context__`` and no ``__cause__``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import overload
@@ -40,7 +41,7 @@ from dpsql._memory import pooled_array
 from dpsql.accounting import Charge, Neighbour, Notion, compose
 from dpsql.addresses import partition_address, partition_addresses, refuse_repeated
 from dpsql.budget import Budget, default_budget
-from dpsql.errors import InvalidParameter, scrubbed
+from dpsql.errors import DataChanged, InvalidParameter, scrubbed
 from dpsql.ledger import CachedAnswer
 from dpsql.mechanisms.calendar import calendar_by_default
 from dpsql.methods import GRID_METHODS, POOLED_METHODS, machine_for, unsized_charge
@@ -208,10 +209,7 @@ class _Request:
             grids = partition_grids(self.order_values, self.offsets)  # each partition's time grid (public keys)
             if grids is not None and grids[1].any():
                 params, which = _with_grids(params, which, *grids)
-        _, first, inverse = unique(self.lengths * len(params) + which, return_index=True, return_inverse=True)
-        templates = {g: machine_for(self.method, int(self.lengths[k]), keystream.partition(self.addresses[k].as_py()),
-                                    params[int(which[k])]) for g, k in enumerate(first.tolist())}
-        return _Plan(inverse.reshape(-1), templates, [params[int(which[k])] for k in first.tolist()])
+        return _planned(self.method, self.lengths, self.addresses, keystream, params, which)
 
     def _answered(self, budget: Budget, digest: str, *, private: bool) -> Release | PartitionedRelease | None:
         """The budget's principal's identical earlier release, recomputed from its key over these
@@ -251,16 +249,20 @@ class _Request:
 
 
 class DistributedRelease:
-    """A partitioned release whose partitions are released elsewhere, one task each (Spark's
-    executors): the core's side of it, so that a front end that ships work to other machines
-    still never charges or draws noise by itself.
+    """A partitioned release whose partitions are released elsewhere, one task per batch of whole
+    partitions (Spark's executors): the core's side of it, so that a front end that ships work to
+    other machines still never charges or draws noise by itself.
 
     Construction validates the method's parameters (drawing nothing) and gives the release a
-    fresh secret key; :meth:`charge` charges the ledger once, for all partitions (they are
-    disjoint, so the cost is one partition's: the maximum over them), and only then hands out
-    the :class:`PartitionTask` that releases a partition from the key and the partition's
-    address. Privacy cost: that of ``method`` with ``params`` (see :mod:`dpsql.methods`).
-    ``note`` and ``source`` (what the release reads) are recorded with the charge.
+    fresh secret key. Before the charge the front end checks the data with :attr:`fingerprint`
+    (keyed by a key derived from the release's, so that it can neither draw noise nor be
+    computed without it): one digest per partition of exactly the rows its task will release.
+    :meth:`charge` refuses what the method's machine refuses of the partitions' lengths, charges
+    the ledger once for all partitions (they are disjoint, so the cost is one partition's: the
+    maximum over them) and only then hands out the :class:`PartitionTask`, which releases a
+    partition only when its rows have one of the digests checked before the charge. Privacy
+    cost: that of ``method`` with ``params`` (see :mod:`dpsql.methods`). ``note`` and ``source``
+    (what the release reads) are recorded with the charge.
     """
 
     def __init__(self, method: str, params: dict, *, budget: Budget | None, note: str | None = None,
@@ -272,37 +274,133 @@ class DistributedRelease:
         self._charge = unsized_charge(method, params, keystream, public_params=_public(params), note=note,
                                       source=source)
         self._budget = budget
-        self._task = PartitionTask(method=method, params=dict(params), private=keystream.private,
-                                   key=keystream.key)
+        self._method, self._params, self._keystream = method, dict(params), keystream
+        self.fingerprint = PartitionFingerprint(_fingerprint_key(keystream.key))
 
     def check(self) -> None:
-        """Refuse now (:class:`dpsql.BudgetExhausted`) what :meth:`charge` would refuse."""
+        """Refuse now (:class:`dpsql.BudgetExhausted`) what :meth:`charge` would refuse of the budget."""
         if self._budget is not None:
             self._budget.check(self._charge)
 
-    def charge(self) -> PartitionTask:
-        """Charge the release (once, durably) and return the task that releases its partitions."""
+    def charge(self, *, lengths: Mapping[int, object], admitted: AdmittedPartitions) -> PartitionTask:
+        """Charge the release (once, durably) and return the task that releases its partitions.
+
+        ``lengths`` maps every partition length to one partition of that length (its key):
+        a length the method's machine refuses (a hold-out as long as the partition) is refused
+        first, naming that partition, and nothing is charged. ``admitted``: the digests
+        (:attr:`fingerprint`) of the partitions checked before the charge, the only ones the
+        task will release (an object with :meth:`AdmittedPartitions.first_missing`, such as a
+        front end's handle on a copy shipped to the executors).
+        """
+        draws = self._keystream.partition(b"")
+        for n, partition in lengths.items():
+            try:
+                machine_for(self._method, n, draws, self._params)  # draws nothing: validation only
+            except InvalidParameter as error:
+                raise type(error)(f"partition {partition!r} has {n} row(s): {error}") from None
         if self._budget is not None:
             self._budget.charge(self._charge)
-        return self._task
+        return PartitionTask(method=self._method, params=self._params, private=self._keystream.private,
+                             key=self._keystream.key, admitted=admitted)
+
+
+class PartitionFingerprint:
+    """Keyed digests (BLAKE2b, 128 bits) of partitions' rows as a release consumes them: the
+    partition's address, the front end's canonical bytes of its order keys and its values in
+    release order. The key is derived from the release's key, so a digest reveals nothing of
+    the rows to whoever lacks it, and nobody can make other rows match one."""
+
+    def __init__(self, key: bytes):
+        self._key = key
+
+    def __repr__(self) -> str:
+        return "PartitionFingerprint()"  # never the key
+
+    def digests(self, addresses: Sequence[bytes], values: np.ndarray, offsets: np.ndarray,
+                order_keys: Sequence[Sequence]) -> list[bytes]:
+        """One digest per partition ``k``: address ``addresses[k]``, order keys' canonical bytes
+        ``order_keys[k]`` (buffers), values ``values[offsets[k]:offsets[k + 1]]`` (float64)."""
+        bounds = np.asarray(offsets).tolist()
+        digests = []
+        for k, address in enumerate(addresses):
+            digest = hashlib.blake2b(key=self._key, digest_size=_DIGEST_BYTES, person=b"dpsql-rows")
+            for piece in (address, *order_keys[k], values[bounds[k]:bounds[k + 1]]):
+                view = memoryview(piece).cast("B")
+                digest.update(len(view).to_bytes(8, "little"))
+                digest.update(view)
+            digests.append(digest.digest())
+        return digests
+
+
+class AdmittedPartitions:
+    """The digests (:class:`PartitionFingerprint`) of the partitions a distributed release was
+    charged for, sorted for lookups: 16 bytes a partition (a million partitions take 16 MB)."""
+
+    def __init__(self, digests):
+        self._sorted = np.unique(np.asarray(digests, dtype=f"S{_DIGEST_BYTES}"))
+
+    def __len__(self) -> int:
+        return len(self._sorted)
+
+    def first_missing(self, digests: Sequence[bytes]) -> int | None:
+        """The index of the first of ``digests`` not admitted, or None when all are."""
+        wanted = np.asarray(digests, dtype=f"S{_DIGEST_BYTES}")
+        if not len(self._sorted):
+            return 0 if len(wanted) else None
+        at = np.searchsorted(self._sorted, wanted).clip(max=len(self._sorted) - 1)
+        missing = np.flatnonzero(self._sorted[at] != wanted)
+        return int(missing[0]) if missing.size else None
 
 
 @dataclasses.dataclass(frozen=True)
 class PartitionTask:
-    """What a task needs to release one partition of a charged :class:`DistributedRelease`:
-    the method, its parameters and the release's secret key (never shown in a repr). Every
-    draw is addressed by the partition's key, so a retried or re-executed task releases the
-    same values."""
+    """What a task needs to release partitions of a charged :class:`DistributedRelease`: the
+    method, its parameters, the release's secret key (never shown in a repr) and the digests of
+    the partitions checked before the charge. Every draw is addressed by the partition's key, so
+    a retried or re-executed task releases the same values of the same rows, and refuses rows
+    that differ from those checked (:class:`dpsql.errors.DataChanged`), releasing nothing."""
 
     method: str
     params: dict
     private: bool
     key: bytes = dataclasses.field(repr=False)
+    admitted: AdmittedPartitions = dataclasses.field(repr=False)
 
-    def release(self, partition, values: np.ndarray) -> np.ndarray:
-        """The private values of the partition keyed ``partition`` (its rows in order)."""
-        draws = Keystream(self.key, private=self.private).partition(partition_address(partition))
-        return run_machine(machine_for(self.method, len(values), draws, self.params), chunks_of(values), len(values))
+    @property
+    def fingerprint(self) -> PartitionFingerprint:
+        return PartitionFingerprint(_fingerprint_key(self.key))
+
+    def release(self, partitions: Sequence, values: np.ndarray, offsets: np.ndarray,
+                order_keys: Sequence[Sequence]) -> np.ndarray:
+        """The private values of the partitions keyed ``partitions``, partition ``k`` having the
+        rows ``values[offsets[k]:offsets[k + 1]]`` (float64, in order) whose order keys'
+        canonical bytes are ``order_keys[k]`` (as the front end gave them to the check).
+
+        Privacy contract: releases only partitions whose rows are exactly those checked and
+        charged for; if any of them differs, raises :class:`dpsql.errors.DataChanged` before
+        drawing anything."""
+        addresses = pa.array([partition_address(p) for p in partitions], pa.large_binary())
+        missing = self.admitted.first_missing(self.fingerprint.digests(addresses.to_pylist(), values, offsets,
+                                                                       order_keys))
+        if missing is not None:
+            raise DataChanged(f"partition {partitions[missing]!r} is not the data this release was charged for: its "
+                              "rows changed since the check that preceded the charge (a source re-read after it "
+                              "changed, or another DataFrame). Nothing of it was released; release again (a new, "
+                              "charged release) to publish the current data.")
+        keystream = Keystream(self.key, private=self.private)
+        offsets = np.asarray(offsets)
+        plan = _planned(self.method, np.diff(offsets), addresses, keystream, [self.params],
+                        np.zeros(len(offsets) - 1, np.int64))
+        return _run_partitions(self.method, plan, values, offsets, keystream, addresses)[1]
+
+
+#: Bytes of a partition's digest (BLAKE2b-128: collisions need about 2**64 tries, with the key).
+_DIGEST_BYTES = 16
+
+
+def _fingerprint_key(release_key: bytes) -> bytes:
+    """The key of a release's partition digests: derived from the release's key, one way."""
+    return hashlib.blake2b(b"partition digests", key=release_key, digest_size=32, person=b"dpsql-fp-key").digest()
 
 
 def _budget_or_default(budget: Budget | None) -> Budget | None:
@@ -358,6 +456,15 @@ class _Plan:
     params: list[dict]
 
 
+def _planned(method: str, lengths: np.ndarray, addresses: pa.Array, keystream: Keystream, params: list[dict],
+             which: np.ndarray) -> _Plan:
+    """The :class:`_Plan` of partitions of ``lengths`` (addresses ``addresses``), partition ``k``
+    released with ``params[which[k]]``: one unfed machine per group of partitions with one length
+    and one set of parameters, drawing from the group's first partition."""
+    _, first, inverse = unique(lengths * len(params) + which, return_index=True, return_inverse=True)
+    templates = {g: machine_for(method, int(lengths[k]), keystream.partition(addresses[k].as_py()),
+                                params[int(which[k])]) for g, k in enumerate(first.tolist())}
+    return _Plan(inverse.reshape(-1), templates, [params[int(which[k])] for k in first.tolist()])
 
 
 def _with_grids(params: list[dict], which: np.ndarray, first: np.ndarray, step: np.ndarray

@@ -3,40 +3,63 @@
 :func:`range_sum` and :func:`count_stream` release one private stream per partition, the
 partitions being disjoint (one meter, one access point): the release costs the maximum over
 partitions, which is every partition's cost. It is **charged once, on the driver, before any
-task runs**; each partition is then released by the same online machines as everywhere in
-dpsql, inside ``groupBy(partition).applyInArrow``, on the executors. No data comes back to the
-driver (one aggregate job checks the keys and values first, so that a refused call charges
-nothing and a charged release never fails on its data; finding a time key repeated within a
-partition needs the keys grouped, a shuffle of the key columns about as costly as the release's).
+value is released**; the partitions are then released by the same online machines as everywhere
+in dpsql, on the executors, many whole partitions per Arrow batch. No data comes back to the
+driver.
 
-Noise comes from the release's secret key and each draw's address (the partition's key,
-the level, the position), :mod:`dpsql.noise`: the key travels to the executors inside the
-tasks (never logged) and every task recomputes its partition's noise from it. A retried task,
-a lost executor or a DataFrame collected twice therefore gives identical values and costs
-nothing more. With test noise (:func:`dpsql.testing.seeded`) a Spark release equals the local
-``partition_by`` release of the same table value for value.
+Before the charge, one job over the data (the rows shuffled by partition and sorted by order
+key, as the release reads them) runs dpsql's code on the executors and reports per partition
+its length, a keyed digest of exactly the rows its release will consume, and everything a
+release refuses (NULL or NaN keys, an order key repeated within a partition, a NULL, NaN,
+infinite or beyond-2**53 value, a length the method refuses, such as a hold-out longer than the
+partition). If that job fails, a tiny one (:func:`check_executors`) says whether the executors
+are the cause (dpsql not importable, another version of it, no pandas or pyarrow), with a
+:class:`dpsql.EnvironmentUnusable` naming what is missing. A refused call charges nothing; a
+charged release never fails on its data or its executors' environment.
 
-Identical noise on re-execution assumes identical input: Spark re-reads a DataFrame's sources
-when it re-executes it, and two executions over *different* data with the same noise would
-reveal their difference. Release from a fixed snapshot (a Parquet/Delta version, or
-``df.checkpoint()``) when the source can change.
+Noise comes from the release's secret key and each draw's address (the partition's key, the
+level, the position), :mod:`dpsql.noise`: the key travels to the executors inside the tasks
+(never logged) and every task recomputes its partitions' noise from it. A retried task, a lost
+executor or a DataFrame collected twice therefore gives identical values and costs nothing
+more. Spark re-reads a DataFrame's sources when it re-executes it: a task whose partition's
+rows differ from those checked before the charge (the source changed since) releases nothing
+of it and fails with :class:`dpsql.DataChanged` (release again: a new, charged release), so the
+same noise never covers two versions of the data. With test noise (:func:`dpsql.testing.seeded`)
+a Spark release equals the local ``partition_by`` release of the same table value for value.
 
-Executors need dpsql installed (the same version as the driver).
+Needs a classic Spark session (a SparkContext: the check's digests reach the executors as a
+broadcast), not Spark Connect.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from dpsql import _validate
+import dpsql
 from dpsql._frontend import COUNT_METHOD, RANGE_SUM_METHOD, refuse_renamed
+from dpsql._spark_environment import check_executors
+from dpsql._spark_tasks import (
+    BUCKET,
+    CHECKED,
+    EVENTS,
+    NAN_EVENTS,
+    check_batches,
+    read_counts,
+    read_values,
+    release_batches,
+    released_counts,
+    released_rows,
+)
 from dpsql.budget import Budget
 from dpsql.counts import check_count_method
-from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
+from dpsql.errors import InvalidData, InvalidParameter
 from dpsql.methods import COUNT_METHODS, check_method
-from dpsql.ordering import refuse_null_event_times, refuse_null_keys
-from dpsql.publishing import DistributedRelease, PartitionTask
+from dpsql.ordering import refuse_duplicate_time, refuse_nan_key, refuse_null_event_times, refuse_null_keys
+from dpsql.publishing import AdmittedPartitions, DistributedRelease
 from dpsql.timegrid import time_domain
 
 COUNT = "dp_count"
@@ -50,8 +73,11 @@ def range_sum(df, *, order_by: str, value: str, partition_by, method: str = RANG
     (named like ``value``), one row per input row. Privacy cost: that of ``method`` with
     ``params`` (see :mod:`dpsql.methods`), replace-one-value neighbours, partitions in parallel:
     charged once to ``budget`` (default: :func:`dpsql.use_budget`'s) when this function is
-    called. Parameters a one-shot release derives from a table's length are not known to the
-    driver: PAK needs ``delta``.
+    called, after the executors and the data were checked (a refusal charges nothing). The
+    DataFrame releases only the rows checked then: collected again after its source changed, it
+    fails with :class:`dpsql.DataChanged` instead of releasing new values with the same noise.
+    Parameters a one-shot release derives from a table's length are not known to the driver:
+    PAK needs ``delta``.
 
     Examples
     --------
@@ -72,13 +98,19 @@ def range_sum(df, *, order_by: str, value: str, partition_by, method: str = RANG
     release = DistributedRelease(method, {"epsilon": epsilon, **params}, budget=budget, note=note,
                                  source=f"Spark columns {', '.join([*partition_by, order_by, value])}")
     release.check()  # a budget too small is refused before any Spark job runs
-    _refuse_bad_rows(df, partition_by, order_by, value, fields[value].dataType)
-    partition_task = release.charge()
+    staged = _staged(df.select(*partition_by, order_by, value), partition_by, order_by)
+    read = functools.partial(read_values, partition_by=partition_by, order_by=order_by, value=value)
+    found = _checked(staged, release, partition_by, read, order_by=order_by, value=value)
+    _refuse_found(found, partition_by, order_by, events=False)
+    _refuse_values(found, value, fields[value].dataType)
+    rows = found.column("rows").to_numpy()
+    first = np.unique(rows, return_index=True)
+    lengths = {int(n): _key_at(found, partition_by, k) for n, k in zip(*first)}
     schema = ", ".join(f"`{c}` {fields[c].dataType.simpleString()}" for c in [*partition_by, order_by]) \
         + f", `{value}` double"
-    task = _task(_release_partition, release=partition_task, partition_by=partition_by, order_by=order_by,
-                 value=value)
-    return df.select(*partition_by, order_by, value).groupBy(*partition_by).applyInArrow(task, schema)
+    output = functools.partial(released_rows, partition_by=partition_by, order_by=order_by, value=value)
+    return _charged(staged, release, found, lengths, partition_by=partition_by, read=read, output=output,
+                    schema=schema)
 
 
 def count_stream(df, *, order_by: str | None = None, every, start, stop, partition_by, method: str = COUNT_METHOD,
@@ -89,9 +121,11 @@ def count_stream(df, *, order_by: str | None = None, every, start, stop, partiti
     per-bucket Laplace then the adaptive smoother (``"count_smoothed"``).
 
     Returns a lazy Spark DataFrame: the partition columns, the bucket start (named like ``order_by``)
-    and ``dp_count``, every bucket of the domain (empty ones too). Events outside the domain
-    are counted nowhere. Privacy cost: ``epsilon`` for add/remove-one-event neighbours,
-    partitions in parallel, charged once on the driver.
+    and ``dp_count``, every bucket of the domain (empty ones too) for every partition with an
+    event in the domain. Events outside the domain are counted nowhere. Privacy cost:
+    ``epsilon`` for add/remove-one-event neighbours, partitions in parallel, charged once on the
+    driver after the same checks as :func:`range_sum` (a refusal charges nothing; the DataFrame
+    releases only the counts checked then).
     """
     refuse_renamed("dpsql.spark.count_stream()", params)
     if order_by is None:
@@ -108,28 +142,122 @@ def count_stream(df, *, order_by: str | None = None, every, start, stop, partiti
     release = DistributedRelease(method, {"epsilon": epsilon, **params}, budget=budget, note=note,
                                  source=f"Spark events, columns {', '.join([*partition_by, order_by])}")
     release.check()  # a budget too small is refused before any Spark job runs
-    nulls = _null_counts(df, [*partition_by, order_by])
-    refuse_null_keys(nulls, order_label=None, partition_labels=partition_by)
-    refuse_null_event_times(order_by, nulls[order_by])
-    partition_task = release.charge()
-    bucket = F.floor((ticks - F.lit(domain.start)) / F.lit(domain.every)).cast("long")
-    counted = (df.select(*partition_by, bucket.alias("__bucket"))
-               .where((F.col("__bucket") >= 0) & (F.col("__bucket") < domain.n_buckets))
-               .groupBy(*partition_by, "__bucket").count())
+    at_nan = F.isnan(ticks) if not domain.datetime else F.lit(False)
+    bucket = F.when(at_nan, None).otherwise(F.floor((ticks - F.lit(domain.start)) / F.lit(domain.every)))
+    counted = (df.select(*partition_by, bucket.cast("long").alias(BUCKET),
+                         at_nan.cast("long").alias(NAN_EVENTS))
+               .groupBy(*partition_by, BUCKET).agg(F.count(F.lit(1)).alias(EVENTS), F.sum(NAN_EVENTS).alias(
+                   NAN_EVENTS)))
+    staged = _staged(counted, partition_by, BUCKET)
+    read = functools.partial(read_counts, partition_by=partition_by, domain=domain)
+    found = _checked(staged, release, partition_by, read)
+    _refuse_found(found, partition_by, order_by, events=True)
+    released = found.filter(pc.is_valid(found.column("digest")))
+    lengths = {domain.n_buckets: _key_at(released, partition_by, 0)} if released.num_rows else {}
     time_type = "timestamp_ntz" if domain.datetime else "double"
     schema = ", ".join(f"`{c}` {fields[c].dataType.simpleString()}" for c in partition_by) \
         + f", `{order_by}` {time_type}, `{COUNT}` double"
-    task = _task(_release_counts, release=partition_task, partition_by=partition_by, order_by=order_by,
-                 domain=domain)
-    return counted.groupBy(*partition_by).applyInArrow(task, schema)
+    output = functools.partial(released_counts, partition_by=partition_by, order_by=order_by, count=COUNT,
+                               domain=domain)
+    return _charged(staged, release, found, lengths, partition_by=partition_by, read=read, output=output,
+                    schema=schema)
 
 
 def _task(function, **arguments):
-    """The function Spark runs per group (``pyarrow.Table`` in and out, as its type hints say)."""
-    def task(table: pa.Table) -> pa.Table:
-        return function(table, **arguments)
+    """The function Spark runs per task over its Arrow batches (``mapInArrow``)."""
+    def task(batches):
+        return function(batches, **arguments)
 
     return task
+
+
+def _staged(df, partition_by: list[str], order_by: str):
+    """The rows as both jobs read them: shuffled by partition key and sorted by partition, then
+    order key, so that a task's batches hold whole partitions' rows adjacent and in order (Spark
+    hashes and orders -0.0 as 0.0, as :func:`dpsql.noise.partition_address` does)."""
+    return df.repartition(*partition_by).sortWithinPartitions(*partition_by, order_by)
+
+
+def _checked(staged, release: DistributedRelease, partition_by: list[str], read, *, order_by: str | None = None,
+             value: str | None = None) -> pa.Table:
+    """The check job: one row per partition (:data:`CHECKED`). It runs dpsql's code on the
+    executors as the release will (its tasks also compare their dpsql's version with the
+    driver's), so when it fails, :func:`check_executors` says whether their environment is why."""
+    fields = {f.name: f.dataType.simpleString() for f in staged.schema.fields}
+    schema = ", ".join([*(f"`{c}` {fields[c]}" for c in partition_by), *(f"`{c}` {t}" for c, t in CHECKED.items())])
+    task = _task(check_batches, fingerprint=release.fingerprint, partition_by=partition_by, read=read,
+                 order_by=order_by, value=value, version=dpsql.__version__)
+    try:
+        return staged.mapInArrow(task, schema).toArrow()
+    except Exception:
+        check_executors(staged.sparkSession)  # refuses, naming what is missing, if the environment is the cause
+        raise
+
+
+def _charged(staged, release: DistributedRelease, found: pa.Table, lengths: dict, *, partition_by, read, output,
+             schema: str):
+    """Charge the checked release and return its lazy DataFrame: the digests of the partitions
+    checked go to the executors once (a broadcast), and each task releases only those."""
+    digests = pc.cast(found.column("digest").drop_null().combine_chunks(), pa.binary(16))
+    admitted = AdmittedPartitions(np.frombuffer(digests.buffers()[1], dtype="S16", count=len(digests),
+                                                offset=digests.offset * 16))
+    shipped = staged.sparkSession.sparkContext.broadcast(admitted)
+    try:
+        task = release.charge(lengths=lengths, admitted=_Broadcast(shipped))
+    except BaseException:
+        shipped.destroy()
+        raise
+    return staged.mapInArrow(_task(release_batches, task=task, partition_by=partition_by, read=read, output=output),
+                             schema)
+
+
+class _Broadcast:
+    """The admitted digests as the executors read them (a broadcast: shipped once, not with each task)."""
+
+    def __init__(self, broadcast):
+        self._broadcast = broadcast
+
+    def first_missing(self, digests) -> int | None:
+        return self._broadcast.value.first_missing(digests)
+
+
+def _key_at(found: pa.Table, partition_by: list[str], row: int):
+    key = tuple(found.column(c)[row].as_py() for c in partition_by)
+    return key[0] if len(key) == 1 else key
+
+
+def _refuse_found(found: pa.Table, partition_by: list[str], order_by: str, *, events: bool) -> None:
+    """Refuse what the check found of the keys (in every front end's words): NULL or NaN partition
+    keys, NULL or NaN order keys (event times), order keys repeated within a partition."""
+    rows = found.column("rows")
+    nulls = {c: pc.sum(pc.filter(rows, pc.is_null(found.column(c)))).as_py() or 0 for c in partition_by}
+    null_order = pc.sum(found.column("null_keys")).as_py() or 0
+    if events:
+        refuse_null_keys(nulls, order_label=None, partition_labels=partition_by)
+        refuse_null_event_times(order_by, null_order)
+    else:
+        refuse_null_keys({**nulls, order_by: null_order}, order_label=order_by, partition_labels=partition_by)
+    for column in partition_by:
+        if pa.types.is_floating(found.schema.field(column).type) and pc.any(pc.is_nan(found.column(column))).as_py():
+            refuse_nan_key(column, partition=True)
+    if pc.sum(found.column("nan_keys")).as_py():
+        refuse_nan_key(order_by, events=events)
+    repeated = pc.filter(found.column("repeated_key"), pc.is_valid(found.column("repeated_key")))
+    if len(repeated):
+        refuse_duplicate_time(order_by, repeated[0].as_py(), partition_by)
+
+
+def _refuse_values(found: pa.Table, value: str, value_type) -> None:
+    from pyspark.sql import types as T
+
+    nulls = pc.sum(found.column("null_values")).as_py()
+    if nulls:
+        raise InvalidData(f"column {value!r} contains {nulls} null value(s); drop or impute them before a private "
+                          "release")
+    bad = pc.sum(found.column("bad_values")).as_py()
+    if bad:
+        what = "NaN or infinite" if isinstance(value_type, (T.FloatType, T.DoubleType)) else "integers beyond 2**53"
+        raise InvalidData(f"column {value!r} contains {bad} {what} value(s); clean them before a private release")
 
 
 def _columns(partition_by) -> list[str]:
@@ -173,55 +301,6 @@ def _require_key_type(field, column: str) -> None:
                           "as a partition or order key (use numbers, strings, dates or timestamps)")
 
 
-def _null_counts(df, columns: list[str]) -> dict[str, int]:
-    """The NULL values of each key column, in one small aggregate job (a NULL key is refused before
-    anything is charged, with every front end's message)."""
-    from pyspark.sql import functions as F
-
-    nulls = df.select([F.sum(F.col(c).isNull().cast("long")).alias(c) for c in columns]).first()
-    return {column: nulls[column] or 0 for column in columns}
-
-
-def _refuse_bad_rows(df, partition_by: list[str], order_by: str, value: str, value_type) -> None:
-    """One aggregate job over the keys and the value, before the charge: every refusal a task
-    would make (a null key, an order key repeated within a partition, a value that is null,
-    NaN, infinite or an integer float64 cannot hold) is made here, so a refused call charges
-    nothing and a charged release never fails on its data."""
-    from pyspark.sql import functions as F
-    from pyspark.sql import types as T
-
-    keys = [*partition_by, order_by]
-    v = F.col(value)
-    if isinstance(value_type, (T.FloatType, T.DoubleType)):
-        non_finite = F.isnan(v) | (F.abs(v) == F.lit(float("inf")))
-    elif isinstance(value_type, T.IntegralType):
-        non_finite = (v > F.lit(_validate._EXACT_INTEGERS)) | (v < F.lit(-_validate._EXACT_INTEGERS))
-    else:
-        non_finite = F.lit(False)
-    per_key = df.groupBy(*keys).agg(F.count(F.lit(1)).alias("rows"),
-                                    F.sum(v.isNull().cast("long")).alias("nulls"),
-                                    F.sum(F.coalesce(non_finite, F.lit(False)).cast("long")).alias("non_finite"))
-    any_null_key = F.lit(False)
-    for column in keys:
-        any_null_key = any_null_key | F.col(column).isNull()
-    found = per_key.agg(*[F.sum(F.when(F.col(c).isNull(), F.col("rows"))).alias(f"null_{k}")
-                          for k, c in enumerate(keys)],
-                        F.sum(F.when(~any_null_key & (F.col("rows") > 1), 1)).alias("repeated"),
-                        F.sum("nulls").alias("nulls"), F.sum("non_finite").alias("non_finite")).first()
-    refuse_null_keys({column: found[f"null_{k}"] or 0 for k, column in enumerate(keys)}, order_label=order_by,
-                     partition_labels=partition_by)
-    if found["repeated"]:
-        raise InvalidTimeKey(f"order column {order_by!r} has a duplicate value within a partition "
-                             f"({found['repeated']} repeated key(s)); time keys must be unique within a partition")
-    if found["nulls"]:
-        raise InvalidData(f"column {value!r} contains {found['nulls']} null value(s); drop or impute them before a "
-                          "private release")
-    if found["non_finite"]:
-        what = "NaN or infinite" if isinstance(value_type, (T.FloatType, T.DoubleType)) else "integers beyond 2**53"
-        raise InvalidData(f"column {value!r} contains {found['non_finite']} {what} value(s); clean them before a "
-                          "private release")
-
-
 def _spark_ticks(column, field, datetime: bool, name: str):
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
@@ -237,36 +316,3 @@ def _spark_ticks(column, field, datetime: bool, name: str):
         return F.unix_micros(column.cast("timestamp")) * F.lit(1000)
     raise InvalidData(f"the time column {name!r} must hold timestamps or dates for datetime bounds, got "
                       f"{field.dataType.simpleString()}")
-
-
-# -- on the executors ------------------------------------------------------------------------------
-
-def _partition_key(table: pa.Table, partition_by: list[str]):
-    values = [table.column(c)[0].as_py() for c in partition_by]
-    return values[0] if len(values) == 1 else tuple(values)
-
-
-def _release_partition(table: pa.Table, *, release: PartitionTask, partition_by: list[str], order_by: str,
-                       value: str) -> pa.Table:
-    """One partition's release (a task): in time order, from the partition's addressed draws."""
-    table = table.sort_by(order_by)
-    times = table.column(order_by)
-    if len(times) > 1 and pa.compute.any(pa.compute.equal(times.slice(1), times.slice(0, len(times) - 1))).as_py():
-        raise InvalidTimeKey(f"order column {order_by!r} has a duplicate value within a partition; time keys must "
-                             "be unique within a partition")
-    values = _validate.values(table.column(value), value)
-    released = release.release(_partition_key(table, partition_by), values)
-    return pa.table({**{c: table.column(c) for c in partition_by}, order_by: times,
-                     value: pa.array(released, pa.float64())})
-
-
-def _release_counts(table: pa.Table, *, release: PartitionTask, partition_by: list[str], order_by: str,
-                    domain) -> pa.Table:
-    """One partition's count stream: every bucket of the domain (empty ones count 0)."""
-    counts = np.zeros(domain.n_buckets)
-    counts[table.column("__bucket").to_numpy()] = table.column("count").to_numpy()
-    released = release.release(_partition_key(table, partition_by), counts)
-    starts = pa.array(domain.bucket_starts()).cast(pa.timestamp("us")) if domain.datetime else pa.array(
-        domain.bucket_starts(), pa.float64())
-    return pa.table({**{c: pa.repeat(table.column(c)[0], len(counts)) for c in partition_by},
-                     order_by: starts, COUNT: pa.array(released, pa.float64())})

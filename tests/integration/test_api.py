@@ -353,24 +353,43 @@ def test_a_distributed_release_is_charged_once_before_its_tasks_and_releases_lik
     budget = dpsql.Budget.in_memory(epsilon=1.0)
     rng = np.random.default_rng(5)
     parts = {b"north": rng.uniform(0, 60, 700), b"south": rng.uniform(0, 60, 300)}
+    keys, values, offsets = list(parts), np.concatenate(list(parts.values())), np.array([0, 700, 1000])
+    order = [(np.arange(700),), (np.arange(300),)]  # the front end's bytes of each partition's order keys
     with dpsql.testing.seeded(3):
         planned = publishing.DistributedRelease("hierarchy", {"epsilon": 0.75, "upper": 60.0, "r": 256},
                                                 budget=budget)
         assert budget.spent == (0.0, 0.0)  # planning validates and draws nothing
-        task = planned.charge()
+        checked = planned.fingerprint.digests([partition_address(k) for k in keys], values, offsets, order)
+        task = planned.charge(lengths={700: b"north", 300: b"south"},
+                              admitted=publishing.AdmittedPartitions(checked))
     assert budget.spent == (0.75, 0.0) and budget.history().height == 1  # once, for every partition
     assert task.key.hex() not in repr(task) and repr(task.key) not in repr(task)
-    values = np.concatenate(list(parts.values()))
+    assert task.key.hex() not in repr(planned.fingerprint)
     with dpsql.testing.seeded(3):
-        local = dpsql.publish("hierarchy", values, partition_offsets=[0, 700, 1000], partition_keys=list(parts),
-                              epsilon=0.75, upper=60.0, r=256)
-    released = np.concatenate([task.release(key, rows) for key, rows in parts.items()])
+        local = dpsql.publish("hierarchy", values, partition_offsets=offsets, partition_keys=keys, epsilon=0.75,
+                              upper=60.0, r=256)
+    released = task.release(keys, values, offsets, order)
     np.testing.assert_array_equal(released, local.values)
-    # a retried task releases the same values
-    np.testing.assert_array_equal(task.release(b"south", parts[b"south"]), released[700:])
+    # a retried task (here releasing one of the partitions) releases the same values
+    np.testing.assert_array_equal(task.release([b"south"], parts[b"south"], [0, 300], order[1:]), released[700:])
+    # rows other than those checked (one value, or the order keys) are refused before anything is drawn
+    changed = parts[b"south"].copy()
+    changed[5] += 1.0
+    with pytest.raises(dpsql.DataChanged, match="partition b'south' is not the data this release was charged for"):
+        task.release([b"south"], changed, [0, 300], order[1:])
+    with pytest.raises(dpsql.DataChanged, match="partition b'north'"):
+        task.release(keys, values, offsets, [(np.arange(1, 701),), order[1]])
+    # the digests are keyed by the release: another release's digests of the same rows differ
+    other = publishing.DistributedRelease("laplace", {"epsilon": 0.5, "upper": 60.0}, budget=budget)
+    assert other.fingerprint.digests([b"x"], values, [0, 1000], [()]) != planned.fingerprint.digests(
+        [b"x"], values, [0, 1000], [()])
+    # a length the method's machine refuses is refused, naming the partition, before the charge
+    with pytest.raises(InvalidParameter, match=r"partition 'x' has 10 row\(s\): m \(hold-out length\) must be <"):
+        publishing.DistributedRelease("tops", {"epsilon": 0.1, "upper": 1.0, "m": 20}, budget=budget).charge(
+            lengths={10: "x"}, admitted=publishing.AdmittedPartitions([]))
     # a second release that no longer fits is refused at its charge, charging nothing
     with pytest.raises(BudgetExhausted):
-        publishing.DistributedRelease("laplace", {"epsilon": 0.5, "upper": 60.0}, budget=budget).charge()
+        other.charge(lengths={1000: "x"}, admitted=publishing.AdmittedPartitions([]))
     assert budget.spent == (0.75, 0.0)
     with pytest.raises(InvalidParameter, match="upper"):
         publishing.DistributedRelease("laplace", {"epsilon": 0.5, "upper": -1.0}, budget=budget)

@@ -1,12 +1,17 @@
-"""Spark releases on local[2]: charged once on the driver, released per partition on executors,
-equal to the local partition_by release, identical when re-executed."""
+"""Spark releases on local[2]: checked, then charged once on the driver, released by partitions on
+executors, equal to the local partition_by release, identical when re-executed, refused when the
+source changed since the charge."""
 
 from __future__ import annotations
 
 import datetime as dt
+import os
+import sys
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import dpsql
@@ -23,12 +28,19 @@ def spark():
         pytest.skip("no Java runtime on PATH: Spark cannot start")
     from pyspark.sql import SparkSession
 
+    # the executors' Python: this one, with dpsql (a session made in Python reads only the environment)
+    previous = os.environ.get("PYSPARK_PYTHON")
+    os.environ["PYSPARK_PYTHON"] = sys.executable
     session = (SparkSession.builder.master("local[2]").appName("dpsql-tests")
                .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "4")
                .config("spark.sql.session.timeZone", "UTC").getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
+    if previous is None:
+        del os.environ["PYSPARK_PYTHON"]
+    else:
+        os.environ["PYSPARK_PYTHON"] = previous
 
 
 def _readings(n=6000, meters=5, seed=0) -> pl.DataFrame:
@@ -126,7 +138,7 @@ def test_bad_rows_and_types_are_refused_on_the_driver_before_the_charge(spark):
     release = dict(order_by="ts", value="kwh", partition_by="meter", method="laplace", epsilon=0.5, upper=10.0,
                    budget=budget)
     refused = [
-        (dpsql.InvalidTimeKey, "'ts' has a duplicate value within a partition \\(1 repeated",
+        (dpsql.InvalidTimeKey, "'ts' has duplicate value 6 within a partition of 'meter'",
          df.selectExpr("meter", "CASE WHEN ts = 5 AND meter = 1 THEN 6 ELSE ts END AS ts", "kwh")),
         (dpsql.InvalidTimeKey, "order column 'ts' contains 1 NULL value",
          df.selectExpr("meter", "IF(ts = 7 AND meter = 0, NULL, ts) AS ts", "kwh")),
@@ -137,6 +149,10 @@ def test_bad_rows_and_types_are_refused_on_the_driver_before_the_charge(spark):
                        "double('-Infinity') ELSE kwh END AS kwh")),
         (dpsql.InvalidData, "'kwh' contains 1 integers beyond 2\\*\\*53",
          df.selectExpr("meter", "ts", "IF(ts = 4 AND meter = 2, 9007199254740993, bigint(kwh)) AS kwh")),
+        (dpsql.InvalidTimeKey, "order column 'ts' contains NaN",
+         df.selectExpr("meter", "IF(ts = 8, double('NaN'), double(ts)) AS ts", "kwh")),
+        (dpsql.InvalidTimeKey, "partition column 'meter' contains NaN",
+         df.selectExpr("IF(ts = 8, double('NaN'), double(meter)) AS meter", "ts", "kwh")),
     ]
     for error, message, frame in refused:
         with pytest.raises(error, match=message):
@@ -163,6 +179,12 @@ def test_bad_rows_and_types_are_refused_on_the_driver_before_the_charge(spark):
     with pytest.raises(dpsql.InvalidData, match="map<string,bigint>"):
         spark_dp.count_stream(events.selectExpr("map('a', ap) AS ap", "t"), order_by="t", partition_by="ap",
                               **counts)
+    with pytest.raises(dpsql.InvalidTimeKey, match="time column 't' contains 2 null"):
+        spark_dp.count_stream(events.selectExpr("ap", "IF(t < 120, NULL, t) AS t"), order_by="t",
+                              partition_by="ap", **counts)
+    with pytest.raises(dpsql.InvalidTimeKey, match="time column 't' contains NaN"):
+        spark_dp.count_stream(events.selectExpr("ap", "IF(t = 60, double('NaN'), t) AS t"), order_by="t",
+                              partition_by="ap", **counts)
     assert budget.spent == (0.0, 0.0) and budget.history().height == 0
     # a time key repeated across partitions (not within one) is a valid release, charged once
     out = spark_dp.range_sum(df, **release).toPandas()
@@ -201,3 +223,98 @@ def test_a_release_over_two_key_columns_equals_the_local_one(spark):
     got = pl.from_pandas(out.toPandas()).sort("site", "meter", "ts")
     expected = local.sort("site", "meter", "ts")
     assert got["kwh"].to_list() == expected["dp"].to_list() and got.height == 3000
+
+
+def _consistent(budget: dpsql.Budget) -> bool:
+    """The ledger's totals are the sum of the charges it recorded."""
+    history = budget.history()
+    return budget.spent == pytest.approx((history["epsilon"].sum(), history["delta"].sum()))
+
+
+@pytest.mark.parametrize(("change", "partition"), [("one value", 1), ("a filter", 2)])
+def test_a_released_dataframe_read_after_its_source_changed_refuses_instead_of_releasing(spark, tmp_path, change,
+                                                                                          partition):
+    """The re-run attack (issue 23): the released DataFrame, collected again after its Parquet
+    source was rewritten (one value changed, or a row filtered out), would release the new rows
+    with the charged noise, their difference with the first collection being exactly the
+    change. Its tasks refuse the changed partition instead, releasing nothing of it, and nothing
+    more is charged; unchanged, it is collected again with identical values."""
+    n = 300
+    table = pa.table({"meter": np.arange(n) % 3, "ts": np.arange(n), "kwh": (np.arange(n) % 7) * 1.0})
+    pq.write_table(table, tmp_path / "part-0.parquet")
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    out = spark_dp.range_sum(spark.read.parquet(str(tmp_path)), order_by="ts", value="kwh", partition_by="meter",
+                             method="laplace", epsilon=0.5, upper=10.0, budget=budget)
+    # each read is a new query on the released DataFrame (as a dashboard's): planned anew, its source read again
+    first = [row.kwh for row in out.orderBy("ts").collect()]
+    assert [row.kwh for row in out.orderBy("ts").collect()] == first and len(first) == n
+    if change == "one value":
+        kwh = table["kwh"].to_numpy().copy()
+        kwh[10] += 1.0
+        changed = table.set_column(2, "kwh", pa.array(kwh))
+    else:
+        changed = table.filter(pa.compute.not_equal(table["ts"], 20))
+    pq.write_table(changed, tmp_path / "part-0.parquet")
+    with pytest.raises(Exception, match=f"DataChanged: partition {partition} is not the data this release was "
+                                        "charged for.*release again"):
+        out.orderBy("ts").collect()
+    assert budget.spent == (0.5, 0.0) and budget.history().height == 1 and _consistent(budget)
+
+
+def test_a_count_stream_read_after_its_events_changed_refuses(spark, tmp_path):
+    times = np.arange(0, 3600 * 6, 450.0)
+    table = pa.table({"ap": (np.arange(len(times)) % 2).astype(np.int64), "t": times})
+    pq.write_table(table, tmp_path / "events.parquet")
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    out = spark_dp.count_stream(spark.read.parquet(str(tmp_path)), order_by="t", every=3600.0, start=0.0,
+                                stop=3600.0 * 6, partition_by="ap", method="count_laplace", epsilon=0.5,
+                                budget=budget)
+    first = out.orderBy("ap", "t").collect()
+    assert out.orderBy("ap", "t").collect() == first and len(first) == 2 * 6
+    pq.write_table(table.slice(1), tmp_path / "events.parquet")  # the first event of access point 0 removed
+    with pytest.raises(Exception, match="DataChanged: partition 0 is not the data"):
+        out.orderBy("ap", "t").collect()
+    assert budget.spent == (0.5, 0.0) and _consistent(budget)
+
+
+def test_a_partition_shorter_than_the_hold_out_is_refused_before_the_charge(spark):
+    """ToPS's hold-out must fit in every partition: a shorter partition is refused, naming it,
+    before anything is charged (the release used to be charged, then fail in its task)."""
+    budget = dpsql.Budget.in_memory(epsilon=1.0, delta=1e-3)
+    meters = np.repeat([0, 1, 2], [300, 300, 50])
+    df = spark.createDataFrame(pl.DataFrame({"meter": meters, "ts": np.arange(len(meters)),
+                                             "kwh": np.ones(len(meters))}).to_pandas())
+    release = dict(order_by="ts", value="kwh", partition_by="meter", epsilon=0.5, upper=10.0, budget=budget)
+    with pytest.raises(dpsql.InvalidParameter, match=r"partition 2 has 50 row\(s\): m \(hold-out length\) must "
+                                                     r"be < the number of values \(50\), got m=100"):
+        spark_dp.range_sum(df, method="tops", m=100, **release).collect()
+    with pytest.raises(dpsql.InvalidParameter, match=r"partition 2 has 50 row\(s\): m \(hold-out length\)"):
+        spark_dp.range_sum(df, method="pak", m=60, delta=1e-6, **release).collect()
+    assert budget.spent == (0.0, 0.0) and budget.history().height == 0
+    assert len(spark_dp.range_sum(df, method="tops", m=40, **release).collect()) == len(meters)
+    assert budget.spent == (0.5, 0.0) and _consistent(budget)
+
+
+def test_partitions_cut_across_arrow_batches_are_released_whole(spark):
+    """Tasks read Arrow batches of 7 rows: every partition spans several, and text partition keys
+    and timestamp order keys are digested and released as the local release does."""
+    rng = np.random.default_rng(12)
+    n = 900
+    frame = pl.DataFrame({"site": rng.choice(["north", "south", "east"], n), "meter": rng.integers(0, 4, n),
+                          "ts": [dt.datetime(2024, 1, 1) + dt.timedelta(minutes=int(m))
+                                 for m in rng.permutation(n)],
+                          "kwh": np.round(rng.gamma(2.0, 5.0, n), 3)})
+    params = dict(method="hierarchy", epsilon=1.0, upper=60.0, r=64)
+    with dpsql.testing.seeded(5):
+        local = frame.with_columns(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by=["site", "meter"],
+                                                                 **params).alias("dp"))
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "7")
+    try:
+        with dpsql.testing.seeded(5):
+            out = spark_dp.range_sum(spark.createDataFrame(frame.to_pandas()), order_by="ts", value="kwh",
+                                     partition_by=["site", "meter"], **params)
+        got = pl.DataFrame([row.asDict() for row in out.collect()])
+    finally:
+        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+    expected = local.sort("site", "meter", "ts")
+    assert got.sort("site", "meter", "ts")["kwh"].to_list() == expected["dp"].to_list() and got.height == n
