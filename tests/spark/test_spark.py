@@ -318,3 +318,16 @@ def test_partitions_cut_across_arrow_batches_are_released_whole(spark):
         spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
     expected = local.sort("site", "meter", "ts")
     assert got.sort("site", "meter", "ts")["kwh"].to_list() == expected["dp"].to_list() and got.height == n
+
+
+def test_a_driver_that_cannot_import_pandas_is_refused_before_the_charge(spark, monkeypatch):
+    """A ``spark`` extra without pandas: Spark's Arrow tasks cannot be planned. The release is
+    refused with a typed error saying so before anything is charged (it used to be charged, then
+    fail when its tasks were planned)."""
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    df = spark.createDataFrame(_readings(200).to_pandas())
+    monkeypatch.setitem(sys.modules, "pandas", None)  # what `import pandas` finds on such a driver: nothing
+    with pytest.raises(dpsql.EnvironmentUnusable, match=r"the Spark driver cannot run Arrow tasks: .*Pandas >= 2\.2"):
+        spark_dp.range_sum(df, order_by="ts", value="kwh", partition_by="meter", method="laplace", epsilon=0.5,
+                           upper=60.0, budget=budget)
+    assert budget.spent == (0.0, 0.0) and budget.history().height == 0
