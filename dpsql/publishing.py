@@ -28,7 +28,7 @@ import dataclasses
 import hashlib
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import overload
+from typing import Protocol, overload
 
 import numpy as np
 import pyarrow as pa
@@ -282,15 +282,14 @@ class DistributedRelease:
         if self._budget is not None:
             self._budget.check(self._charge)
 
-    def charge(self, *, lengths: Mapping[int, object], admitted: AdmittedPartitions) -> PartitionTask:
+    def charge(self, *, lengths: Mapping[int, object], admitted: DigestLookup) -> PartitionTask:
         """Charge the release (once, durably) and return the task that releases its partitions.
 
         ``lengths`` maps every partition length to one partition of that length (its key):
         a length the method's machine refuses (a hold-out as long as the partition) is refused
         first, naming that partition, and nothing is charged. ``admitted``: the digests
         (:attr:`fingerprint`) of the partitions checked before the charge, the only ones the
-        task will release (an object with :meth:`AdmittedPartitions.first_missing`, such as a
-        front end's handle on a copy shipped to the executors).
+        task will release.
         """
         draws = self._keystream.partition(b"")
         for n, partition in lengths.items():
@@ -332,6 +331,14 @@ class PartitionFingerprint:
         return digests
 
 
+class DigestLookup(Protocol):
+    """Where a task looks up the digests its release was charged for (:class:`AdmittedPartitions`,
+    or a front end's handle on a copy of it shipped to the executors)."""
+
+    def first_missing(self, digests: Sequence[bytes]) -> int | None:
+        """The index of the first of ``digests`` not admitted, or None when all are."""
+
+
 class AdmittedPartitions:
     """The digests (:class:`PartitionFingerprint`) of the partitions a distributed release was
     charged for, sorted for lookups: 16 bytes a partition (a million partitions take 16 MB)."""
@@ -364,7 +371,7 @@ class PartitionTask:
     params: dict
     private: bool
     key: bytes = dataclasses.field(repr=False)
-    admitted: AdmittedPartitions = dataclasses.field(repr=False)
+    admitted: DigestLookup = dataclasses.field(repr=False)
 
     @property
     def fingerprint(self) -> PartitionFingerprint:

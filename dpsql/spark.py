@@ -101,6 +101,8 @@ def range_sum(df, *, order_by: str, value: str, partition_by, method: str = RANG
     staged = _staged(df.select(*partition_by, order_by, value), partition_by, order_by)
     read = functools.partial(read_values, partition_by=partition_by, order_by=order_by, value=value)
     found = _checked(staged, release, partition_by, read, order_by=order_by, value=value)
+    if not found.num_rows:
+        raise InvalidData(f"column {value!r} is empty: nothing to release")
     _refuse_found(found, partition_by, order_by, events=False)
     _refuse_values(found, value, fields[value].dataType)
     rows = found.column("rows").to_numpy()
@@ -153,7 +155,10 @@ def count_stream(df, *, order_by: str | None = None, every, start, stop, partiti
     found = _checked(staged, release, partition_by, read)
     _refuse_found(found, partition_by, order_by, events=True)
     released = found.filter(pc.is_valid(found.column("digest")))
-    lengths = {domain.n_buckets: _key_at(released, partition_by, 0)} if released.num_rows else {}
+    if not released.num_rows:
+        raise InvalidData(f"no event of column {order_by!r} falls in the domain [{start!s}, {stop!s}): nothing to "
+                          "release")
+    lengths = {domain.n_buckets: _key_at(released, partition_by, 0)}
     time_type = "timestamp_ntz" if domain.datetime else "double"
     schema = ", ".join(f"`{c}` {fields[c].dataType.simpleString()}" for c in partition_by) \
         + f", `{order_by}` {time_type}, `{COUNT}` double"

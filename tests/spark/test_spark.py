@@ -153,6 +153,7 @@ def test_bad_rows_and_types_are_refused_on_the_driver_before_the_charge(spark):
          df.selectExpr("meter", "IF(ts = 8, double('NaN'), double(ts)) AS ts", "kwh")),
         (dpsql.InvalidTimeKey, "partition column 'meter' contains NaN",
          df.selectExpr("IF(ts = 8, double('NaN'), double(meter)) AS meter", "ts", "kwh")),
+        (dpsql.InvalidData, "column 'kwh' is empty: nothing to release", df.where("ts < 0")),
     ]
     for error, message, frame in refused:
         with pytest.raises(error, match=message):
@@ -185,6 +186,8 @@ def test_bad_rows_and_types_are_refused_on_the_driver_before_the_charge(spark):
     with pytest.raises(dpsql.InvalidTimeKey, match="time column 't' contains NaN"):
         spark_dp.count_stream(events.selectExpr("ap", "IF(t = 60, double('NaN'), t) AS t"), order_by="t",
                               partition_by="ap", **counts)
+    with pytest.raises(dpsql.InvalidData, match=r"no event of column 't' falls in the domain \[0.0, 18000.0\)"):
+        spark_dp.count_stream(events.selectExpr("ap", "t + 1e6 AS t"), order_by="t", partition_by="ap", **counts)
     assert budget.spent == (0.0, 0.0) and budget.history().height == 0
     # a time key repeated across partitions (not within one) is a valid release, charged once
     out = spark_dp.range_sum(df, **release).toPandas()
