@@ -29,8 +29,8 @@ from dpsql.publishing import PartitionFingerprint, PartitionTask
 from dpsql.timegrid import TimeDomain
 
 #: The check job's columns after the partition columns (one row per partition), as Spark types.
-CHECKED = {"rows": "long", "digest": "binary", "null_keys": "long", "nan_keys": "long", "repeated": "long",
-           "repeated_key": "string", "null_values": "long", "bad_values": "long"}
+CHECKED = {"rows": "long", "digest": "binary", "null_keys": "long", "nan_keys": "long", "repeated_key": "string",
+           "null_values": "long", "bad_values": "long"}
 #: The count stream's input columns beside the partition columns: bucket index, events, events at a NaN time.
 BUCKET, EVENTS, NAN_EVENTS = "__bucket", "__events", "__nan_events"
 
@@ -98,7 +98,7 @@ def _starts_a_partition(before: pa.RecordBatch, batch: pa.RecordBatch, partition
                for c in partition_by)
 
 
-def _keys(table: pa.Table, starts: np.ndarray, partition_by: Sequence[str]) -> list:
+def _keys(table: pa.RecordBatch, starts: np.ndarray, partition_by: Sequence[str]) -> list:
     """The partition keys of the partitions starting at ``starts`` (a tuple for several columns)."""
     columns = [table.column(c).take(starts).to_pylist() for c in partition_by]
     return columns[0] if len(columns) == 1 else list(zip(*columns))
@@ -135,7 +135,7 @@ def _floats(column: pa.Array) -> np.ndarray:
     return np.ascontiguousarray(pc.cast(column, pa.float64(), safe=False).to_numpy(zero_copy_only=False))
 
 
-def read_values(table: pa.Table, starts: np.ndarray, *, partition_by: Sequence[str], order_by: str,
+def read_values(table: pa.RecordBatch, starts: np.ndarray, *, partition_by: Sequence[str], order_by: str,
                 value: str) -> Partitions:
     """A range release's whole partitions: each row's value, in order-key order (the plan's)."""
     offsets = np.append(starts, table.num_rows)
@@ -143,7 +143,7 @@ def read_values(table: pa.Table, starts: np.ndarray, *, partition_by: Sequence[s
                       _canonical_keys(table.column(order_by), starts, offsets))
 
 
-def read_counts(table: pa.Table, starts: np.ndarray, *, partition_by: Sequence[str], domain: TimeDomain
+def read_counts(table: pa.RecordBatch, starts: np.ndarray, *, partition_by: Sequence[str], domain: TimeDomain
                 ) -> Partitions:
     """A count release's whole partitions: each one's events per bucket of ``domain``, every
     bucket (0 where none); partitions with no event in the domain release nothing."""
@@ -153,9 +153,9 @@ def read_counts(table: pa.Table, starts: np.ndarray, *, partition_by: Sequence[s
     released = np.unique(partition[inside])
     slot = np.full(len(starts), -1)
     slot[released] = np.arange(len(released))
-    counts = np.zeros((len(released), domain.n_buckets))
-    counts[slot[partition[inside]], buckets[inside].astype(np.int64)] = _floats(table.column(EVENTS))[inside]
     n = domain.n_buckets
+    counts = np.zeros((len(released), n))
+    counts[slot[partition[inside]], buckets[inside].astype(np.int64)] = _floats(table.column(EVENTS))[inside]
     return Partitions(_keys(table, starts[released], partition_by), starts[released], counts.ravel(),
                       np.arange(len(released) + 1, dtype=np.int64) * n, [()] * len(released))
 
@@ -166,22 +166,26 @@ def check_batches(batches: Iterable[pa.RecordBatch], *, fingerprint: PartitionFi
     """The check job (before the charge): one row per partition with its partition columns and
     :data:`CHECKED`: its rows (events, for counts), the digest of what its release consumes (NULL
     when it releases nothing) and what a release refuses (NULL and NaN order keys or event times,
-    order keys repeated within it and the first of them, NULL values, NaN, infinite values or
-    integers beyond 2**53). ``order_by`` and ``value`` name a range release's columns; without
+    the first order key repeated within it, NULL values, NaN, infinite values or integers beyond
+    2**53). ``order_by`` and ``value`` name a range release's columns; without
     them the batches hold a count stream's events per bucket. ``version``: the driver's dpsql,
     which must be this one (the release's tasks must read and digest rows as the check does)."""
-    from dpsql import __version__
-
-    if __version__ != version:
-        raise EnvironmentUnusable(f"this executor runs dpsql {__version__}, the driver dpsql {version}")
+    _refuse_other_version(version)
     for table, starts in whole_partitions(batches, partition_by):
         yield _checked(table, starts, read(table, starts), fingerprint, partition_by, order_by, value)
 
 
-def _checked(table: pa.Table, starts: np.ndarray, parts: Partitions, fingerprint: PartitionFingerprint,
+def _refuse_other_version(version: str) -> None:
+    from dpsql import __version__
+
+    if __version__ != version:
+        raise EnvironmentUnusable(f"this executor runs dpsql {__version__}, the driver dpsql {version}: install the "
+                                  "same version on both")
+
+
+def _checked(table: pa.RecordBatch, starts: np.ndarray, parts: Partitions, fingerprint: PartitionFingerprint,
              partition_by: Sequence[str], order_by: str | None, value: str | None) -> pa.RecordBatch:
-    n = len(starts)
-    digests: list = [None] * n
+    digests: list = [None] * len(starts)
     released = np.searchsorted(starts, parts.starts)
     for k, digest in zip(released.tolist(), fingerprint.digests([partition_address(p) for p in parts.keys],
                                                                 parts.values, parts.offsets, parts.order_keys)):
@@ -192,7 +196,7 @@ def _checked(table: pa.Table, starts: np.ndarray, parts: Partitions, fingerprint
     return pa.RecordBatch.from_pydict({c: columns[c] for c in [*partition_by, *CHECKED]})  # Spark's order
 
 
-def _range_problems(table: pa.Table, starts: np.ndarray, order_by: str, value: str) -> dict:
+def _range_problems(table: pa.RecordBatch, starts: np.ndarray, order_by: str, value: str) -> dict:
     """A range release's rows and refusals per partition."""
     order = table.column(order_by)
     lengths = np.diff(np.append(starts, table.num_rows))
@@ -200,7 +204,6 @@ def _range_problems(table: pa.Table, starts: np.ndarray, order_by: str, value: s
     if table.num_rows > 1:
         repeated[1:] = ~_changes(order) & ~order.is_null().to_numpy(zero_copy_only=False)[1:]
     repeated[starts] = False  # the first row of a partition repeats nothing
-    first_repeats = repeated & ~np.concatenate([[False], repeated[:-1]])
     shown: list = [None] * len(starts)
     for k in np.flatnonzero(_per_partition(repeated, starts)).tolist():
         shown[k] = repr(order[int(starts[k] + np.argmax(repeated[starts[k]:starts[k] + lengths[k]]))].as_py())
@@ -214,8 +217,8 @@ def _range_problems(table: pa.Table, starts: np.ndarray, order_by: str, value: s
     else:
         bad = np.zeros(table.num_rows, dtype=bool)
     return {"rows": lengths, "null_keys": _per_partition(order.is_null().to_numpy(zero_copy_only=False), starts),
-            "nan_keys": _nan_keys(order, starts), "repeated": _per_partition(first_repeats, starts),
-            "repeated_key": pa.array(shown, pa.string()), "null_values": _per_partition(null_values, starts),
+            "nan_keys": _nan_keys(order, starts), "repeated_key": pa.array(shown, pa.string()),
+            "null_values": _per_partition(null_values, starts),
             "bad_values": _per_partition(bad, starts)}
 
 
@@ -225,37 +228,38 @@ def _nan_keys(order: pa.Array, starts: np.ndarray) -> np.ndarray:
     return _per_partition(pc.fill_null(pc.is_nan(order), False).to_numpy(zero_copy_only=False), starts)
 
 
-def _count_problems(table: pa.Table, starts: np.ndarray) -> dict:
+def _count_problems(table: pa.RecordBatch, starts: np.ndarray) -> dict:
     """A count release's events and refusals per partition (events without a time, or at NaN)."""
     events = table.column(EVENTS).to_numpy(zero_copy_only=False)
     nan = table.column(NAN_EVENTS).to_numpy(zero_copy_only=False)
     timeless = np.where(table.column(BUCKET).is_null().to_numpy(zero_copy_only=False), events - nan, 0)
     zeros = np.zeros(len(starts), np.int64)
     return {"rows": np.add.reduceat(events, starts), "null_keys": np.add.reduceat(timeless, starts),
-            "nan_keys": np.add.reduceat(nan, starts), "repeated": zeros, "repeated_key": pa.nulls(len(starts),
-                                                                                             pa.string()),
+            "nan_keys": np.add.reduceat(nan, starts), "repeated_key": pa.nulls(len(starts), pa.string()),
             "null_values": zeros, "bad_values": zeros}
 
 
 def release_batches(batches: Iterable[pa.RecordBatch], *, task: PartitionTask, partition_by: Sequence[str],
-                    read: Callable[..., Partitions], output: Callable[..., pa.RecordBatch]
+                    read: Callable[..., Partitions], output: Callable[..., pa.RecordBatch], version: str
                     ) -> Iterator[pa.RecordBatch]:
     """The release job (after the charge): whole partitions at a time, each released only if its
-    rows are those checked before the charge (else :class:`dpsql.errors.DataChanged`)."""
+    rows are those checked before the charge (else :class:`dpsql.errors.DataChanged`), by the
+    driver's version of dpsql (an executor added since the check may run another)."""
+    _refuse_other_version(version)
     for table, starts in whole_partitions(batches, partition_by):
         parts = read(table, starts)
         if parts.keys:
             yield output(table, parts, task.release(parts.keys, parts.values, parts.offsets, parts.order_keys))
 
 
-def released_rows(table: pa.Table, parts: Partitions, values: np.ndarray, *, partition_by: Sequence[str],
+def released_rows(table: pa.RecordBatch, parts: Partitions, values: np.ndarray, *, partition_by: Sequence[str],
                   order_by: str, value: str) -> pa.RecordBatch:
     """A range release's output: its partition columns, order key and private value per row."""
     return pa.RecordBatch.from_pydict({**{c: table.column(c) for c in [*partition_by, order_by]},
                                        value: pa.array(values, pa.float64())})
 
 
-def released_counts(table: pa.Table, parts: Partitions, values: np.ndarray, *, partition_by: Sequence[str],
+def released_counts(table: pa.RecordBatch, parts: Partitions, values: np.ndarray, *, partition_by: Sequence[str],
                     order_by: str, count: str, domain: TimeDomain) -> pa.RecordBatch:
     """A count release's output: every bucket of the domain per released partition."""
     rows = np.repeat(parts.starts, domain.n_buckets)

@@ -212,8 +212,8 @@ def _charged(staged, release: DistributedRelease, found: pa.Table, lengths: dict
     except BaseException:
         shipped.destroy()
         raise
-    return staged.mapInArrow(_task(release_batches, task=task, partition_by=partition_by, read=read, output=output),
-                             schema)
+    return staged.mapInArrow(_task(release_batches, task=task, partition_by=partition_by, read=read, output=output,
+                                   version=dpsql.__version__), schema)
 
 
 class _Broadcast:
