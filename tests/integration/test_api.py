@@ -387,6 +387,10 @@ def test_a_distributed_release_is_charged_once_before_its_tasks_and_releases_lik
     with pytest.raises(InvalidParameter, match=r"partition 'x' has 10 row\(s\): m \(hold-out length\) must be <"):
         publishing.DistributedRelease("tops", {"epsilon": 0.1, "upper": 1.0, "m": 20}, budget=budget).charge(
             lengths={10: "x"}, admitted=publishing.AdmittedPartitions([]))
+    # digests are looked up by both halves: equal first halves (about never, with 64-bit halves) are told apart
+    twins = [b"A" * 8 + bytes([k]) * 8 for k in range(4)]
+    assert publishing.AdmittedPartitions(twins[:3]).first_missing([twins[2], twins[0], twins[3]]) == 2
+    assert publishing.AdmittedPartitions([]).first_missing([twins[0]]) == 0
     # a second release that no longer fits is refused at its charge, charging nothing
     with pytest.raises(BudgetExhausted):
         other.charge(lengths={1000: "x"}, admitted=publishing.AdmittedPartitions([]))
