@@ -43,7 +43,8 @@ import dpsql.spark
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "traffic_volume_hourly.csv"
 UPPER = 8000.0
-TARGET = 2.0
+#: Issue 21's target: a fleet (10^4 partitions of 100 rows) released within 2x the plain job.
+TARGET, TARGET_SHAPE = 2.0, "10000x100"
 
 
 def sorted_sums(table: pa.Table) -> pa.Table:
@@ -128,11 +129,11 @@ def main() -> None:
                   "of which check + charge, median s", "check / plain (median)"]
         sections.append(f"**{partitions:,} partitions x {per:,} rows** ({partitions * per:,} rows)\n\n"
                         + markdown_table(header, rows))
-        for name in ("laplace", "tops, fleet threshold"):
-            verdicts.append((f"{name}, {shape}", median[name] / median["plain"]))
+        if shape == TARGET_SHAPE:
+            verdicts += [(name, median[name] / median["plain"]) for name in ("laplace", "tops, fleet threshold")]
     elapsed = time.perf_counter() - start
     load_after = os.getloadavg()[0]
-    met = all(ratio <= TARGET for _, ratio in verdicts)
+    met = bool(verdicts) and all(ratio <= TARGET for _, ratio in verdicts)
     body = (f"Spark `local[2]` with {args.shuffle_partitions} shuffle partitions, each DataFrame cached in memory, "
             f"integer time keys, traffic volumes tiled, epsilon 1, upper {UPPER:g}; `tops, fleet threshold` passes "
             f"`threshold={UPPER / 4:g}` (a fleet-wide threshold released once before), `tops, own hold-out` holds "
@@ -141,10 +142,15 @@ def main() -> None:
             "jobs: the check before the charge (shuffled by partition and sorted by time as the release reads "
             "them, the rows are digested and every refusal made) and the release itself, which releases many "
             "whole partitions per Arrow batch.\n\n" + "\n\n".join(sections)
-            + f"\n\nTarget: laplace and tops with a fleet threshold within {TARGET:g}x the plain job (medians): "
-              f"**{'met' if met else 'NOT met'}** ("
+            + f"\n\nTarget (issue 21): on {TARGET_SHAPE.replace('x', ' partitions x ')} rows, laplace and tops with a "
+              f"fleet threshold within {TARGET:g}x the plain job (medians): **{'met' if met else 'NOT met'}** ("
             + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in verdicts)
-            + f"). Load average (1 min) before / after: {load_before:.2f} / {load_after:.2f} on {os.cpu_count()} "
+            + "). The plain job pays Spark's per-group cost of `applyInArrow` (one Python call and one Arrow "
+              "stream per group), which dpsql's jobs avoid by handing many whole partitions to each call; with "
+              "fewer, longer partitions that cost shrinks and each of dpsql's two passes over the data (the check, "
+              "then the release: two shuffles) costs about one plain job. A per-partition hold-out adds ToPS's "
+              "Noisy Max over the threshold candidates to every partition, the cost a fleet-wide threshold removes. "
+              f"Load average (1 min) before / after: {load_before:.2f} / {load_after:.2f} on {os.cpu_count()} "
               "cores (other work shared the machine: medians over interleaved rounds are the figures to compare).")
     spark.stop()
     write_section("spark_release", "Spark: range_sum on fleets of partitions", body)

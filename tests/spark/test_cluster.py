@@ -135,7 +135,11 @@ def test_the_fleet_recipe_runs_as_written_on_a_cluster_with_a_postgres_ledger(cl
         else:
             (tmp_path / "submit.sh").write_text("set -euo pipefail\n" + code)
     assert all(written in "".join(code for _, code in blocks) for written in places)
-    environment = _environment(HOME=str(tmp_path))
+    # the site's Spark defaults (not the recipe's business): a small cluster, no web UI
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "spark-defaults.conf").write_text("spark.ui.enabled false\nspark.executor.memory 512m\n"
+                                                           "spark.sql.shuffle.partitions 4\n")
+    environment = _environment(HOME=str(tmp_path), SPARK_CONF_DIR=str(tmp_path / "conf"))
     for command in ([sys.executable, "create_scope.py"], ["bash", "submit.sh"]):
         run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=environment)
         assert run.returncode == 0, textwrap.shorten(run.stderr[-4000:], 4000)
