@@ -23,9 +23,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dpsql._validate import EXACT_INTEGERS
-from dpsql.addresses import partition_address
+from dpsql.addresses import partition_addresses
 from dpsql.errors import EnvironmentUnusable
-from dpsql.publishing import PartitionFingerprint, PartitionTask
+from dpsql.parts import Keys
+from dpsql.publishing import PartitionFingerprint, PartitionTask, changed_data
 from dpsql.timegrid import TimeDomain
 
 #: The check job's columns after the partition columns (one row per partition), as Spark types.
@@ -37,11 +38,12 @@ BUCKET, EVENTS, NAN_EVENTS = "__bucket", "__events", "__nan_events"
 
 @dataclasses.dataclass
 class Partitions:
-    """Whole partitions as a release consumes them: partition ``k`` (key ``keys[k]``, first row
-    ``starts[k]`` of the table read) has the values ``values[offsets[k]:offsets[k + 1]]`` (float64,
-    in release order) and order keys whose canonical bytes are ``order_keys[k]``."""
+    """Whole partitions as a release consumes them: partition ``k`` (key: row ``k`` of the key
+    columns ``keys``, first row ``starts[k]`` of the batch read) has the values
+    ``values[offsets[k]:offsets[k + 1]]`` (float64, in release order) and order keys whose
+    canonical bytes are ``order_keys[k]``."""
 
-    keys: list
+    keys: list[pa.Array]
     starts: np.ndarray
     values: np.ndarray
     offsets: np.ndarray
@@ -98,10 +100,19 @@ def _starts_a_partition(before: pa.RecordBatch, batch: pa.RecordBatch, partition
                for c in partition_by)
 
 
-def _keys(table: pa.RecordBatch, starts: np.ndarray, partition_by: Sequence[str]) -> list:
-    """The partition keys of the partitions starting at ``starts`` (a tuple for several columns)."""
-    columns = [table.column(c).take(starts).to_pylist() for c in partition_by]
-    return columns[0] if len(columns) == 1 else list(zip(*columns))
+def _keys(table: pa.RecordBatch, starts: np.ndarray, partition_by: Sequence[str]) -> list[pa.Array]:
+    """The key columns of the partitions starting at ``starts``."""
+    return [table.column(c).take(starts) for c in partition_by]
+
+
+def _usable(keys: Sequence[pa.Array]) -> np.ndarray:
+    """Which partitions have a key that can address noise (no NULL, no NaN: the check refuses both)."""
+    usable = np.ones(len(keys[0]), dtype=bool)
+    for column in keys:
+        usable &= column.is_valid().to_numpy(zero_copy_only=False)
+        if pa.types.is_floating(column.type):
+            usable &= ~pc.fill_null(pc.is_nan(column), False).to_numpy(zero_copy_only=False)
+    return usable
 
 
 def _per_partition(mask: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -186,10 +197,15 @@ def _refuse_other_version(version: str) -> None:
 def _checked(table: pa.RecordBatch, starts: np.ndarray, parts: Partitions, fingerprint: PartitionFingerprint,
              partition_by: Sequence[str], order_by: str | None, value: str | None) -> pa.RecordBatch:
     digests: list = [None] * len(starts)
-    released = np.searchsorted(starts, parts.starts)
-    for k, digest in zip(released.tolist(), fingerprint.digests([partition_address(p) for p in parts.keys],
-                                                                parts.values, parts.offsets, parts.order_keys)):
-        digests[k] = digest
+    usable = np.flatnonzero(_usable(parts.keys)).tolist()  # the others are refused on the driver
+    if usable:
+        addresses = [b""] * len(parts.starts)  # (an unusable key's digest is never used)
+        for j, address in zip(usable, partition_addresses([c.take(usable) for c in parts.keys]).to_pylist()):
+            addresses[j] = address
+        found = fingerprint.digests(addresses, parts.values, parts.offsets, parts.order_keys)
+        place = np.searchsorted(starts, parts.starts)  # a read partition's place among the batch's
+        for j in usable:
+            digests[place[j]] = found[j]
     problems = _range_problems(table, starts, order_by, value) if value is not None else _count_problems(table, starts)
     columns = {**{c: table.column(c).take(starts) for c in partition_by}, **problems,
                "digest": pa.array(digests, pa.binary())}
@@ -248,8 +264,12 @@ def release_batches(batches: Iterable[pa.RecordBatch], *, task: PartitionTask, p
     _refuse_other_version(version)
     for table, starts in whole_partitions(batches, partition_by):
         parts = read(table, starts)
-        if parts.keys:
-            yield output(table, parts, task.release(parts.keys, parts.values, parts.offsets, parts.order_keys))
+        if not len(parts.starts):
+            continue
+        unusable = np.flatnonzero(~_usable(parts.keys))
+        if unusable.size:  # a NULL or NaN key now: the check found none
+            raise changed_data(Keys(parts.keys)[int(unusable[0])])
+        yield output(table, parts, task.release(parts.keys, parts.values, parts.offsets, parts.order_keys))
 
 
 def released_rows(table: pa.RecordBatch, parts: Partitions, values: np.ndarray, *, partition_by: Sequence[str],
@@ -266,5 +286,5 @@ def released_counts(table: pa.RecordBatch, parts: Partitions, values: np.ndarray
     starts = domain.bucket_starts()
     times = pa.array(starts).cast(pa.timestamp("us")) if domain.datetime else pa.array(starts, pa.float64())
     return pa.RecordBatch.from_pydict({**{c: table.column(c).take(rows) for c in partition_by},
-                                       order_by: pa.concat_arrays([times] * len(parts.keys)),
+                                       order_by: pa.concat_arrays([times] * len(parts.starts)),
                                        count: pa.array(values, pa.float64())})

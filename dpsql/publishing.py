@@ -315,14 +315,15 @@ class PartitionFingerprint:
     def __repr__(self) -> str:
         return "PartitionFingerprint()"  # never the key
 
-    def digests(self, addresses: Sequence[bytes], values: np.ndarray, offsets: np.ndarray,
+    def digests(self, addresses: Sequence[bytes] | pa.Array, values: np.ndarray, offsets: np.ndarray,
                 order_keys: Sequence[Sequence]) -> list[bytes]:
-        """One digest per partition ``k``: address ``addresses[k]``, order keys' canonical bytes
-        ``order_keys[k]`` (buffers), values ``values[offsets[k]:offsets[k + 1]]`` (float64)."""
+        """One digest per partition ``k``: canonical address ``addresses[k]``
+        (:mod:`dpsql.addresses`), order keys' canonical bytes ``order_keys[k]`` (buffers), values
+        ``values[offsets[k]:offsets[k + 1]]`` (float64)."""
         bounds = np.asarray(offsets).tolist()
         keyed = hashlib.blake2b(key=self._key, digest_size=_DIGEST_BYTES, person=b"dpsql-rows")
         digests = []
-        for k, address in enumerate(addresses):
+        for k, address in enumerate(addresses.to_pylist() if isinstance(addresses, pa.Array) else addresses):
             digest = keyed.copy()
             for piece in (address, *order_keys[k], values[bounds[k]:bounds[k + 1]]):
                 view = memoryview(piece)
@@ -391,28 +392,34 @@ class PartitionTask:
     def fingerprint(self) -> PartitionFingerprint:
         return PartitionFingerprint(_fingerprint_key(self.key))
 
-    def release(self, partitions: Sequence, values: np.ndarray, offsets: np.ndarray,
+    def release(self, partitions: Sequence[pa.Array], values: np.ndarray, offsets: np.ndarray,
                 order_keys: Sequence[Sequence]) -> np.ndarray:
-        """The private values of the partitions keyed ``partitions``, partition ``k`` having the
-        rows ``values[offsets[k]:offsets[k + 1]]`` (float64, in order) whose order keys'
+        """The private values of the partitions whose keys are the rows of ``partitions`` (the
+        partition key columns, one row per partition; no NULL or NaN key), partition ``k`` having
+        the rows ``values[offsets[k]:offsets[k + 1]]`` (float64, in order) whose order keys'
         canonical bytes are ``order_keys[k]`` (as the front end gave them to the check).
 
         Privacy contract: releases only partitions whose rows are exactly those checked and
         charged for; if any of them differs, raises :class:`dpsql.errors.DataChanged` before
         drawing anything."""
-        addresses = pa.array([partition_address(p) for p in partitions], pa.large_binary())
-        missing = self.admitted.first_missing(self.fingerprint.digests(addresses.to_pylist(), values, offsets,
-                                                                       order_keys))
+        addresses = partition_addresses(partitions)
+        missing = self.admitted.first_missing(self.fingerprint.digests(addresses, values, offsets, order_keys))
         if missing is not None:
-            raise DataChanged(f"partition {partitions[missing]!r} is not the data this release was charged for: its "
-                              "rows changed since the check that preceded the charge (a source re-read after it "
-                              "changed, or another DataFrame). Nothing of it was released; release again (a new, "
-                              "charged release) to publish the current data.")
+            raise changed_data(Keys(partitions)[missing])
         keystream = Keystream(self.key, private=self.private)
         offsets = np.asarray(offsets)
         plan = _planned(self.method, np.diff(offsets), addresses, keystream, [self.params],
                         np.zeros(len(offsets) - 1, np.int64))
         return _run_partitions(self.method, plan, values, offsets, keystream, addresses)[1]
+
+
+def changed_data(partition) -> DataChanged:
+    """The refusal of partition ``partition`` (its key) of a distributed release, whose rows are
+    not those checked before the charge."""
+    return DataChanged(f"partition {partition!r} is not the data this release was charged for: its rows changed since "
+                       "the check that preceded the charge (a source re-read after it changed, or another DataFrame). "
+                       "Nothing of it was released; release again (a new, charged release) to publish the current "
+                       "data.")
 
 
 #: Bytes of a partition's digest (BLAKE2b-128: collisions need about 2**64 tries, with the key).

@@ -59,6 +59,7 @@ from dpsql.counts import check_count_method
 from dpsql.errors import InvalidData, InvalidParameter
 from dpsql.methods import COUNT_METHODS, check_method
 from dpsql.ordering import refuse_duplicate_time, refuse_nan_key, refuse_null_event_times, refuse_null_keys
+from dpsql.parts import Keys
 from dpsql.publishing import AdmittedPartitions, DistributedRelease
 from dpsql.timegrid import time_domain
 
@@ -105,9 +106,8 @@ def range_sum(df, *, order_by: str, value: str, partition_by, method: str = RANG
         raise InvalidData(f"column {value!r} is empty: nothing to release")
     _refuse_found(found, partition_by, order_by, events=False)
     _refuse_values(found, value, fields[value].dataType)
-    rows = found.column("rows").to_numpy()
-    first = np.unique(rows, return_index=True)
-    lengths = {int(n): _key_at(found, partition_by, k) for n, k in zip(*first)}
+    keys = Keys(found.select(partition_by).columns)
+    lengths = {int(n): keys[k] for n, k in zip(*np.unique(found.column("rows").to_numpy(), return_index=True))}
     schema = ", ".join(f"`{c}` {fields[c].dataType.simpleString()}" for c in [*partition_by, order_by]) \
         + f", `{value}` double"
     output = functools.partial(released_rows, partition_by=partition_by, order_by=order_by, value=value)
@@ -158,7 +158,7 @@ def count_stream(df, *, order_by: str | None = None, every, start, stop, partiti
     if not released.num_rows:
         raise InvalidData(f"no event of column {order_by!r} falls in the domain [{start!s}, {stop!s}): nothing to "
                           "release")
-    lengths = {domain.n_buckets: _key_at(released, partition_by, 0)}
+    lengths = {domain.n_buckets: Keys(released.select(partition_by).columns)[0]}
     time_type = "timestamp_ntz" if domain.datetime else "double"
     schema = ", ".join(f"`{c}` {fields[c].dataType.simpleString()}" for c in partition_by) \
         + f", `{order_by}` {time_type}, `{COUNT}` double"
@@ -224,11 +224,6 @@ class _Broadcast:
 
     def first_missing(self, digests) -> int | None:
         return self._broadcast.value.first_missing(digests)
-
-
-def _key_at(found: pa.Table, partition_by: list[str], row: int):
-    key = tuple(found.column(c)[row].as_py() for c in partition_by)
-    return key[0] if len(key) == 1 else key
 
 
 def _refuse_found(found: pa.Table, partition_by: list[str], order_by: str, *, events: bool) -> None:
@@ -304,6 +299,12 @@ def _require_key_type(field, column: str) -> None:
     if not isinstance(field.dataType, usable):
         raise InvalidData(f"key column {column!r} has type {field.dataType.simpleString()}, which dpsql cannot use "
                           "as a partition or order key (use numbers, strings, dates or timestamps)")
+    collation = getattr(field.dataType, "collation", "UTF8_BINARY") if isinstance(field.dataType, T.StringType) \
+        else "UTF8_BINARY"
+    if collation != "UTF8_BINARY":
+        raise InvalidData(f"key column {column!r} has collation {collation}, by which Spark groups and orders text "
+                          "that dpsql tells apart by its bytes (keys equal to Spark would share noise, or be "
+                          f"ordered at random): use its plain text, CAST({column} AS STRING COLLATE UTF8_BINARY)")
 
 
 def _spark_ticks(column, field, datetime: bool, name: str):

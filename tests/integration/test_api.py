@@ -8,7 +8,7 @@ import pytest
 import dpsql
 from dpsql import publishing
 from dpsql.accounting import compose
-from dpsql.addresses import partition_address
+from dpsql.addresses import partition_address, partition_addresses
 from dpsql.errors import BudgetExhausted, DPError, InvalidData, InvalidParameter
 from dpsql.methods import machine_for
 from dpsql.release import chunks_of, release_from
@@ -354,12 +354,14 @@ def test_a_distributed_release_is_charged_once_before_its_tasks_and_releases_lik
     rng = np.random.default_rng(5)
     parts = {b"north": rng.uniform(0, 60, 700), b"south": rng.uniform(0, 60, 300)}
     keys, values, offsets = list(parts), np.concatenate(list(parts.values())), np.array([0, 700, 1000])
+    columns = [pa.array(keys)]  # the partition key column, one row per partition
     order = [(np.arange(700),), (np.arange(300),)]  # the front end's bytes of each partition's order keys
     with dpsql.testing.seeded(3):
         planned = publishing.DistributedRelease("hierarchy", {"epsilon": 0.75, "upper": 60.0, "r": 256},
                                                 budget=budget)
         assert budget.spent == (0.0, 0.0)  # planning validates and draws nothing
         checked = planned.fingerprint.digests([partition_address(k) for k in keys], values, offsets, order)
+        assert checked == planned.fingerprint.digests(partition_addresses(columns), values, offsets, order)
         task = planned.charge(lengths={700: b"north", 300: b"south"},
                               admitted=publishing.AdmittedPartitions(checked))
     assert budget.spent == (0.75, 0.0) and budget.history().height == 1  # once, for every partition
@@ -368,17 +370,18 @@ def test_a_distributed_release_is_charged_once_before_its_tasks_and_releases_lik
     with dpsql.testing.seeded(3):
         local = dpsql.publish("hierarchy", values, partition_offsets=offsets, partition_keys=keys, epsilon=0.75,
                               upper=60.0, r=256)
-    released = task.release(keys, values, offsets, order)
+    released = task.release(columns, values, offsets, order)
     np.testing.assert_array_equal(released, local.values)
     # a retried task (here releasing one of the partitions) releases the same values
-    np.testing.assert_array_equal(task.release([b"south"], parts[b"south"], [0, 300], order[1:]), released[700:])
+    south = [pa.array([b"south"])]
+    np.testing.assert_array_equal(task.release(south, parts[b"south"], [0, 300], order[1:]), released[700:])
     # rows other than those checked (one value, or the order keys) are refused before anything is drawn
     changed = parts[b"south"].copy()
     changed[5] += 1.0
     with pytest.raises(dpsql.DataChanged, match="partition b'south' is not the data this release was charged for"):
-        task.release([b"south"], changed, [0, 300], order[1:])
+        task.release(south, changed, [0, 300], order[1:])
     with pytest.raises(dpsql.DataChanged, match="partition b'north'"):
-        task.release(keys, values, offsets, [(np.arange(1, 701),), order[1]])
+        task.release(columns, values, offsets, [(np.arange(1, 701),), order[1]])
     # the digests are keyed by the release: another release's digests of the same rows differ
     other = publishing.DistributedRelease("laplace", {"epsilon": 0.5, "upper": 60.0}, budget=budget)
     assert other.fingerprint.digests([b"x"], values, [0, 1000], [()]) != planned.fingerprint.digests(

@@ -102,6 +102,9 @@ def test_refused_calls_charge_nothing(spark):
     with pytest.raises(dpsql.InvalidData, match="array<bigint>"):
         spark_dp.range_sum(df.selectExpr("array(meter) AS meter", "ts", "kwh"), order_by="ts", value="kwh",
                            partition_by="meter", epsilon=0.5, upper=1.0, budget=budget)
+    with pytest.raises(dpsql.InvalidData, match="key column 'meter' has collation UTF8_LCASE"):
+        spark_dp.range_sum(df.selectExpr("collate(string(meter), 'UTF8_LCASE') AS meter", "ts", "kwh"),
+                           order_by="ts", value="kwh", partition_by="meter", epsilon=0.5, upper=1.0, budget=budget)
     with pytest.raises(dpsql.InvalidData, match="must be numeric"):
         spark_dp.range_sum(df.selectExpr("meter", "ts", "cast(kwh AS string) AS kwh"), order_by="ts", value="kwh",
                            partition_by="meter", epsilon=0.5, upper=1.0, budget=budget)
