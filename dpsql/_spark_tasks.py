@@ -23,15 +23,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dpsql._validate import EXACT_INTEGERS
-from dpsql.addresses import partition_addresses
+from dpsql.addresses import address_ranks, partition_addresses
 from dpsql.errors import EnvironmentUnusable
+from dpsql.partition_digests import PartitionFingerprint, changed_data
 from dpsql.parts import Keys
-from dpsql.publishing import PartitionFingerprint, PartitionTask, changed_data
+from dpsql.publishing import PartitionTask
+from dpsql.streams.holdout import pooled_by_key
 from dpsql.timegrid import TimeDomain
 
 #: The check job's columns after the partition columns (one row per partition), as Spark types.
 CHECKED = {"rows": "long", "digest": "binary", "null_keys": "long", "nan_keys": "long", "repeated_key": "string",
            "null_values": "long", "bad_values": "long"}
+#: The check's columns offering each partition's candidates for a fleet's pooled hold-out: order keys, values.
+POOL_KEYS, POOL_VALUES = "pool_keys", "pool_values"
 #: The count stream's input columns beside the partition columns: bucket index, events, events at a NaN time.
 BUCKET, EVENTS, NAN_EVENTS = "__bucket", "__events", "__nan_events"
 
@@ -173,17 +177,21 @@ def read_counts(table: pa.RecordBatch, starts: np.ndarray, *, partition_by: Sequ
 
 def check_batches(batches: Iterable[pa.RecordBatch], *, fingerprint: PartitionFingerprint,
                   partition_by: Sequence[str], read: Callable[..., Partitions], version: str,
-                  order_by: str | None = None, value: str | None = None) -> Iterator[pa.RecordBatch]:
+                  order_by: str | None = None, value: str | None = None, pool: tuple[int, int] | None = None
+                  ) -> Iterator[pa.RecordBatch]:
     """The check job (before the charge): one row per partition with its partition columns and
     :data:`CHECKED`: its rows (events, for counts), the digest of what its release consumes (NULL
     when it releases nothing) and what a release refuses (NULL and NaN order keys or event times,
     the first order key repeated within it, NULL values, NaN, infinite values or integers beyond
     2**53). ``order_by`` and ``value`` name a range release's columns; without
     them the batches hold a count stream's events per bucket. ``version``: the driver's dpsql,
-    which must be this one (the release's tasks must read and digest rows as the check does)."""
+    which must be this one (the release's tasks must read and digest rows as the check does).
+    ``pool``: ``(rows, holdout)`` when the release pools a hold-out of ``holdout`` rows for the
+    fleet: each partition then also offers its first ``rows`` rows as candidates
+    (:data:`POOL_KEYS`, :data:`POOL_VALUES`; :func:`pool_candidates`)."""
     _refuse_other_version(version)
     for table, starts in whole_partitions(batches, partition_by):
-        yield _checked(table, starts, read(table, starts), fingerprint, partition_by, order_by, value)
+        yield _checked(table, starts, read(table, starts), fingerprint, partition_by, order_by, value, pool)
 
 
 def _refuse_other_version(version: str) -> None:
@@ -195,21 +203,47 @@ def _refuse_other_version(version: str) -> None:
 
 
 def _checked(table: pa.RecordBatch, starts: np.ndarray, parts: Partitions, fingerprint: PartitionFingerprint,
-             partition_by: Sequence[str], order_by: str | None, value: str | None) -> pa.RecordBatch:
+             partition_by: Sequence[str], order_by: str | None, value: str | None, pool: tuple[int, int] | None
+             ) -> pa.RecordBatch:
     digests: list = [None] * len(starts)
-    usable = np.flatnonzero(_usable(parts.keys)).tolist()  # the others are refused on the driver
-    if usable:
-        addresses = [b""] * len(parts.starts)  # (an unusable key's digest is never used)
-        for j, address in zip(usable, partition_addresses([c.take(usable) for c in parts.keys]).to_pylist()):
+    usable = _usable(parts.keys)  # the others are refused on the driver
+    addresses = [b""] * len(parts.starts)  # (an unusable key's digest is never used)
+    if usable.any():
+        chosen = np.flatnonzero(usable).tolist()
+        for j, address in zip(chosen, partition_addresses([c.take(chosen) for c in parts.keys]).to_pylist()):
             addresses[j] = address
         found = fingerprint.digests(addresses, parts.values, parts.offsets, parts.order_keys)
         place = np.searchsorted(starts, parts.starts)  # a read partition's place among the batch's
-        for j in usable:
+        for j in chosen:
             digests[place[j]] = found[j]
     problems = _range_problems(table, starts, order_by, value) if value is not None else _count_problems(table, starts)
     columns = {**{c: table.column(c).take(starts) for c in partition_by}, **problems,
                "digest": pa.array(digests, pa.binary())}
-    return pa.RecordBatch.from_pydict({c: columns[c] for c in [*partition_by, *CHECKED]})  # Spark's order
+    names = [*partition_by, *CHECKED]  # Spark's order
+    if pool is not None and order_by is not None:  # (a range release: its partitions are the batch's)
+        offered = usable & (problems["null_keys"] == 0) & (problems["nan_keys"] == 0)
+        columns.update(pool_candidates(table.column(order_by), parts, pa.array(addresses, pa.large_binary()),
+                                       offered, *pool))
+        names += [POOL_KEYS, POOL_VALUES]
+    return pa.RecordBatch.from_pydict({c: columns[c] for c in names})
+
+
+def pool_candidates(order: pa.Array, parts: Partitions, addresses: pa.Array, offered: np.ndarray, rows: int,
+                    holdout: int) -> dict[str, pa.Array]:
+    """Each partition's candidates for a fleet's pooled hold-out (the fleet's ``holdout`` earliest
+    rows by order key ``order``, ties by partition address ``addresses``): the first ``rows`` rows
+    of each ``offered`` partition, less those that come after ``holdout`` candidates of this
+    task (the fleet's earliest rows are among the earliest of any part of it), as lists of order
+    keys (:data:`POOL_KEYS`) and values (:data:`POOL_VALUES`), one per partition."""
+    first = np.where(offered, np.minimum(np.diff(parts.offsets), rows), 0)
+    owner = np.repeat(np.arange(len(first)), first)
+    within = np.arange(int(first.sum())) - np.repeat(np.cumsum(first) - first, first)
+    candidates = np.repeat(parts.offsets[:-1], first) + within
+    taken = pooled_by_key(order.take(candidates), owner, address_ranks(addresses), holdout, len(first))
+    chosen = candidates[within < taken[owner]]
+    offsets = pa.array(np.concatenate([[0], np.cumsum(taken)]), pa.int32())
+    return {POOL_KEYS: pa.ListArray.from_arrays(offsets, order.take(chosen)),
+            POOL_VALUES: pa.ListArray.from_arrays(offsets, pa.array(parts.values[chosen], pa.float64()))}
 
 
 def _range_problems(table: pa.RecordBatch, starts: np.ndarray, order_by: str, value: str) -> dict:

@@ -223,6 +223,19 @@ def _float_addresses(column: pa.Array) -> pa.Array:
     return pa.array([partition_address(float(v)) for v in values.tolist()], pa.large_binary())
 
 
+def address_ranks(addresses: pa.Array) -> np.ndarray:
+    """Each partition's rank when partitions are ordered by their addresses (``addresses``, one
+    per partition): the order in which a fleet's pooled hold-out takes rows of equal order keys,
+    the same whichever front end or engine listed the partitions.
+
+    >>> address_ranks(partition_addresses([pa.array(["b", "c", "a"])])).tolist()
+    [1, 2, 0]
+    """
+    ranks = np.empty(len(addresses), np.int64)
+    ranks[pc.sort_indices(addresses).to_numpy()] = np.arange(len(addresses))
+    return ranks
+
+
 def refuse_repeated(addresses: Sequence[bytes] | pa.Array, keys: Sequence | None = None, *,
                     what: str = "partition key") -> None:
     """Refuse (:class:`~dpsql.InvalidParameter`) a key given twice: two partitions with one

@@ -53,6 +53,13 @@ POOLED_METHODS = ("tops", "pak")
 GRID_METHODS = ("hierarchy", "tops")
 
 
+def pools_fleet(method: str, params: dict) -> bool:
+    """Does a partitioned release of ``method`` with ``params`` choose one threshold for the
+    fleet (ToPS or PAK, ``threshold_by="fleet"``, the default, and no threshold given)?"""
+    return method in POOLED_METHODS and params.get("threshold") is None and \
+        params.get("threshold_by", "fleet") == "fleet"
+
+
 @functools.cache
 def _parameters(factory: Callable[..., StreamMachine]):
     # Cached: a partitioned release builds one machine per partition (thousands).

@@ -25,27 +25,26 @@ message, with no traceback into them, no ``__context__`` and no ``__cause__``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Protocol, overload
+from typing import cast, overload
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from dpsql import _progress, _validate
 from dpsql._fingerprint import fingerprint, values_digest
 from dpsql._groups import group_codes, unique
 from dpsql._memory import pooled_array
 from dpsql.accounting import Charge, Neighbour, Notion, compose
-from dpsql.addresses import partition_address, partition_addresses, refuse_repeated
+from dpsql.addresses import address_ranks, partition_address, partition_addresses, refuse_repeated
 from dpsql.budget import Budget, default_budget
-from dpsql.errors import DataChanged, InvalidParameter, scrubbed
+from dpsql.errors import InvalidParameter, scrubbed
 from dpsql.ledger import CachedAnswer
 from dpsql.mechanisms.calendar import calendar_by_default
-from dpsql.methods import GRID_METHODS, POOLED_METHODS, machine_for, unsized_charge
+from dpsql.methods import GRID_METHODS, machine_for, pools_fleet, unsized_charge
 from dpsql.noise import DrawsBatch, Keystream
+from dpsql.partition_digests import DigestLookup, PartitionFingerprint, changed_data, fingerprint_key
 from dpsql.parts import Descriptions, Keys, Parts
 from dpsql.records import describe
 from dpsql.release import (
@@ -57,7 +56,7 @@ from dpsql.release import (
     release_batched,
     run_machine,
 )
-from dpsql.streams.holdout import DEFAULT_HOLDOUT, pooled_by_key, pooled_counts
+from dpsql.streams.holdout import DEFAULT_HOLDOUT, ThresholdedStream, pooled_by_key, pooled_counts
 from dpsql.timegrid import RowGrid, partition_grids
 
 
@@ -201,8 +200,7 @@ class _Request:
         levels follow the calendar (unless ``calendar="none"``)."""
         params = [self.params]
         which = np.zeros(len(self.lengths), np.int64)
-        if self.partitioned and self.method in POOLED_METHODS and self.params.get("threshold") is None and \
-                self.params.get("threshold_by", "fleet") == "fleet":
+        if self.partitioned and pools_fleet(self.method, self.params):
             params, which = fleet_threshold(self.method, self.data, self.lengths, self.addresses, keystream,
                                             self.params, self.order_values)
         if self.method in GRID_METHODS and self.order_values is not None and calendar_by_default(self.params):
@@ -254,15 +252,16 @@ class DistributedRelease:
     other machines still never charges or draws noise by itself.
 
     Construction validates the method's parameters (drawing nothing) and gives the release a
-    fresh secret key. Before the charge the front end checks the data with :attr:`fingerprint`
-    (keyed by a key derived from the release's, so that it can neither draw noise nor be
-    computed without it): one digest per partition of exactly the rows its task will release.
-    :meth:`charge` refuses what the method's machine refuses of the partitions' lengths, charges
-    the ledger once for all partitions (they are disjoint, so the cost is one partition's: the
-    maximum over them) and only then hands out the :class:`PartitionTask`, which releases a
-    partition only when its rows have one of the digests checked before the charge. Privacy
-    cost: that of ``method`` with ``params`` (see :mod:`dpsql.methods`). ``note`` and ``source``
-    (what the release reads) are recorded with the charge.
+    fresh secret key. Before the charge the front end digests each partition's rows with
+    :attr:`fingerprint` (keyed from the release's key: it can neither draw noise nor be computed
+    without it) and gathers the fleet's earliest rows when the release pools a hold-out (:attr:`holdout`).
+    :meth:`charge` refuses what the method's machines refuse of the partitions, charges the
+    ledger once for all partitions (disjoint: the cost is one partition's, the maximum; the
+    pool is one mechanism, each row in it once), only then chooses the fleet's threshold (its
+    noise is drawn after the charge) and hands out the :class:`PartitionTask`, which releases
+    a partition only when its rows have a digest checked before the charge. Privacy cost: that
+    of ``method`` with ``params`` (see :mod:`dpsql.methods`). ``note`` and ``source`` (what the
+    release reads) are recorded with the charge.
     """
 
     def __init__(self, method: str, params: dict, *, budget: Budget | None, note: str | None = None,
@@ -275,122 +274,69 @@ class DistributedRelease:
                                       source=source)
         self._budget = budget
         self._method, self._params, self._keystream = method, dict(params), keystream
-        self.fingerprint = PartitionFingerprint(_fingerprint_key(keystream.key))
+        self.fingerprint = PartitionFingerprint(fingerprint_key(keystream.key))
+        #: The rows of the fleet's pooled hold-out (``m``) when the release chooses one threshold for all its
+        #: partitions (:func:`fleet_threshold`: ToPS or PAK, ``threshold_by="fleet"``, no threshold given), else None.
+        self.holdout = _fleet_holdout(params) if pools_fleet(method, params) else None
 
-    def check(self) -> None:
-        """Refuse now (:class:`dpsql.BudgetExhausted`) what :meth:`charge` would refuse of the budget."""
+    def check(self, *, rows: int | None = None) -> None:
+        """Refuse now (:class:`dpsql.BudgetExhausted`) what :meth:`charge` would refuse of the
+        budget and, given the release's ``rows`` in all, a pooled hold-out that is not shorter."""
+        if rows is not None and self.holdout is not None:
+            _fleet_holdout(self._params, rows)
         if self._budget is not None:
             self._budget.check(self._charge)
 
-    def charge(self, *, lengths: Mapping[int, object], admitted: DigestLookup) -> PartitionTask:
+    def charge(self, *, shapes: Mapping[tuple[int, int], object], admitted: DigestLookup, rows: int = 0,
+               pool: np.ndarray | None = None) -> PartitionTask:
         """Charge the release (once, durably) and return the task that releases its partitions.
 
-        ``lengths`` maps every partition length to one partition of that length (its key):
-        a length the method's machine refuses (a hold-out as long as the partition) is refused
-        first, naming that partition, and nothing is charged. ``admitted``: the digests
-        (:attr:`fingerprint`) of the partitions checked before the charge, the only ones the
-        task will release.
-        """
+        ``shapes`` maps each (partition length, its pooled rows: 0 without a pool) to a partition
+        of that shape (its key), refused by name, uncharged, if the method's machine refuses it.
+        ``admitted``: the digests (:attr:`fingerprint`) checked before the charge, the only
+        partitions the task releases, with their pooled rows. With a pool (:attr:`holdout`): the
+        release's ``rows`` in all and the ``pool``'s values, which choose the threshold after the
+        charge."""
+        shared, fleet, pooled_values = self._params, None, np.asarray([] if pool is None else pool, np.float64)
+        if self.holdout is not None:
+            if len(pooled_values) != self.holdout:
+                raise InvalidParameter(f"the fleet's pool holds m={self.holdout} values, got {len(pooled_values)}")
+            fleet = _fleet_machine(self._method, self._params, rows, self._keystream)
+            # every threshold the pool can give lies in (lower, upper]: validated with the bound's
+            shared = _fleet_params(self._method, self._params, fleet, float(self._params["upper"]))
         draws = self._keystream.partition(b"")
-        for n, partition in lengths.items():
+        for (n, pooled), partition in shapes.items():
             try:
-                machine_for(self._method, n, draws, self._params)  # draws nothing: validation only
-            except InvalidParameter as error:
+                machine_for(self._method, n, draws, {**shared, "pooled_rows": pooled} if fleet else shared)
+            except InvalidParameter as error:  # validation only: no machine drew anything
                 raise type(error)(f"partition {partition!r} has {n} row(s): {error}") from None
         if self._budget is not None:
             self._budget.charge(self._charge)
-        return PartitionTask(method=self._method, params=self._params, private=self._keystream.private,
-                             key=self._keystream.key, admitted=admitted)
-
-
-class PartitionFingerprint:
-    """Keyed digests (BLAKE2b, 128 bits) of partitions' rows as a release consumes them: the
-    partition's address, the front end's canonical bytes of its order keys and its values in
-    release order. The key is derived from the release's key, so a digest reveals nothing of
-    the rows to whoever lacks it, and nobody can make other rows match one."""
-
-    def __init__(self, key: bytes):
-        self._key = key
-
-    def __repr__(self) -> str:
-        return "PartitionFingerprint()"  # never the key
-
-    def digests(self, addresses: Sequence[bytes] | pa.Array, values: np.ndarray, offsets: np.ndarray,
-                order_keys: Sequence[Sequence]) -> list[bytes]:
-        """One digest per partition ``k``: canonical address ``addresses[k]``
-        (:mod:`dpsql.addresses`), order keys' canonical bytes ``order_keys[k]`` (buffers), values
-        ``values[offsets[k]:offsets[k + 1]]`` (float64)."""
-        bounds = np.asarray(offsets).tolist()
-        keyed = hashlib.blake2b(key=self._key, digest_size=_DIGEST_BYTES, person=b"dpsql-rows")
-        digests = []
-        for k, address in enumerate(addresses.to_pylist() if isinstance(addresses, pa.Array) else addresses):
-            digest = keyed.copy()
-            for piece in (address, *order_keys[k], values[bounds[k]:bounds[k + 1]]):
-                view = memoryview(piece)
-                digest.update(view.nbytes.to_bytes(8, "little"))
-                digest.update(view)
-            digests.append(digest.digest())
-        return digests
-
-
-class DigestLookup(Protocol):
-    """Where a task looks up the digests its release was charged for (:class:`AdmittedPartitions`,
-    or a front end's handle on a copy of it shipped to the executors)."""
-
-    def first_missing(self, digests: Sequence[bytes]) -> int | None:
-        """The index of the first of ``digests`` not admitted, or None when all are."""
-
-
-class AdmittedPartitions:
-    """The digests (:class:`PartitionFingerprint`) of the partitions a distributed release was
-    charged for, sorted for lookups: 16 bytes a partition (a million partitions take 16 MB, and
-    a second to sort)."""
-
-    def __init__(self, digests):
-        high, low = _halves(digests)
-        order = np.lexsort((low, high))
-        self._high, self._low = high[order], low[order]
-
-    def __len__(self) -> int:
-        return len(self._high)
-
-    def first_missing(self, digests: Sequence[bytes]) -> int | None:
-        """The index of the first of ``digests`` not admitted, or None when all are."""
-        high, low = _halves(digests)
-        first = np.searchsorted(self._high, high, side="left")
-        last = np.searchsorted(self._high, high, side="right")
-        found = (last > first) & (self._low[first.clip(max=max(len(self) - 1, 0))] == low) if len(self) else \
-            np.zeros(len(high), dtype=bool)
-        for k in np.flatnonzero(~found & (last - first > 1)).tolist():  # first halves equal: about never
-            found[k] = low[k] in self._low[first[k]:last[k]]
-        missing = np.flatnonzero(~found)
-        return int(missing[0]) if missing.size else None
-
-
-def _halves(digests) -> tuple[np.ndarray, np.ndarray]:
-    """Digests (bytes, or an array of 16-byte strings) as their first and second halves (big-endian
-    integers: sorted like the bytes)."""
-    words = np.ascontiguousarray(np.asarray(digests, dtype=f"S{_DIGEST_BYTES}")).view(">u8").reshape(-1, 2)
-    return words[:, 0].astype(np.uint64), words[:, 1].astype(np.uint64)
+        if fleet is not None:
+            shared = _fleet_params(self._method, self._params, fleet, fleet.pooled_threshold(pooled_values))
+        return PartitionTask(method=self._method, params=shared, private=self._keystream.private,
+                             key=self._keystream.key, admitted=admitted, pooled=fleet is not None)
 
 
 @dataclasses.dataclass(frozen=True)
 class PartitionTask:
     """What a task needs to release partitions of a charged :class:`DistributedRelease`: the
-    method, its parameters, the release's secret key (never shown in a repr) and the digests of
-    the partitions checked before the charge. Every draw is addressed by the partition's key, so
-    a retried or re-executed task releases the same values of the same rows, and refuses rows
-    that differ from those checked (:class:`dpsql.errors.DataChanged`), releasing nothing."""
+    method, its parameters (with a fleet's threshold when ``pooled``), the release's secret key
+    (never shown in a repr) and the digests of the partitions checked before the charge (with
+    their pooled rows). Every draw is addressed by the partition's key, so a retried or
+    re-executed task releases the same values of the same rows, and refuses rows that differ
+    from those checked (:class:`dpsql.errors.DataChanged`), releasing nothing."""
 
     method: str
     params: dict
     private: bool
     key: bytes = dataclasses.field(repr=False)
     admitted: DigestLookup = dataclasses.field(repr=False)
+    pooled: bool = False
 
     @property
     def fingerprint(self) -> PartitionFingerprint:
-        return PartitionFingerprint(_fingerprint_key(self.key))
+        return PartitionFingerprint(fingerprint_key(self.key))
 
     def release(self, partitions: Sequence[pa.Array], values: np.ndarray, offsets: np.ndarray,
                 order_keys: Sequence[Sequence]) -> np.ndarray:
@@ -403,32 +349,16 @@ class PartitionTask:
         charged for; if any of them differs, raises :class:`dpsql.errors.DataChanged` before
         drawing anything."""
         addresses = partition_addresses(partitions)
-        missing = self.admitted.first_missing(self.fingerprint.digests(addresses, values, offsets, order_keys))
-        if missing is not None:
-            raise changed_data(Keys(partitions)[missing])
+        pooled = self.admitted.lookup(self.fingerprint.digests(addresses, values, offsets, order_keys))
+        missing = np.flatnonzero(pooled < 0)
+        if missing.size:
+            raise changed_data(Keys(partitions)[int(missing[0])])
         keystream = Keystream(self.key, private=self.private)
         offsets = np.asarray(offsets)
-        plan = _planned(self.method, np.diff(offsets), addresses, keystream, [self.params],
-                        np.zeros(len(offsets) - 1, np.int64))
+        params, which = pooled_params(self.params, pooled) if self.pooled else \
+            ([self.params], np.zeros(len(offsets) - 1, np.int64))
+        plan = _planned(self.method, np.diff(offsets), addresses, keystream, params, which)
         return _run_partitions(self.method, plan, values, offsets, keystream, addresses)[1]
-
-
-def changed_data(partition) -> DataChanged:
-    """The refusal of partition ``partition`` (its key) of a distributed release, whose rows are
-    not those checked before the charge."""
-    return DataChanged(f"partition {partition!r} is not the data this release was charged for: its rows changed since "
-                       "the check that preceded the charge (a source re-read after it changed, or another DataFrame). "
-                       "Nothing of it was released; release again (a new, charged release) to publish the current "
-                       "data.")
-
-
-#: Bytes of a partition's digest (BLAKE2b-128: collisions need about 2**64 tries, with the key).
-_DIGEST_BYTES = 16
-
-
-def _fingerprint_key(release_key: bytes) -> bytes:
-    """The key of a release's partition digests: derived from the release's key, one way."""
-    return hashlib.blake2b(b"partition digests", key=release_key, digest_size=32, person=b"dpsql-fp-key").digest()
 
 
 def _budget_or_default(budget: Budget | None) -> Budget | None:
@@ -516,14 +446,9 @@ def fleet_threshold(method: str, data: np.ndarray, lengths: np.ndarray, addresse
     one mechanism); then the parameters of each partition's machine (the threshold, and how many
     of its first rows were pooled: released at ``holdout_share * epsilon``, the rest at
     ``epsilon``) as a list of distinct parameter sets and each partition's entry in it."""
-    total = int(lengths.sum())
-    m = DEFAULT_HOLDOUT if params.get("m") is None else _validate.integer(params["m"], "m", minimum=1)
-    if m >= total:
-        raise InvalidParameter(f"m (the fleet's pooled hold-out) must be < the number of values ({total}), got m={m}; "
-                               "pass a smaller m, or a threshold released before (threshold=)")
-    fleet = machine_for(method, total, keystream.partition(b""), {**params, "m": m})
-    rank = np.empty(len(lengths), np.int64)  # each partition's rank by address
-    rank[pc.sort_indices(addresses).to_numpy()] = np.arange(len(lengths))
+    fleet = _fleet_machine(method, params, int(lengths.sum()), keystream)
+    m = _fleet_holdout(params)
+    rank = address_ranks(addresses)
     if isinstance(order_values, list):  # a front end's chunks
         order_values = pa.chunked_array(order_values)
     if order_values is None:  # the first rows of every partition, by row number
@@ -532,12 +457,41 @@ def fleet_threshold(method: str, data: np.ndarray, lengths: np.ndarray, addresse
         counts = pooled_by_key(order_values, np.repeat(np.arange(len(lengths)), lengths), rank, m, len(lengths))
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     pool = data[np.repeat(starts, counts) + (np.arange(m) - np.repeat(np.cumsum(counts) - counts, counts))]
-    theta = fleet.pooled_threshold(pool)  # type: ignore[attr-defined]  # (a ThresholdedStream: POOLED_METHODS)
-    shared = {**{k: v for k, v in params.items() if k != "m"}, "threshold": theta}
-    if method == "pak":  # the pooled threshold's delta, paid by this release
-        shared["delta"] = fleet.cost[1]
-    distinct, which = np.unique(counts, return_inverse=True)
+    return pooled_params(_fleet_params(method, params, fleet, fleet.pooled_threshold(pool)), counts)
+
+
+def pooled_params(shared: dict, pooled_rows) -> tuple[list[dict], np.ndarray]:
+    """The parameters of each partition of a fleet whose threshold is in ``shared``: the distinct
+    parameter sets (``shared`` and a partition's pooled rows, ``pooled_rows[k]`` for partition
+    ``k``) and each partition's entry in them."""
+    distinct, which = np.unique(np.asarray(pooled_rows, np.int64), return_inverse=True)
     return [{**shared, "pooled_rows": int(c)} for c in distinct.tolist()], which.reshape(-1)
+
+
+def _fleet_holdout(params: Mapping, total: int | None = None) -> int:
+    """The rows of a fleet's pooled hold-out (``m``); refuses a pool not shorter than the fleet's ``total`` rows."""
+    m = DEFAULT_HOLDOUT if params.get("m") is None else _validate.integer(params["m"], "m", minimum=1)
+    if total is not None and m >= total:
+        raise InvalidParameter(f"m (the fleet's pooled hold-out) must be < the number of values ({total}), got m={m}; "
+                               "pass a smaller m, or a threshold released before (threshold=)")
+    return m
+
+
+def _fleet_machine(method: str, params: dict, total: int, keystream: Keystream) -> ThresholdedStream:
+    """The machine choosing a fleet's threshold (over the fleet's ``total`` rows, drawing from the
+    fleet's address; ``method`` is one of POOLED_METHODS); refuses a pool of ``m`` rows not
+    shorter than them."""
+    m = _fleet_holdout(params, total)
+    return cast(ThresholdedStream, machine_for(method, total, keystream.partition(b""), {**params, "m": m}))
+
+
+def _fleet_params(method: str, params: dict, fleet: ThresholdedStream, theta: float) -> dict:
+    """What every partition's machine of a fleet takes: the parameters, with the fleet's threshold
+    ``theta`` instead of the pool's length (and PAK's delta: the pooled threshold's, paid here)."""
+    shared = {**{k: v for k, v in params.items() if k != "m"}, "threshold": theta}
+    if method == "pak":
+        shared["delta"] = fleet.cost[1]
+    return shared
 
 
 def _run_partitions(method: str, plan: _Plan, data: np.ndarray, offsets: np.ndarray, keystream: Keystream,

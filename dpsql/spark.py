@@ -11,8 +11,14 @@ Before the charge, one job over the data (the rows shuffled by partition and sor
 key, as the release reads them) runs dpsql's code on the executors and reports per partition
 its length, a keyed digest of exactly the rows its release will consume, and everything a
 release refuses (NULL or NaN keys, an order key repeated within a partition, a NULL, NaN,
-infinite or beyond-2**53 value, a length the method refuses, such as a hold-out longer than the
-partition). If that job fails, a tiny one (:func:`check_executors`) says whether the executors
+infinite or beyond-2**53 value, a length the method refuses, such as a partition's own hold-out
+longer than the partition). A partitioned ToPS or PAK release learns one threshold for the
+fleet by default (``threshold_by="fleet"``, :func:`dpsql.publishing.fleet_threshold`): from the
+fleet's ``m`` earliest rows by order key, ties by partition address, as the local release does.
+The same job offers each partition's first rows as candidates (:data:`OFFERED_ROWS`, then, if
+the fleet's earliest partitions give the pool more, again with ``m``); the driver picks the pool
+and charges, and only then the threshold is chosen (its noise drawn after the charge). If that
+job fails, a tiny one (:func:`check_executors`) says whether the executors
 are the cause (dpsql not importable, another version of it, no pandas or pyarrow), with a
 :class:`dpsql.EnvironmentUnusable` naming what is missing. A refused call charges nothing; a
 charged release never fails on its data or its executors' environment.
@@ -47,6 +53,8 @@ from dpsql._spark_tasks import (
     CHECKED,
     EVENTS,
     NAN_EVENTS,
+    POOL_KEYS,
+    POOL_VALUES,
     check_batches,
     read_counts,
     read_values,
@@ -54,16 +62,23 @@ from dpsql._spark_tasks import (
     released_counts,
     released_rows,
 )
+from dpsql.addresses import address_ranks, partition_addresses, refuse_repeated
 from dpsql.budget import Budget
 from dpsql.counts import check_count_method
 from dpsql.errors import InvalidData, InvalidParameter
 from dpsql.methods import COUNT_METHODS, check_method
 from dpsql.ordering import refuse_duplicate_time, refuse_nan_key, refuse_null_event_times, refuse_null_keys
+from dpsql.partition_digests import AdmittedPartitions
 from dpsql.parts import Keys
-from dpsql.publishing import AdmittedPartitions, DistributedRelease
+from dpsql.publishing import DistributedRelease
+from dpsql.streams.holdout import pooled_by_key
 from dpsql.timegrid import time_domain
 
 COUNT = "dp_count"
+#: The rows each partition first offers a fleet's pooled hold-out (the check's candidates): enough when the
+#: fleet's partitions start about together and outnumber a few hundredth of the pool; else the check runs again,
+#: each partition offering as many rows as the pool holds.
+OFFERED_ROWS = 8
 
 
 def range_sum(df, *, order_by: str, value: str, partition_by, method: str = RANGE_SUM_METHOD, epsilon: float,
@@ -77,6 +92,9 @@ def range_sum(df, *, order_by: str, value: str, partition_by, method: str = RANG
     called, after the executors and the data were checked (a refusal charges nothing). The
     DataFrame releases only the rows checked then: collected again after its source changed, it
     fails with :class:`dpsql.DataChanged` instead of releasing new values with the same noise.
+    ToPS (the default) and PAK learn one clipping threshold for the fleet from its ``m`` earliest
+    rows (``threshold_by="fleet"``), so partitions of any length are released; with
+    ``threshold_by="partition"`` each partition's own first ``m`` rows give its threshold.
     Parameters a one-shot release derives from a table's length are not known to the driver:
     PAK needs ``delta``.
 
@@ -101,18 +119,30 @@ def range_sum(df, *, order_by: str, value: str, partition_by, method: str = RANG
     release.check()  # a budget too small is refused before any Spark job runs
     staged = _staged(df.select(*partition_by, order_by, value), partition_by, order_by)
     read = functools.partial(read_values, partition_by=partition_by, order_by=order_by, value=value)
-    found = _checked(staged, release, partition_by, read, order_by=order_by, value=value)
-    if not found.num_rows:
-        raise InvalidData(f"column {value!r} is empty: nothing to release")
-    _refuse_found(found, partition_by, order_by, events=False)
-    _refuse_values(found, value, fields[value].dataType)
-    keys = Keys(found.select(partition_by).columns)
-    lengths = {int(n): keys[k] for n, k in zip(*np.unique(found.column("rows").to_numpy(), return_index=True))}
+
+    def checked(offered: int) -> tuple[pa.Table, pa.Array]:
+        """The check job (each partition offering the pool its first ``offered`` rows), and what it refuses."""
+        pool = None if release.holdout is None else (offered, release.holdout)
+        found = _checked(staged, release, partition_by, read, order_by=order_by, value=value, pool=pool)
+        if not found.num_rows:
+            raise InvalidData(f"column {value!r} is empty: nothing to release")
+        _refuse_found(found, partition_by, order_by, events=False)
+        _refuse_values(found, value, fields[value].dataType)
+        release.check(rows=pc.sum(found.column("rows")).as_py())  # a pool of all the rows, or more
+        return found, _addresses(found, partition_by)
+
+    found, addresses = checked(OFFERED_ROWS)
+    pooled = pool = None
+    if release.holdout is not None:
+        pooled, pool, decided = _fleet_pool(found, address_ranks(addresses), release.holdout, OFFERED_ROWS)
+        if not decided:  # a partition may give the pool more rows than it offered
+            found, addresses = checked(release.holdout)
+            pooled, pool, _ = _fleet_pool(found, address_ranks(addresses), release.holdout, release.holdout)
     schema = ", ".join(f"`{c}` {fields[c].dataType.simpleString()}" for c in [*partition_by, order_by]) \
         + f", `{value}` double"
     output = functools.partial(released_rows, partition_by=partition_by, order_by=order_by, value=value)
-    return _charged(staged, release, found, lengths, partition_by=partition_by, read=read, output=output,
-                    schema=schema)
+    return _charged(staged, release, found, found.column("rows").to_numpy(), partition_by=partition_by, read=read,
+                    output=output, schema=schema, pooled=pooled, pool=pool)
 
 
 def count_stream(df, *, order_by: str | None = None, every, start, stop, partition_by, method: str = COUNT_METHOD,
@@ -158,14 +188,14 @@ def count_stream(df, *, order_by: str | None = None, every, start, stop, partiti
     if not released.num_rows:
         raise InvalidData(f"no event of column {order_by!r} falls in the domain [{start!s}, {stop!s}): nothing to "
                           "release")
-    lengths = {domain.n_buckets: Keys(released.select(partition_by).columns)[0]}
+    _addresses(released, partition_by)
     time_type = "timestamp_ntz" if domain.datetime else "double"
     schema = ", ".join(f"`{c}` {fields[c].dataType.simpleString()}" for c in partition_by) \
         + f", `{order_by}` {time_type}, `{COUNT}` double"
     output = functools.partial(released_counts, partition_by=partition_by, order_by=order_by, count=COUNT,
                                domain=domain)
-    return _charged(staged, release, found, lengths, partition_by=partition_by, read=read, output=output,
-                    schema=schema)
+    return _charged(staged, release, released, np.full(released.num_rows, domain.n_buckets),
+                    partition_by=partition_by, read=read, output=output, schema=schema)
 
 
 def _task(function, **arguments):
@@ -184,31 +214,73 @@ def _staged(df, partition_by: list[str], order_by: str):
 
 
 def _checked(staged, release: DistributedRelease, partition_by: list[str], read, *, order_by: str | None = None,
-             value: str | None = None) -> pa.Table:
-    """The check job: one row per partition (:data:`CHECKED`). It runs dpsql's code on the
-    executors as the release will (its tasks also compare their dpsql's version with the
-    driver's), so when it fails, :func:`check_executors` says whether their environment is why."""
+             value: str | None = None, pool: tuple[int, int] | None = None) -> pa.Table:
+    """The check job: one row per partition (:data:`CHECKED`, and with ``pool`` its candidates
+    for the fleet's pooled hold-out). It runs dpsql's code on the executors as the release will
+    (its tasks also compare their dpsql's version with the driver's), so when it fails,
+    :func:`check_executors` says whether their environment is why."""
     fields = {f.name: f.dataType.simpleString() for f in staged.schema.fields}
-    schema = ", ".join([*(f"`{c}` {fields[c]}" for c in partition_by), *(f"`{c}` {t}" for c, t in CHECKED.items())])
+    columns = [*(f"`{c}` {fields[c]}" for c in partition_by), *(f"`{c}` {t}" for c, t in CHECKED.items())]
+    if pool is not None:
+        columns += [f"`{POOL_KEYS}` array<{fields[order_by]}>", f"`{POOL_VALUES}` array<double>"]
     task = _task(check_batches, fingerprint=release.fingerprint, partition_by=partition_by, read=read,
-                 order_by=order_by, value=value, version=dpsql.__version__)
+                 order_by=order_by, value=value, version=dpsql.__version__, pool=pool)
     try:
-        return staged.mapInArrow(task, schema).toArrow()
+        return staged.mapInArrow(task, ", ".join(columns)).toArrow()
     except Exception:
         check_executors(staged.sparkSession)  # refuses, naming what is missing, if the environment is the cause
         raise
 
 
-def _charged(staged, release: DistributedRelease, found: pa.Table, lengths: dict, *, partition_by, read, output,
-             schema: str):
+def _addresses(found: pa.Table, partition_by: list[str]) -> pa.Array:
+    """The noise addresses of the partitions the check found, each one once: Spark grouped the
+    rows by its own equality, and a key that Spark tells apart from another but dpsql does not
+    would give two partitions one noise (refused before the charge)."""
+    addresses = partition_addresses(found.select(partition_by).columns)
+    refuse_repeated(addresses, Keys(found.select(partition_by).columns))
+    return addresses
+
+
+def _fleet_pool(found: pa.Table, ranks: np.ndarray, holdout: int, offered: int
+                ) -> tuple[np.ndarray, np.ndarray, bool]:
+    """The fleet's pooled hold-out (:func:`dpsql.streams.holdout.pooled_by_key`: its ``holdout``
+    earliest rows, ties by partition address, ``ranks``) among the check's candidates (each
+    partition's first ``offered`` rows at most): each partition's pooled rows, the pooled values,
+    and whether the candidates decide it. They do unless a partition that offered ``offered``
+    rows, all pooled, has more whose next one may come before the pool's latest order key."""
+    keys = found.column(POOL_KEYS).combine_chunks()
+    counts = pc.list_value_length(keys).to_numpy(zero_copy_only=False).astype(np.int64)
+    keys = keys.flatten()
+    owner = np.repeat(np.arange(len(counts)), counts)
+    starts = np.cumsum(counts) - counts
+    pooled = pooled_by_key(keys, owner, ranks, holdout, len(counts))
+    pool = found.column(POOL_VALUES).combine_chunks().flatten().to_numpy()[
+        np.arange(len(keys)) - starts[owner] < pooled[owner]]
+    cut = (pooled == offered) & (found.column("rows").to_numpy() > offered)
+    if not cut.any():
+        return pooled, pool, True
+    if pooled.sum() < holdout:
+        return pooled, pool, False
+    latest = pc.max(keys.take(starts[pooled > 0] + pooled[pooled > 0] - 1))
+    return pooled, pool, not pc.any(pc.not_equal(keys.take(starts[cut] + offered - 1), latest)).as_py()
+
+
+def _charged(staged, release: DistributedRelease, found: pa.Table, lengths: np.ndarray, *, partition_by, read,
+             output, schema: str, pooled: np.ndarray | None = None, pool: np.ndarray | None = None):
     """Charge the checked release and return its lazy DataFrame: the digests of the partitions
-    checked go to the executors once (a broadcast), and each task releases only those."""
-    digests = pc.cast(found.column("digest").drop_null().combine_chunks(), pa.binary(16))
+    checked (``found``, all with a digest; their machines' ``lengths``) and their rows in the
+    fleet's pooled hold-out (``pooled``, whose values are ``pool``) go to the executors once (a
+    broadcast), and each task releases only those partitions."""
+    digests = pc.cast(found.column("digest").combine_chunks(), pa.binary(16))
     admitted = AdmittedPartitions(np.frombuffer(digests.buffers()[1], dtype="S16", count=len(digests),
-                                                offset=digests.offset * 16))
+                                                offset=digests.offset * 16), pooled)
+    pooled_rows = np.zeros(len(lengths), np.int64) if pooled is None else pooled
+    _, first = np.unique(np.stack([lengths, pooled_rows], axis=1), axis=0, return_index=True)
+    keys = Keys(found.select(partition_by).columns)
+    shapes = {(int(lengths[k]), int(pooled_rows[k])): keys[int(k)] for k in first.tolist()}
     shipped = staged.sparkSession.sparkContext.broadcast(admitted)
     try:
-        task = release.charge(lengths=lengths, admitted=_Broadcast(shipped))
+        task = release.charge(shapes=shapes, admitted=_Broadcast(shipped), rows=int(lengths.sum()), pool=pool)
     except BaseException:
         shipped.destroy()
         raise
@@ -222,8 +294,8 @@ class _Broadcast:
     def __init__(self, broadcast):
         self._broadcast = broadcast
 
-    def first_missing(self, digests) -> int | None:
-        return self._broadcast.value.first_missing(digests)
+    def lookup(self, digests) -> np.ndarray:
+        return self._broadcast.value.lookup(digests)
 
 
 def _refuse_found(found: pa.Table, partition_by: list[str], order_by: str, *, events: bool) -> None:

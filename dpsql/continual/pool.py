@@ -21,14 +21,13 @@ import numpy as np
 import pyarrow.compute as pc
 
 from dpsql.continual.fleet import Fleet
-from dpsql.methods import POOLED_METHODS, machine_for
+from dpsql.methods import machine_for, pools_fleet
 from dpsql.streams.holdout import DEFAULT_HOLDOUT, pooled_by_key
 
 
 def pools(method: str, params: dict, partition_by) -> bool:
     """Does a stream of ``method`` with ``params`` pool its partitions' hold-outs?"""
-    return (bool(partition_by) and method in POOLED_METHODS and params.get("threshold") is None
-            and params.get("threshold_by", "fleet") == "fleet")
+    return bool(partition_by) and pools_fleet(method, params)
 
 
 class Pool:

@@ -11,7 +11,9 @@ from dpsql.accounting import compose
 from dpsql.addresses import partition_address, partition_addresses
 from dpsql.errors import BudgetExhausted, DPError, InvalidData, InvalidParameter
 from dpsql.methods import machine_for
+from dpsql.partition_digests import AdmittedPartitions
 from dpsql.release import chunks_of, release_from
+from dpsql.streams.tops import ToPS
 
 
 def alone(method, values, seed, key, **params):
@@ -362,8 +364,7 @@ def test_a_distributed_release_is_charged_once_before_its_tasks_and_releases_lik
         assert budget.spent == (0.0, 0.0)  # planning validates and draws nothing
         checked = planned.fingerprint.digests([partition_address(k) for k in keys], values, offsets, order)
         assert checked == planned.fingerprint.digests(partition_addresses(columns), values, offsets, order)
-        task = planned.charge(lengths={700: b"north", 300: b"south"},
-                              admitted=publishing.AdmittedPartitions(checked))
+        task = planned.charge(shapes={(700, 0): b"north", (300, 0): b"south"}, admitted=AdmittedPartitions(checked))
     assert budget.spent == (0.75, 0.0) and budget.history().height == 1  # once, for every partition
     assert task.key.hex() not in repr(task) and repr(task.key) not in repr(task)
     assert task.key.hex() not in repr(planned.fingerprint)
@@ -388,15 +389,50 @@ def test_a_distributed_release_is_charged_once_before_its_tasks_and_releases_lik
         [b"x"], values, [0, 1000], [()])
     # a length the method's machine refuses is refused, naming the partition, before the charge
     with pytest.raises(InvalidParameter, match=r"partition 'x' has 10 row\(s\): m \(hold-out length\) must be <"):
-        publishing.DistributedRelease("tops", {"epsilon": 0.1, "upper": 1.0, "m": 20}, budget=budget).charge(
-            lengths={10: "x"}, admitted=publishing.AdmittedPartitions([]))
+        publishing.DistributedRelease("tops", {"epsilon": 0.1, "upper": 1.0, "m": 20, "threshold_by": "partition"},
+                                      budget=budget).charge(shapes={(10, 0): "x"}, admitted=AdmittedPartitions([]))
     # digests are looked up by both halves: equal first halves (about never, with 64-bit halves) are told apart
     twins = [b"A" * 8 + bytes([k]) * 8 for k in range(4)]
-    assert publishing.AdmittedPartitions(twins[:3]).first_missing([twins[2], twins[0], twins[3]]) == 2
-    assert publishing.AdmittedPartitions([]).first_missing([twins[0]]) == 0
+    assert AdmittedPartitions(twins[:3], [5, 6, 7]).lookup([twins[2], twins[0], twins[3]]).tolist() == [7, 5, -1]
+    assert AdmittedPartitions([]).lookup([twins[0]]).tolist() == [-1]
     # a second release that no longer fits is refused at its charge, charging nothing
     with pytest.raises(BudgetExhausted):
-        other.charge(lengths={1000: "x"}, admitted=publishing.AdmittedPartitions([]))
+        other.charge(shapes={(1000, 0): "x"}, admitted=AdmittedPartitions([]))
     assert budget.spent == (0.75, 0.0)
     with pytest.raises(InvalidParameter, match="upper"):
         publishing.DistributedRelease("laplace", {"epsilon": 0.5, "upper": -1.0}, budget=budget)
+
+
+def test_a_distributed_fleet_chooses_its_threshold_after_the_charge(monkeypatch):
+    """The fleet's threshold is a private value: its Noisy Max draws happen only once the release
+    is charged (a refused charge draws nothing), and the tasks release each partition under it
+    with its pooled rows, as publish does."""
+    chosen = []
+    pooled_threshold = ToPS.pooled_threshold
+    monkeypatch.setattr(ToPS, "pooled_threshold", lambda self, values: chosen.append(len(values)) or
+                        pooled_threshold(self, values))
+    rng = np.random.default_rng(4)
+    values, offsets = rng.gamma(2.0, 3.0, 300), np.array([0, 100, 110, 300])
+    keys = [pa.array(["a", "b", "c"])]
+    pooled = np.array([20, 10, 20])  # the pool: the first 20, 10 and 20 rows, by row number
+    order = [(np.arange(n),) for n in np.diff(offsets)]
+    small = dpsql.Budget.in_memory(epsilon=0.5)
+    with dpsql.testing.seeded(2):
+        planned = publishing.DistributedRelease("tops", {"epsilon": 1.0, "upper": 40.0, "m": 50}, budget=small)
+    assert planned.holdout == 50
+    with pytest.raises(BudgetExhausted):
+        planned.charge(shapes={(100, 20): "a"}, admitted=AdmittedPartitions([]), rows=300, pool=values[:50])
+    assert chosen == [] and small.spent == (0.0, 0.0)
+    budget = dpsql.Budget.in_memory(epsilon=1.0)
+    with dpsql.testing.seeded(2):
+        planned = publishing.DistributedRelease("tops", {"epsilon": 1.0, "upper": 40.0, "m": 50}, budget=budget)
+        digests = planned.fingerprint.digests(partition_addresses(keys), values, offsets, order)
+        pool = np.concatenate([values[a:a + c] for a, c in zip(offsets[:-1], pooled)])
+        task = planned.charge(shapes={(100, 20): "a", (10, 10): "b", (190, 20): "c"},
+                              admitted=AdmittedPartitions(digests, pooled), rows=300, pool=pool)
+    assert chosen == [50] and budget.spent == (1.0, 0.0)
+    with dpsql.testing.seeded(2):
+        local = dpsql.publish("tops", values, partition_offsets=offsets, partition_keys=keys[0], epsilon=1.0,
+                              upper=40.0, m=50)
+    np.testing.assert_array_equal(task.release(keys, values, offsets, order), local.values)
+    assert [p.params["pooled_rows"] for p in local.parts] == pooled.tolist()

@@ -145,9 +145,9 @@ def test_the_fleet_recipe_runs_as_written_on_a_cluster_with_a_postgres_ledger(cl
         assert run.returncode == 0, textwrap.shorten(run.stderr[-4000:], 4000)
     released = pq.read_table(tmp_path / "private")
     assert released.num_rows == meters * hours and set(released.column_names) == {"meter", "ts", "kwh"}
-    assert "hierarchy" in run.stdout  # the ledger's history, printed by the recipe's last command
+    assert "tops" in run.stdout  # the ledger's history, printed by the recipe's last command
     budget = dpsql.Budget.open(ledger, scope="meters")
-    assert budget.spent == (1.0, 0.0) and budget.history()["method"].to_list() == ["hierarchy"]
+    assert budget.spent == (1.0, 0.0) and budget.history()["method"].to_list() == ["tops"]
 
 
 def test_executors_that_cannot_import_dpsql_are_refused_before_the_charge(cluster, tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import sys
+from decimal import Decimal
 
 import numpy as np
 import polars as pl
@@ -283,22 +284,76 @@ def test_a_count_stream_read_after_its_events_changed_refuses(spark, tmp_path):
     assert budget.spent == (0.5, 0.0) and _consistent(budget)
 
 
-def test_a_partition_shorter_than_the_hold_out_is_refused_before_the_charge(spark):
-    """ToPS's hold-out must fit in every partition: a shorter partition is refused, naming it,
-    before anything is charged (the release used to be charged, then fail in its task)."""
+def test_short_partitions_take_the_fleets_threshold_and_a_hold_out_of_their_own_is_refused_before_the_charge(spark):
+    """Issue 21: the default tops (one threshold for the fleet) works on a partition shorter than
+    the hold-out; with ``threshold_by="partition"`` ToPS's and PAK's hold-out must fit in every
+    partition, and a shorter one is refused, naming it, before anything is charged (the release
+    used to be charged, then fail in its task); so is a pool as long as the fleet."""
     budget = dpsql.Budget.in_memory(epsilon=1.0, delta=1e-3)
     meters = np.repeat([0, 1, 2], [300, 300, 50])
-    df = spark.createDataFrame(pl.DataFrame({"meter": meters, "ts": np.arange(len(meters)),
-                                             "kwh": np.ones(len(meters))}).to_pandas())
+    frame = pl.DataFrame({"meter": meters, "ts": np.arange(len(meters)), "kwh": np.arange(len(meters)) % 9 * 1.0})
+    df = spark.createDataFrame(frame.to_pandas())
     release = dict(order_by="ts", value="kwh", partition_by="meter", epsilon=0.5, upper=10.0, budget=budget)
     with pytest.raises(dpsql.InvalidParameter, match=r"partition 2 has 50 row\(s\): m \(hold-out length\) must "
                                                      r"be < the number of values \(50\), got m=100"):
-        spark_dp.range_sum(df, method="tops", m=100, **release).collect()
+        spark_dp.range_sum(df, method="tops", m=100, threshold_by="partition", **release).collect()
     with pytest.raises(dpsql.InvalidParameter, match=r"partition 2 has 50 row\(s\): m \(hold-out length\)"):
-        spark_dp.range_sum(df, method="pak", m=60, delta=1e-6, **release).collect()
+        spark_dp.range_sum(df, method="pak", m=60, delta=1e-6, threshold_by="partition", **release).collect()
+    with pytest.raises(dpsql.InvalidParameter, match=r"m \(the fleet's pooled hold-out\) must be < the number of "
+                                                     r"values \(650\), got m=650"):
+        spark_dp.range_sum(df, method="tops", m=650, **release).collect()
     assert budget.spent == (0.0, 0.0) and budget.history().height == 0
-    assert len(spark_dp.range_sum(df, method="tops", m=40, **release).collect()) == len(meters)
+    with dpsql.testing.seeded(6):
+        out = spark_dp.range_sum(df, method="tops", m=100, **release)
     assert budget.spent == (0.5, 0.0) and _consistent(budget)
+    with dpsql.testing.seeded(6):
+        local = frame.with_columns(pl.col("kwh").dpsql.range_sum(method="tops", m=100, order_by="ts",
+                                                                 partition_by="meter", epsilon=0.5, upper=10.0))
+    assert pl.from_pandas(out.toPandas()).sort("ts")["kwh"].to_list() == local["kwh"].to_list()
+    assert len(spark_dp.range_sum(df, method="tops", m=40, threshold_by="partition", **release).collect()) == 650
+
+
+def _fleet(shape: str, partitions: int = 200, rows: int = 30) -> pl.DataFrame:
+    """``partitions`` meters of ``rows`` heavy-tailed readings, in a shuffled row order: starting
+    together (integer time keys), one after another (meter ``p`` from time ``5 p``), or at random
+    minutes of a day (timestamps, text meters)."""
+    rng = np.random.default_rng(13)
+    meter = np.repeat(np.arange(partitions), rows)
+    kwh = np.round(rng.lognormal(1.0, 1.2, partitions * rows), 3)
+    if shape == "minutes":
+        minutes = np.concatenate([np.sort(rng.choice(24 * 60, rows, replace=False)) for _ in range(partitions)])
+        ts = [dt.datetime(2024, 3, 1) + dt.timedelta(minutes=int(m)) for m in minutes]
+        frame = pl.DataFrame({"meter": [f"m{p:03d}" for p in meter], "ts": ts, "kwh": kwh})
+    else:
+        ts = np.tile(np.arange(rows), partitions) + (5 * meter if shape == "staggered" else 0)
+        frame = pl.DataFrame({"meter": meter, "ts": ts, "kwh": kwh})
+    return frame.sample(fraction=1.0, shuffle=True, seed=2)
+
+
+@pytest.mark.parametrize(("shape", "method", "params"), [("together", "tops", {}), ("staggered", "tops", {}),
+                                                         ("together", "tops", {"m": 300}),
+                                                         ("minutes", "tops", {"m": 1000}),
+                                                         ("together", "pak", {"delta": 1e-6, "m": 300})])
+def test_a_fleet_threshold_release_equals_the_local_one(spark, shape, method, params):
+    """Issue 21 items 3 and 4: the default partitioned tops (and PAK) chooses one threshold for the
+    fleet from its pooled hold-out (its 4,096 earliest rows by time key, ties by partition
+    address), on the driver after the charge, and releases 200 meters of 30 rows (shorter than
+    their share of the pool) exactly as the local release does. The check gathers each meter's
+    first 8 rows for the pool: enough for a pool of 300, not for 4,096 (21 rows a meter) or for
+    staggered meters (the earliest give all their rows): then it gathers again."""
+    frame = _fleet(shape)
+    budget = dpsql.Budget.in_memory(epsilon=1.0, delta=1e-5)
+    release = dict(method=method, epsilon=1.0, upper=50.0, **params)
+    with dpsql.testing.seeded(9):
+        local = frame.with_columns(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", **release)
+                                   .alias("dp"))
+    with dpsql.testing.seeded(9):
+        out = spark_dp.range_sum(spark.createDataFrame(frame.to_pandas()), order_by="ts", value="kwh",
+                                 partition_by="meter", budget=budget, **release)
+    assert budget.spent == (1.0, params.get("delta", 0.0))  # the pool is one mechanism: charged as one stream
+    got = pl.from_pandas(out.toPandas()).sort("meter", "ts")
+    expected = local.sort("meter", "ts")
+    assert got.height == 6000 and got["kwh"].to_list() == expected["dp"].to_list()
 
 
 def test_partitions_cut_across_arrow_batches_are_released_whole(spark):
@@ -337,3 +392,40 @@ def test_a_driver_that_cannot_import_pandas_is_refused_before_the_charge(spark, 
         spark_dp.range_sum(df, order_by="ts", value="kwh", partition_by="meter", method="laplace", epsilon=0.5,
                            upper=60.0, budget=budget)
     assert budget.spent == (0.0, 0.0) and budget.history().height == 0
+
+
+def test_keys_a_nanosecond_or_a_last_decimal_digit_apart_draw_independent_noise(spark, tmp_path):
+    """Issue 23 item 1 on Spark: two meters with the same readings whose keys differ in the last
+    digit of a DECIMAL(38,24), by one microsecond (Spark's finest timestamp) or by one nanosecond
+    (Parquet nanoseconds, which Spark refuses as timestamps and reads as integers when asked to)
+    get independent noise, each as the local release of the same exact key. Keys sharing an
+    address would share noise: one meter's release minus the other's would be their raw
+    difference (here 0, at every row)."""
+    n, first = 50, 1_700_000_000_000_000_000
+    readings = np.round(np.random.default_rng(3).gamma(2.0, 2.0, n), 3)
+    table = pa.table({"dec": pa.array([Decimal("1.000000000000000000000001"), Decimal("1.000000000000000000000002")]
+                                      * n, pa.decimal128(38, 24)),
+                      "us": pa.array([first // 1000, first // 1000 + 1] * n, pa.timestamp("us")),
+                      "ns": pa.array([first, first + 1] * n, pa.timestamp("ns")),
+                      "ts": np.repeat(np.arange(n), 2), "kwh": np.repeat(readings, 2)})
+    pq.write_table(table, tmp_path / "meters.parquet")
+    with pytest.raises(Exception, match=r"Illegal Parquet type: INT64 \(TIMESTAMP\(NANOS"):
+        spark.read.parquet(str(tmp_path)).collect()
+    budget = dpsql.Budget.in_memory(epsilon=3.0)
+    release = dict(order_by="ts", partition_by="meter", method="laplace", epsilon=1.0, upper=10.0)
+    spark.conf.set("spark.sql.legacy.parquet.nanosAsLong", "true")
+    try:
+        df = spark.read.parquet(str(tmp_path))
+        for key in ("dec", "us", "ns"):
+            with dpsql.testing.seeded(4):
+                out = spark_dp.range_sum(df.withColumnRenamed(key, "meter"), value="kwh", budget=budget, **release)
+                got = out.toArrow().sort_by([("meter", "ascending"), ("ts", "ascending")])["kwh"].to_numpy()
+            meters = pl.from_arrow(table).with_columns(pl.col(key).cast(pl.Int64) if key == "ns" else pl.col(key))
+            with dpsql.testing.seeded(4):
+                local = meters.rename({key: "meter"}).sort("meter", "ts").with_columns(
+                    pl.col("kwh").dpsql.range_sum(**release))
+            assert got.tolist() == local["kwh"].to_list(), key
+            assert np.all(got[:n] != got[n:]), key  # the two meters' noise differs at every row
+    finally:
+        spark.conf.unset("spark.sql.legacy.parquet.nanosAsLong")
+    assert budget.spent == (3.0, 0.0)
