@@ -31,7 +31,8 @@ more. Spark re-reads a DataFrame's sources when it re-executes it: a task whose 
 rows differ from those checked before the charge (the source changed since) releases nothing
 of it and fails with :class:`dpsql.DataChanged` (release again: a new, charged release), so the
 same noise never covers two versions of the data. With test noise (:func:`dpsql.testing.seeded`)
-a Spark release equals the local ``partition_by`` release of the same table value for value.
+a Spark release equals the local ``partition_by`` release of the same table value for value
+(blocks by row counts: locally, ``calendar="none"`` for time keys on a calendar grid).
 
 Needs a classic Spark session (a SparkContext: the check's digests reach the executors as a
 broadcast), not Spark Connect.
