@@ -77,8 +77,8 @@ from dpsql.timegrid import time_domain
 
 COUNT = "dp_count"
 #: The rows each partition first offers a fleet's pooled hold-out (the check's candidates): enough when the
-#: fleet's partitions start about together and outnumber a few hundredth of the pool; else the check runs again,
-#: each partition offering as many rows as the pool holds.
+#: partitions start about together and are at least an eighth as many as the pool's rows (512 for the default
+#: 4,096); else the check runs again, each partition offering as many rows as the pool holds.
 OFFERED_ROWS = 8
 
 
