@@ -267,10 +267,14 @@ def ticks(times, column: str, datetime: bool) -> np.ndarray:
     if hasattr(times, "type") and hasattr(times, "cast"):  # an Arrow array or chunked array
         import pyarrow as pa
 
-        if pa.types.is_timestamp(times.type):
-            times = times.cast(pa.timestamp("ns", tz=times.type.tz)).cast(pa.timestamp("ns"))
-        elif pa.types.is_date(times.type):
-            times = times.cast(pa.timestamp("ns"))
+        try:  # a safe cast: times outside 1677-2262 have no nanosecond timestamp
+            if pa.types.is_timestamp(times.type):
+                times = times.cast(pa.timestamp("ns", tz=times.type.tz)).cast(pa.timestamp("ns"))
+            elif pa.types.is_date(times.type):
+                times = times.cast(pa.timestamp("ns"))
+        except pa.ArrowInvalid:
+            raise InvalidTimeKey(f"column {column!r} holds times outside the years 1677-2262, which nanosecond "
+                                 "timestamps cannot hold") from None
         times = times.to_numpy(zero_copy_only=False)
     arr = np.asarray(times)
     if arr.ndim != 1:
@@ -278,7 +282,11 @@ def ticks(times, column: str, datetime: bool) -> np.ndarray:
     if datetime:
         if arr.dtype.kind != "M":
             raise InvalidData(f"column {column!r} must hold datetimes for datetime bounds, got dtype {arr.dtype}")
-        arr = arr.astype("datetime64[ns]", copy=False)
+        as_ns = arr.astype("datetime64[ns]", copy=False)  # numpy wraps around silently where ns overflow
+        if arr.dtype != as_ns.dtype and (as_ns.astype(arr.dtype) != arr)[~np.isnat(arr)].any():
+            raise InvalidTimeKey(f"column {column!r} holds times outside the years 1677-2262, which nanosecond "
+                                 "timestamps cannot hold")
+        arr = as_ns
         nulls = int(np.isnat(arr).sum())
         if nulls:
             raise InvalidTimeKey(f"column {column!r} contains {nulls} null time(s)")

@@ -108,6 +108,16 @@ def test_keys_off_a_grid_have_none(keys_):
     assert row_grid(keys_) is None
 
 
+def test_microsecond_keys_past_2262_have_no_grid_and_partitions_fall_back_to_row_blocks():
+    """numpy wraps microseconds past 2262 around when made nanoseconds: the wrapped keys looked like
+    a grid with days cut at the wrong hours."""
+    late = np.datetime64("2300-01-01T05:00", "us") + np.arange(48) * np.timedelta64(1, "h")
+    assert row_grid(late) is None and row_grid(pa.array(late)) is None
+    assert dpsql.timegrid.partition_grids(pa.array(late), np.array([0, 24, 48])) is None
+    with pytest.raises(dpsql.InvalidTimeKey, match="2262"):
+        dpsql.timegrid.ticks(late, "ts", True)
+
+
 @pytest.mark.parametrize("grid, word", [
     (("2024-01-01", "7m"), "divide a day"), (("2024-01-01", "2d"), "divide a day"),
     ((0, 3600), "datetime"), (("2024-01-01",), "pair"), ("2024-01-01", "pair"), (("yesterday", "1h"), "first key"),
