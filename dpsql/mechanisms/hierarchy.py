@@ -262,7 +262,8 @@ class Layout:
     a stream of unknown length gets, at any length, a forest spanning about that length
     (a fixed chunk either wastes levels on short streams or cuts long ranges into many
     chunk totals). ``block`` given: every chunk's block; ``None``: each chunk's
-    :func:`flat_block` for its own length. Everything here is a function of public
+    :func:`flat_block` for its own length, at most ``max_block`` rows (a stream's ``max_delay``:
+    a block's rows wait for its last one). Everything here is a function of public
     parameters. (Rows on a regular clock get calendar chunks instead:
     :class:`~dpsql.mechanisms.calendar.CalendarLayout`.)
 
@@ -278,8 +279,9 @@ class Layout:
     #: Row-count layouts have no calendar units.
     units = None
 
-    def __init__(self, *, epsilon: float, fanout: int, r: int | None = None, block: int | None = None):
-        self.epsilon, self.fanout, self.r, self.block = epsilon, fanout, r, block
+    def __init__(self, *, epsilon: float, fanout: int, r: int | None = None, block: int | None = None,
+                 max_block: int | None = None):
+        self.epsilon, self.fanout, self.r, self.block, self.max_block = epsilon, fanout, r, block, max_block
         self._chunks: list[Chunk] = []
 
     @property
@@ -299,6 +301,8 @@ class Layout:
     def _make(self, k: int) -> Chunk:
         span = FIRST_CHUNK * CHUNK_GROWTH**k if self.geometric else self.r
         block = flat_block(self.epsilon, span, self.fanout) if self.block is None else self.block
+        if self.max_block is not None:  # a stream's max_delay: a block's rows wait for its last one
+            block = min(block, self.max_block)
         blocks = -(-span // block)
         levels = tree_height(blocks, self.fanout)
         start = self._chunks[-1].stop if k else 0

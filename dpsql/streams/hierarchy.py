@@ -60,12 +60,14 @@ MAX_BLOCK = 1 << 24
 
 
 def check_hierarchy_options(*, fanout, consistency, smoother, window, alpha, r, depth, block, grid=None,
-                            calendar=DEFAULT_CALENDAR):
+                            calendar=DEFAULT_CALENDAR, max_delay=None):
     """The hierarchy's options, validated (typed errors naming the parameter); returns
-    ``(fanout, consistency, smoother, window, alpha, r, depth, block, grid, calendar)`` with ``r``
-    resolved for predictive smoothers (the paper's fixed layout) and ``grid`` a
-    :class:`~dpsql.timegrid.RowGrid` or None."""
+    ``(fanout, consistency, smoother, window, alpha, r, depth, block, grid, calendar, max_delay)``
+    with ``r`` resolved for predictive smoothers (the paper's fixed layout), ``grid`` a
+    :class:`~dpsql.timegrid.RowGrid` or None. ``max_delay`` (rows, or None): the flat spread's
+    blocks are at most that long; a ``block`` or ``depth`` that asks for longer ones is refused."""
     calendar = _validate.choice(calendar, "calendar", CALENDARS)
+    max_delay = check_max_delay(max_delay)
     grid = None if grid is None else RowGrid.of(grid)
     fanout = _validate.integer(fanout, "fanout", minimum=2)
     if not isinstance(consistency, bool):
@@ -91,15 +93,28 @@ def check_hierarchy_options(*, fanout, consistency, smoother, window, alpha, r, 
         block = _validate.integer(block, "block", minimum=1)
         if block > MAX_BLOCK:
             raise InvalidParameter(f"block must be at most {MAX_BLOCK} rows, got {block}")
-    return fanout, consistency, smoother, window, alpha, r, depth, block, grid, calendar
+    asked = block if block is not None else None if depth is None else fanout**depth
+    if max_delay is not None and smoother == "none" and asked is not None and asked > max_delay:
+        raise InvalidParameter(f"max_delay={max_delay} rows: blocks of {asked} rows (block or depth) would keep a "
+                               f"block's first row provisional until {asked - 1} later rows arrive; ask for blocks of "
+                               "at most max_delay rows, or a longer max_delay")
+    return fanout, consistency, smoother, window, alpha, r, depth, block, grid, calendar, max_delay
 
+
+def check_max_delay(max_delay) -> int | None:
+    """A machine's ``max_delay``: None, or a number of rows, at least 1 (a row waits for at most
+    ``max_delay - 1`` later rows; a continual stream converts a duration to rows on its grid)."""
+    return None if max_delay is None else _validate.integer(max_delay, "max_delay", minimum=1)
 
 def calendar_layout(epsilon: float, smoother: str, r, depth, block, grid: RowGrid | None,
-                    calendar: str) -> CalendarLayout | None:
+                    calendar: str, max_delay: int | None = None) -> CalendarLayout | None:
     """The calendar layout of validated options, or None where row-count blocks apply: no grid,
-    ``calendar="none"``, a predictive smoother (its blocks are powers of the fan-out) or an
-    explicit ``r``, ``depth`` or ``block``."""
+    ``calendar="none"``, a predictive smoother (its blocks are powers of the fan-out), an
+    explicit ``r``, ``depth`` or ``block``, or a ``max_delay`` shorter than a day's rows (no
+    calendar unit fits: blocks of at most ``max_delay`` rows)."""
     if grid is None or calendar == "none" or smoother != "none" or (r, depth, block) != (None, None, None):
+        return None
+    if max_delay is not None and grid.rows_per_day > max_delay:
         return None
     return CalendarLayout(epsilon=epsilon, grid=grid, calendar=calendar)
 
@@ -116,7 +131,10 @@ class HierarchyStream(StreamMachine):
     smoother's first per-row guess (default halfway between the bounds); ``grid`` the rows'
     public time grid (a :class:`~dpsql.timegrid.RowGrid` or what :meth:`~dpsql.timegrid.RowGrid.of`
     reads) and ``calendar`` the level split (``"day"``, ``"month"``, ``"balanced"``; ``"none"``:
-    row-count blocks), which apply with the flat spread and no ``r``, ``depth`` or ``block``.
+    row-count blocks), which apply with the flat spread and no ``r``, ``depth`` or ``block``;
+    ``max_delay`` (rows) bounds the flat spread's blocks, so that no row waits for more than
+    ``max_delay - 1`` later rows: calendar days where a day's rows fit, else row-count blocks of
+    at most ``max_delay`` rows (predictive smoothers release every row when it arrives).
 
     Online: the flat spread releases a block's rows with its last row; predictive smoothers
     release every row on arrival. At the end of a one-shot release the rows of an incomplete
@@ -153,17 +171,18 @@ class HierarchyStream(StreamMachine):
     def __init__(self, n: int | None = None, *, epsilon: float, upper: float, lower: float = 0.0,
                  smoother: str = "none", window: int = 8, alpha: float = 0.6, r: int | None = None,
                  fanout: int = 16, consistency: bool = True, depth: int | None = None, block: int | None = None,
-                 initial: float | None = None, grid=None, calendar: str = DEFAULT_CALENDAR, noise: Draws):
+                 initial: float | None = None, grid=None, calendar: str = DEFAULT_CALENDAR,
+                 max_delay: int | None = None, noise: Draws):
         self.epsilon = _validate.epsilon(epsilon)
         self.lower, self.upper = _validate.bounds(lower, upper)
         (self.fanout, self.consistency, self.smoother_name, self.window, self.alpha, self.r, self.depth,
-         self.block, self.grid, self.calendar) = check_hierarchy_options(
+         self.block, self.grid, self.calendar, self.max_delay) = check_hierarchy_options(
             fanout=fanout, consistency=consistency, smoother=smoother, window=window, alpha=alpha, r=r, depth=depth,
-            block=block, grid=grid, calendar=calendar)
+            block=block, grid=grid, calendar=calendar, max_delay=max_delay)
         if self.grid is not None and n is not None:
             self.grid.check_rows(n)
         self.layout = calendar_layout(self.epsilon, self.smoother_name, self.r, self.depth, self.block, self.grid,
-                                      self.calendar) or self._row_count_layout()
+                                      self.calendar, self.max_delay) or self._row_count_layout()
         self.cost = (self.epsilon, 0.0)
         if initial is not None:
             initial = _validate.real(initial, "initial")
@@ -179,7 +198,8 @@ class HierarchyStream(StreamMachine):
             fixed_block = self.fanout ** predictive_depth(self.epsilon, self.r, self.fanout)
         else:
             fixed_block = None  # the flat rule, per chunk
-        return Layout(epsilon=self.epsilon, fanout=self.fanout, r=self.r, block=fixed_block)
+        return Layout(epsilon=self.epsilon, fanout=self.fanout, r=self.r, block=fixed_block,
+                      max_block=self.max_delay if self.smoother_name == "none" else None)
 
     def for_partitions(self, uppers: np.ndarray, draws: DrawsBatch, initials: np.ndarray | None = None,
                        lane: Lane = Lane.FOREST) -> HierarchyStream:
@@ -400,7 +420,8 @@ class HierarchyStream(StreamMachine):
                 "consistency": self.consistency, "depth": self.depth, "block": self.block,
                 "chunks": [c.rows for c in chunks], "blocks": [c.block for c in chunks],
                 "levels": [c.forest.levels for c in chunks], "grid": None if self.grid is None else self.grid.plain(),
-                "calendar": self.calendar, "units": None if self.layout.units is None else list(self.layout.units),
+                "calendar": self.calendar, "max_delay": self.max_delay,
+                "units": None if self.layout.units is None else list(self.layout.units),
                 "level_epsilons": list(self.layout.level_epsilons(chunks[0])) if self._on_calendar else None}
 
     @property

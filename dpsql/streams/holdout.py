@@ -19,6 +19,15 @@ Privacy (replace-one-value neighbours, values clipped to the public ``[lower, up
 * the two row sets are disjoint: parallel composition, so the release costs
   ``(epsilon, delta)``.
 
+A continual stream's ``max_delay`` (rows) bounds how long a row waits. A hold-out that completes
+within it (``m <= max_delay``; a fleet's pooled hold-out: the pool's ``m``) waits for its
+threshold as above. A longer one cannot: its rows are released as they come, by the same flat
+hierarchy at ``holdout_share * epsilon`` but clipped at the public bound ``upper`` (blocks of at
+most ``max_delay`` rows, the last one flushed when the hold-out completes), while the threshold
+is still chosen from them at ``(1 - holdout_share) * epsilon``. The privacy argument is unchanged
+(the hold-out's release never reads the threshold); its noise scales with the bound instead of
+the threshold, and its intervals cover the values clipped at the bound.
+
 Values are shifted to ``[0, upper - lower]`` internally; the released values and the
 threshold are in the original units. A threshold below ``(upper - lower) * 2**-30``
 is raised to it (post-processing), so the stream phase always has a positive bound.
@@ -42,7 +51,7 @@ from dpsql.mechanisms.hierarchy import Layout
 from dpsql.mechanisms.laplace import LaplaceLattice
 from dpsql.noise import Draws, DrawsBatch, Lane
 from dpsql.release import StreamMachine, written_in_place
-from dpsql.streams.hierarchy import HierarchyStream, calendar_layout
+from dpsql.streams.hierarchy import HierarchyStream, calendar_layout, check_max_delay
 from dpsql.timegrid import RowGrid
 
 #: The hold-out length when none is given: fixed (a stream's length is unknown).
@@ -70,6 +79,9 @@ class ThresholdedStream(StreamMachine):
     ``batchable`` says so). A single stream is the case ``k = 1``. Each partition gets its own
     threshold, hold-out total (on its own lattice, from its own draws) and stream phase,
     exactly as alone.
+
+    ``max_delay`` (rows): a hold-out longer than it is released as it comes, at the public bound
+    (module docstring); a fleet's partition (``pooled_rows``) decides by the pool's ``m``.
     """
 
     method: str
@@ -83,7 +95,8 @@ class ThresholdedStream(StreamMachine):
 
     def __init__(self, n: int | None = None, *, epsilon: float, upper: float, lower: float = 0.0,
                  m: int | None = None, holdout_share: float = 0.5, threshold: float | None = None,
-                 threshold_by: str = "fleet", pooled_rows: int | None = None, noise: Draws):
+                 threshold_by: str = "fleet", pooled_rows: int | None = None, max_delay: int | None = None,
+                 noise: Draws):
         self.epsilon = _validate.epsilon(epsilon)
         self.lower, self.upper = _validate.bounds(lower, upper)
         self.bound = self.upper - self.lower
@@ -98,14 +111,20 @@ class ThresholdedStream(StreamMachine):
             if not 0 < theta <= self.bound:
                 raise InvalidParameter(f"threshold must satisfy lower < threshold <= upper, got {threshold!r}")
             self.given_threshold = theta
-            if m is not None:
+            if m is not None and not self.pooled:
                 raise InvalidParameter("m (hold-out length) does not apply when a threshold is given")
             self.m = _validate.integer(pooled_rows, "pooled_rows", minimum=0) if self.pooled else 0
+            # a fleet's partition: its hold-out (its pooled rows) waits for the whole pool of m rows
+            self.holdout_span = (DEFAULT_HOLDOUT if m is None else _validate.integer(m, "m", minimum=1)) \
+                if self.pooled else 0
         else:
-            self.m = DEFAULT_HOLDOUT if m is None else _validate.integer(m, "m", minimum=1)
+            self.m = self.holdout_span = DEFAULT_HOLDOUT if m is None else _validate.integer(m, "m", minimum=1)
             if n is not None and self.m >= n:
                 raise InvalidParameter(f"m (hold-out length) must be < the number of values ({n}), got m={self.m}; "
                                        f"pass a smaller m, or a threshold released before (threshold=)")
+        self.max_delay = check_max_delay(max_delay)
+        #: Are the hold-out's rows released as they come, clipped at the public bound (module docstring)?
+        self.holdout_at_bound = self.max_delay is not None and self.m > 0 and self.holdout_span > self.max_delay
         self.holdout_share = _validate.probability(holdout_share, "holdout_share")
         self.epsilon_threshold = (1.0 - self.holdout_share) * self.epsilon
         # rounded so that the two hold-out charges never add up to more than epsilon
@@ -146,6 +165,8 @@ class ThresholdedStream(StreamMachine):
         self._lead = ()
         if self.given_threshold is not None and not self.m:
             self._begin_stream(np.full(self.partitions, self.given_threshold), None)
+        elif self.holdout_at_bound:
+            self._holdout = self._holdout_machine(np.full(self.partitions, self.bound))
 
     @property
     def cost(self) -> tuple[float, float]:
@@ -181,18 +202,20 @@ class ThresholdedStream(StreamMachine):
     def feed(self, chunk: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         self._lead = chunk.shape[:-1]
         rows = chunk.reshape(self.partitions, -1)
-        holdout = None
+        holdout = None  # the hold-out rows this feed releases
         if self._stream is None:
             take = rows[:, : self.m - self._held_rows]
             self._held.append(take.copy())
             self._held_rows += take.shape[1]
             rows = rows[:, take.shape[1]:]
+            pieces = [self._holdout.feed(self._clipped(take))] if self.holdout_at_bound else []
             if self._held_rows == self.m:
-                holdout = self._release_holdout()
+                pieces.append(self._release_holdout())
+            holdout = self._shift_back(np.concatenate(pieces, axis=1)) if pieces else None
         # every hold-out row carries its share, then come the stream phase's rows: one buffer,
         # the caller's when given (all its room: a stream phase may emit rows held back before),
         # which a stream phase that writes in place fills directly
-        held = 0 if holdout is None else self.m
+        held = 0 if holdout is None else holdout.shape[1]
         room = None if out is None else out.reshape(self.partitions, -1)
         rest = None
         if rows.shape[1]:
@@ -225,32 +248,51 @@ class ThresholdedStream(StreamMachine):
     def _shift_back(self, values: np.ndarray) -> np.ndarray:
         return values + self.lower if self.lower else values
 
+    def _clipped(self, values: np.ndarray) -> np.ndarray:
+        """Raw values shifted and clipped to ``[0, bound]``, as the hold-out and its threshold take them."""
+        return np.clip(self._shift(values), 0.0, self.bound)
+
     def _release_holdout(self) -> np.ndarray:
-        """Choose the thresholds, release the hold-out's rows, start the stream phase; return
-        the hold-out's released values ``(partitions, m)``, shifted back."""
+        """Choose the thresholds, release the hold-out's rows not released yet, start the stream
+        phase; return those rows' values ``(partitions, rows)``, shifted to ``[0, bound]``: all
+        ``m`` of them, or, for a hold-out released at the bound as it came, those of its last
+        block (flushed)."""
         held = self._held[0] if len(self._held) == 1 else np.concatenate(self._held, axis=1)
-        holdout = np.clip(self._shift(held), 0.0, self.bound)
+        holdout = self._clipped(held)
         self._held = []
         if self.given_threshold is not None:  # a fleet's, from the pool these rows were in
             thresholds = np.full(self.partitions, self.given_threshold)
         else:
             thresholds = np.clip(self._choose_thresholds(holdout), _MIN_THRESHOLD * self.bound, self.bound)
+        if self.holdout_at_bound:
+            # its mean is not kept anywhere exactly (summing the pieces would depend on the appends):
+            # a predictive smoother starts from half the threshold, the paper's guess
+            self._begin_stream(thresholds, None)
+            return self._holdout.close()
         self._holdout = self._holdout_machine(thresholds)
         released = np.concatenate([self._holdout.feed(holdout), self._holdout.close()], axis=1)
         self._begin_stream(thresholds, np.clip(released.mean(axis=1), 0.0, thresholds))
-        return self._shift_back(released)
+        return released
 
     def _holdout_layout(self, epsilon: float) -> Layout | CalendarLayout:
-        """The hold-out's layout: calendar days with a grid, else one chunk of ``m`` rows."""
+        """The hold-out's layout: calendar days with a grid, else one chunk of ``m`` rows; released
+        at the bound as it comes, blocks of at most ``max_delay`` rows in a chunk spanning the
+        whole hold-out (a fleet's partition: the pool's ``m`` rows, however many of them are its own)."""
+        if self.holdout_at_bound:
+            return (calendar_layout(epsilon, "none", None, None, None, self.grid, self.calendar, self.max_delay)
+                    or Layout(epsilon=epsilon, fanout=16, r=self.holdout_span, max_block=self.max_delay))
         return (calendar_layout(epsilon, "none", None, None, None, self.grid, self.calendar)
                 or Layout(epsilon=epsilon, fanout=16, r=self.m))
 
-    def _holdout_machine(self, thresholds: np.ndarray) -> HierarchyStream:
-        """The flat hierarchy releasing the hold-out's rows, clipped at ``thresholds`` (module docstring)."""
-        on_calendar = isinstance(self._holdout_layout(self.epsilon_holdout), CalendarLayout)
-        template = HierarchyStream(epsilon=self.epsilon_holdout, upper=self.bound, r=None if on_calendar else self.m,
-                                   grid=self.grid, calendar=self.calendar, noise=self._draws[0])
-        return template.for_partitions(thresholds, self._draws, lane=Lane.HOLDOUT)
+    def _holdout_machine(self, uppers: np.ndarray) -> HierarchyStream:
+        """The flat hierarchy releasing the hold-out's rows, clipped at ``uppers`` (the thresholds, or
+        the public bound: module docstring)."""
+        layout = self._holdout_layout(self.epsilon_holdout)
+        template = HierarchyStream(epsilon=self.epsilon_holdout, upper=self.bound,
+                                   r=None if isinstance(layout, CalendarLayout) else layout.r, grid=self.grid,
+                                   calendar=self.calendar, max_delay=self.max_delay if self.holdout_at_bound else None,
+                                   noise=self._draws[0])
+        return template.for_partitions(uppers, self._draws, lane=Lane.HOLDOUT)
 
     def _begin_stream(self, thresholds: np.ndarray, initials: np.ndarray | None) -> None:
         self.thresholds = thresholds
@@ -259,10 +301,14 @@ class ThresholdedStream(StreamMachine):
 
     def provisional(self) -> np.ndarray | None:
         """Rows waiting for the hold-out's threshold: the middle of the public bounds (nothing is
-        released yet to predict from); later rows: the stream phase's provisional values."""
+        released yet to predict from), or, for a hold-out released at the bound as it comes, its
+        open block's rows at the hierarchy's provisional values; later rows: the stream phase's."""
         if self._stream is not None:
             waiting = self._stream.provisional()
             return None if waiting is None else self._shift_back(waiting)
+        if self.holdout_at_bound:
+            return self._shift_back(self._holdout.provisional().reshape(self.partitions, -1)).reshape(
+                (*self._lead, -1))
         held = np.full((self.partitions, self._held_rows), self.lower + self.bound / 2)
         return held.reshape((*self._lead, -1))
 
@@ -276,11 +322,12 @@ class ThresholdedStream(StreamMachine):
     def restore(self, state: dict) -> None:
         held = np.asarray(state["held"], dtype=np.float64).reshape(self.partitions, -1)
         self._held, self._held_rows = [held], held.shape[1]
+        if state["holdout"] is not None:  # released at the thresholds, or at the bound as it came (made already)
+            if not self.holdout_at_bound:
+                self._holdout = self._holdout_machine(np.asarray(state["thresholds"], dtype=np.float64))
+            self._holdout.restore(state["holdout"])
         if state["stream"] is not None:
             thresholds = np.asarray(state["thresholds"], dtype=np.float64)
-            if state["holdout"] is not None:
-                self._holdout = self._holdout_machine(thresholds)
-                self._holdout.restore(state["holdout"])
             initials = None if state["initials"] is None else np.asarray(state["initials"], dtype=np.float64)
             self._begin_stream(thresholds, initials)
             self._stream.restore(state["stream"])
@@ -299,7 +346,8 @@ class ThresholdedStream(StreamMachine):
 
     def describe_partition(self, partition: int) -> dict:
         params = {"epsilon": self.epsilon, "lower": self.lower, "upper": self.upper, "m": self.m,
-                  "holdout_share": self.holdout_share, **self._method_params()}
+                  "holdout_share": self.holdout_share, **self._method_params(), "max_delay": self.max_delay,
+                  "holdout_at_bound": self.holdout_at_bound}
         if self.given_threshold is not None:
             params["threshold"] = self.given_threshold + self.lower
         if self.pooled:
@@ -309,8 +357,9 @@ class ThresholdedStream(StreamMachine):
         else:
             components = {"threshold": (self.epsilon_threshold, self.threshold_delta),
                           "holdout": (self.epsilon_holdout, 0.0)}
-        if self._stream is None:  # a stream still filling its hold-out has released nothing
-            return dict(method=self.method, params=params, error=IndependentNoise(0.0, 0), components=components)
+        if self._stream is None:  # a stream filling its hold-out: nothing released, or rows at the bound
+            error = self._holdout.error_model(partition) if self.holdout_at_bound else IndependentNoise(0.0, 0)
+            return dict(method=self.method, params=params, error=error, components=components)
         stream = self._stream.describe_partition(partition) if self.partitions > 1 else self._stream.describe()
         components.update(stream.get("components", {}))
         if self.m:

@@ -27,12 +27,16 @@ from dpsql.mechanisms.smooth_sensitivity import check_pak_threshold, pak_thresho
 from dpsql.noise import Draws, Lane
 from dpsql.streams.binary_tree import BinaryTreeStream
 from dpsql.streams.holdout import ThresholdedStream
+from dpsql.timegrid import RowGrid
 
 
 class PakStream(ThresholdedStream):
     """PAK as an online state machine: the hold-out is buffered until its threshold is
     chosen, then every row streams through the binary counter (unbounded unless a
     ``horizon`` is declared, see :class:`~dpsql.streams.binary_tree.BinaryTreeStream`).
+    ``grid`` (the rows' public time grid) gives the hold-out's release calendar blocks, as in
+    ToPS; ``max_delay`` bounds the hold-out's wait (:class:`~dpsql.streams.holdout.ThresholdedStream`):
+    the counter releases every later row when it arrives.
 
     Examples
     --------
@@ -50,11 +54,13 @@ class PakStream(ThresholdedStream):
                  lower: float = 0.0, m: int | None = None, holdout_share: float = 0.15, tail_p: float = 0.005,
                  lam: float = 0.85, beta_lt: float = 0.006, rho: float = 1.0, horizon: int | None = None,
                  threshold: float | None = None, threshold_by: str = "fleet", pooled_rows: int | None = None,
-                 noise: Draws):
+                 grid=None, max_delay: int | None = None, noise: Draws):
         # before the base class starts the stream phase, which a given threshold does at once
         self.horizon = None if horizon is None else _validate.integer(horizon, "horizon", minimum=1)
+        self.grid = None if grid is None else RowGrid.of(grid)
         super().__init__(n, epsilon=epsilon, upper=upper, lower=lower, m=m, holdout_share=holdout_share,
-                         threshold=threshold, threshold_by=threshold_by, pooled_rows=pooled_rows, noise=noise)
+                         threshold=threshold, threshold_by=threshold_by, pooled_rows=pooled_rows, max_delay=max_delay,
+                         noise=noise)
         if threshold is not None and not self.pooled:  # chosen (and paid for) before: no hold-out, no delta
             if delta:
                 raise InvalidParameter("delta does not apply to PAK with a given threshold (its stream phase is pure "

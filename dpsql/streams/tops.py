@@ -29,7 +29,8 @@ class ToPS(ThresholdedStream):
     ``window``, ``alpha``, ``r``, ``fanout``, ``depth``, ``block``, ``grid`` and ``calendar`` as for
     the hierarchy (same defaults: the flat spread over geometric chunks, or over calendar days
     with a grid, the hold-out's rows too; the rows after the hold-out are on the grid shifted by
-    ``m`` rows), and for the threshold ``c``
+    ``m`` rows), ``max_delay`` as for the hierarchy and for the hold-out (see
+    :class:`~dpsql.streams.holdout.ThresholdedStream`), and for the threshold ``c``
     (Eq. 6's constant, 60), ``step`` (candidate spacing, see
     :func:`dpsql.mechanisms.noisy_max.default_step`) and ``levels_for_nm``.
 
@@ -52,10 +53,12 @@ class ToPS(ThresholdedStream):
                  r: int | None = None, fanout: int = 16, depth: int | None = None, block: int | None = None,
                  holdout_share: float = 0.5, c: float = 60.0, step: float | None = None,
                  levels_for_nm: str = "paper", threshold: float | None = None, threshold_by: str = "fleet",
-                 pooled_rows: int | None = None, grid=None, calendar: str = DEFAULT_CALENDAR, noise: Draws):
+                 pooled_rows: int | None = None, grid=None, calendar: str = DEFAULT_CALENDAR,
+                 max_delay: int | None = None, noise: Draws):
         (self.fanout, _, self.smoother, self.window, self.alpha, self.r, self.depth, self.block, self.grid,
-         self.calendar) = check_hierarchy_options(fanout=fanout, consistency=True, smoother=smoother, window=window,
-                                               alpha=alpha, r=r, depth=depth, block=block, grid=grid, calendar=calendar)
+         self.calendar, max_delay) = check_hierarchy_options(fanout=fanout, consistency=True, smoother=smoother,
+                                                             window=window, alpha=alpha, r=r, depth=depth, block=block,
+                                                             grid=grid, calendar=calendar, max_delay=max_delay)
         if self.grid is not None and n is not None:
             self.grid.check_rows(n)
         self.c = _validate.real(c, "c", minimum=0.0, strict=True)
@@ -63,7 +66,8 @@ class ToPS(ThresholdedStream):
         self.step = default_step(bound) if step is None else _validate.real(step, "step", minimum=0.0, strict=True)
         self.levels_for_nm = _validate.choice(levels_for_nm, "levels_for_nm", NM_LEVELS)
         super().__init__(n, epsilon=epsilon, upper=upper, lower=lower, m=m, holdout_share=holdout_share,
-                         threshold=threshold, threshold_by=threshold_by, pooled_rows=pooled_rows, noise=noise)
+                         threshold=threshold, threshold_by=threshold_by, pooled_rows=pooled_rows, max_delay=max_delay,
+                         noise=noise)
         if threshold is None:  # refused now, not when the hold-out completes (a stream is charged before)
             try:
                 noisy_max_lattice(_validate.epsilon(self.epsilon_threshold))
@@ -82,7 +86,7 @@ class ToPS(ThresholdedStream):
         grid = None if self.grid is None else self.grid.shifted(self.m)  # the rows after the hold-out
         return HierarchyStream(epsilon=self.epsilon, upper=float(thresholds[0]), smoother=self.smoother,
                                window=self.window, alpha=self.alpha, r=self.r, fanout=self.fanout, depth=self.depth,
-                               block=self.block, grid=grid, calendar=self.calendar,
+                               block=self.block, grid=grid, calendar=self.calendar, max_delay=self.max_delay,
                                noise=self._draws[0]).for_partitions(thresholds, self._draws, initials)
 
     def _method_params(self) -> dict:
