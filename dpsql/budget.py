@@ -206,6 +206,13 @@ class Budget:
         unknown); PAK needs ``delta``. ``threshold=`` (a threshold released and charged before)
         skips ToPS's or PAK's hold-out.
 
+        Every appended row is released by the append that brings it, final or provisional
+        (``dp_final``); ``max_delay`` bounds how long a row stays provisional: a number of rows,
+        or a duration (``"1d"``, ``"6h"``, a ``timedelta``) for time keys on a regular clock
+        (:mod:`dpsql.continual.delay`). The method's blocks and hold-out are laid out so that
+        no row waits longer (a hold-out that would is released as it comes, at the public
+        bound); what it forbids is refused before anything is charged.
+
         Examples
         --------
         >>> import dpsql, polars as pl

@@ -170,9 +170,7 @@ class RowGrid:
 
     def plain(self) -> dict:
         """The grid as plain text (exact to the nanosecond), as :meth:`of` reads it back."""
-        unit = next(u for u, size in sorted(_DURATION_UNITS.items(), key=lambda item: -item[1])
-                    if self.step % size == 0)
-        return {"first": str(np.datetime64(self.first, "ns")), "step": f"{self.step // _DURATION_UNITS[unit]}{unit}"}
+        return {"first": str(np.datetime64(self.first, "ns")), "step": duration_text(self.step)}
 
 
 def row_grid(keys) -> RowGrid | None:
@@ -244,21 +242,32 @@ def instant(value, name: str) -> int:
     return int(stamp.astype(np.int64))
 
 
-def duration(value) -> int:
-    """A positive duration in nanoseconds."""
+def duration(value, name: str = "every") -> int:
+    """A positive duration in nanoseconds (refusals name the parameter ``name``)."""
     if isinstance(value, str):
         parts = re.findall(r"(\d+)(ns|us|ms|s|m|h|d|w)", value.strip())
         if not parts or "".join(a + b for a, b in parts) != value.strip():
-            raise InvalidParameter(f"every must be a duration such as '5m', '1h30m' or '1d', got {value!r}")
+            raise InvalidParameter(f"{name} must be a duration such as '5m', '1h30m' or '1d', got {value!r}")
         ticks_ = sum(int(a) * _DURATION_UNITS[b] for a, b in parts)
     elif isinstance(value, (dt.timedelta, np.timedelta64)):
         ticks_ = int(np.timedelta64(value, "ns").astype(np.int64))
     else:
-        raise InvalidParameter(f"every must be a duration (timedelta or a string like '5m') for datetime "
+        raise InvalidParameter(f"{name} must be a duration (timedelta or a string like '5m') for datetime "
                                f"bounds, got {value!r}")
     if ticks_ <= 0:
-        raise InvalidParameter(f"every must be a positive duration, got {value!r}")
+        raise InvalidParameter(f"{name} must be a positive duration, got {value!r}")
     return ticks_
+
+
+def duration_text(ticks_: int) -> str:
+    """A positive duration in nanoseconds as :func:`duration` reads it back, in its largest
+    whole unit (``"1d"``, ``"90m"``).
+
+    >>> duration_text(3600 * 10**9), duration_text(90 * 60 * 10**9), duration(duration_text(7))
+    ('1h', '90m', 7)
+    """
+    unit = next(u for u, size in sorted(_DURATION_UNITS.items(), key=lambda item: -item[1]) if ticks_ % size == 0)
+    return f"{ticks_ // _DURATION_UNITS[unit]}{unit}"
 
 
 def ticks(times, column: str, datetime: bool) -> np.ndarray:

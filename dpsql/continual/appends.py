@@ -193,20 +193,23 @@ class RangeAppend:
                 classes.append(MachineClass(members[rest], None if machine_class.state is None else split_state(
                     machine_class.state, len(members), rest), machine_class.params))
             chosen = np.flatnonzero(touched)
-            waiting = self.pool is not None and machine_class.params is None
-            if waiting and self.pool.threshold is None:  # the pool is not full: nothing to feed yet
+            waiting = self.pool is not None and "threshold" not in (machine_class.params or {})
+            if waiting and self.pool.threshold is None and not stream.delay.feeds_pool:  # not full: nothing to feed yet
                 classes.append(self._hold(shard, members[chosen], where[members[chosen]], new, released))
                 continue
-            pooled, backlog = (self.pool.partition_params(ordinals[where[members[chosen]]]) if waiting else
+            joins = waiting and self.pool.threshold is not None  # the pool is full: the fleet's threshold
+            pooled, backlog = (self.pool.partition_params(ordinals[where[members[chosen]]]) if joins else
                                (np.zeros(len(chosen), np.int64), None))
             # partitions fed together: as many new rows, pooled rows and rows before
             for picked in same_groups(counts[where[members[chosen]]], pooled, shard.rows[members[chosen]]):
                 subset = chosen[picked]
                 state = None if machine_class.state is None else split_state(machine_class.state, len(members),
                                                                              subset)
-                params = self.pool.machine_params(int(pooled[picked[0]])) if waiting else machine_class.params
-                earlier = None if backlog is None else np.array([backlog[j][:int(shard.rows[members[s]])]
-                                                                 for j, s in zip(picked, subset)])
+                params = {**(machine_class.params or {}), **self.pool.machine_params(int(pooled[picked[0]]))} \
+                    if joins else machine_class.params
+                # (partitions fed while the pool filled hold their pooled rows already)
+                earlier = None if backlog is None or stream.delay.feeds_pool else np.array(
+                    [backlog[j][:int(shard.rows[members[s]])] for j, s in zip(picked, subset)])
                 for on_grid, grid in self._grids(shard, members[subset], where[members[subset]], new, params,
                                                  fresh=machine_class.state is None):
                     classes.append(self._feed(shard, members[subset][on_grid], state if state is None else split_state(
@@ -224,19 +227,24 @@ class RangeAppend:
         """The partitions ``members`` (one position) by time grid, with their machines' parameters:
         a partition first fed (``fresh``) whose order keys so far lie on a grid (hourly, daily, ...:
         :func:`~dpsql.timegrid.partition_grids`) gets it, so its blocks and levels follow the
-        calendar; a partition on a grid must stay on it (its layout is fixed: a gap is refused)."""
+        calendar; a partition on a grid must stay on it (its layout is fixed: a gap is refused). A
+        stream whose ``max_delay`` is a duration gives every partition its grid and the duration in
+        rows on it (:mod:`dpsql.continual.delay`), refusing keys on no grid."""
         stream, k, n = self.stream, len(members), int(new.counts[groups[0]])
         fed, final = int(shard.rows[members[0]]), int(shard.final[members[0]])
         grid = (params or {}).get("grid", stream.spec.params.get("grid"))
         if grid is not None:
             self._check_grid(RowGrid.of(grid), fed, new, groups)
             return [(np.arange(k), params)]
-        if not fresh or not stream._calendar:
+        timed = stream.delay.by_grid
+        if not fresh or not (stream._calendar or timed):
             return [(np.arange(k), params)]
         old_keys, _ = _pending(shard, members, final, fed)
         keys = _interleaved(old_keys, new.keys.take(pa.array(_ranges(new.starts[groups], np.full(k, n)))),
                             fed - final, n, k)
         grids = partition_grids(keys, np.arange(k + 1) * (fed - final + n))
+        if grids is None and timed:
+            stream.delay.rows(None, fed - final + n)  # refused: keys that are not times
         if grids is None:
             return [(np.arange(k), params)]
         first, step = np.where(grids[1] > 0, grids[0], 0), grids[1]
@@ -244,6 +252,8 @@ class RangeAppend:
         for on_grid in same_groups(first, step):
             j = int(on_grid[0])
             grid_params = {"grid": RowGrid(int(first[j]), int(step[j])).plain()} if step[j] else {}
+            if timed:
+                grid_params["max_delay"] = stream.delay.rows(int(step[j]), fed - final + n)
             out.append((on_grid, {**(params or {}), **grid_params} if grid_params or params else None))
         return out
 

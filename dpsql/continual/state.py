@@ -45,6 +45,8 @@ class StreamSpec:
     (:class:`dpsql.timegrid.TimeGrid`): bucket ``b`` holds the events with ``start + b * every
     <= time < start + (b + 1) * every``, datetimes in UTC nanoseconds; ``utc`` says whether
     bucket starts come back as UTC timestamps (a time zone aware ``start``) or naive ones.
+    ``max_delay``: how long a row may stay provisional, as :meth:`dpsql.continual.delay.MaxDelay.plain`
+    keeps it (rows, or a duration as text), or None.
     """
 
     method: str
@@ -56,6 +58,7 @@ class StreamSpec:
     start: float | int | None = None
     datetime: bool = False
     utc: bool = False
+    max_delay: int | str | None = None
 
     @property
     def grid(self) -> TimeGrid:
@@ -64,6 +67,11 @@ class StreamSpec:
     @property
     def counts(self) -> bool:
         return self.method in COUNT_METHODS
+
+    def recorded_params(self) -> dict:
+        """The parameters as the ledger records and :meth:`Stream.info` shows them: the method's,
+        and the stream's ``max_delay``."""
+        return plain({**self.params, **({} if self.max_delay is None else {"max_delay": self.max_delay})})
 
     def columns(self) -> list[str]:
         return [*self.partition_by, self.order_by] + ([] if self.counts else [self.value])

@@ -53,6 +53,7 @@ from dpsql.addresses import partition_address, partition_addresses
 from dpsql.continual import rows as stored
 from dpsql.continual.appends import RangeAppend
 from dpsql.continual.counts import CountAppend
+from dpsql.continual.delay import MaxDelay, StreamDelay
 from dpsql.continual.fleet import SHARD, Fleet, Shard, split_state
 from dpsql.continual.pool import Pool, pools
 from dpsql.continual.state import (
@@ -62,7 +63,6 @@ from dpsql.continual.state import (
     StreamSpec,
     as_key,
     bucket_starts,
-    plain,
     scalar_like,
 )
 from dpsql.error_models import ProvisionalRows, SegmentedNoise, check_level
@@ -86,16 +86,17 @@ from dpsql.timegrid import TimeGrid, duration, instant
 
 def open_stream(budget, name: str, *, method: str | None = None, epsilon: float | None = None,
                 order_by: str | None = None, value: str | None = None, partition_by=None, delta: float = 0.0,
-                every=None, start=None, **params) -> Stream:
+                every=None, start=None, max_delay=None, **params) -> Stream:
     """Register stream ``name`` in ``budget``'s scope (charging its cost once), or reopen it.
 
-    See :meth:`dpsql.Budget.stream`."""
+    See :meth:`dpsql.Budget.stream`. ``max_delay`` (:mod:`dpsql.continual.delay`) is checked with
+    the rest before anything is charged."""
     if not isinstance(name, str) or not name:
         raise InvalidParameter(f"a stream's name is a non-empty string, got {name!r}")
     store = StreamStore(budget.ledger)
     existing = store.find(budget.scope, name)
     given = {"method": method, "epsilon": epsilon, "order_by": order_by, "value": value,
-             "partition_by": partition_by, "every": every, "start": start, **params}
+             "partition_by": partition_by, "every": every, "start": start, "max_delay": max_delay, **params}
     if delta:
         given["delta"] = delta
     if existing is not None:
@@ -110,9 +111,11 @@ def open_stream(budget, name: str, *, method: str | None = None, epsilon: float 
                                "or every and start for a count stream) to register it")
     check_method(method, per_row=True, online=True)
     spec = _spec(method, order_by=order_by, value=value, partition_by=partition_by, every=every, start=start,
-                 params={"epsilon": epsilon, **({"delta": delta} if delta else {}), **params})
+                 max_delay=max_delay, params={"epsilon": epsilon, **({"delta": delta} if delta else {}), **params})
     keystream = Keystream.fresh()
-    charge = unsized_charge(method, spec.params, keystream, public_params=plain(spec.params), kind=Kind.STREAM,
+    # the machine with the stream's max_delay where it is known in rows: a layout it forbids is refused now
+    own = {**spec.params, **StreamDelay(MaxDelay.of(spec.max_delay), method, spec.params.get("grid")).machine_params()}
+    charge = unsized_charge(method, own, keystream, public_params=spec.recorded_params(), kind=Kind.STREAM,
                             stream=name, note=f"stream {name!r}")
 
     def register(conn, receipt):
@@ -133,7 +136,7 @@ def open_stream(budget, name: str, *, method: str | None = None, epsilon: float 
     return Stream(budget, store.get(budget.scope, name))
 
 
-def _spec(method, *, order_by, value, partition_by, every, start, params) -> StreamSpec:
+def _spec(method, *, order_by, value, partition_by, every, start, max_delay, params) -> StreamSpec:
     partition = () if partition_by is None else (partition_by,) if isinstance(partition_by, str) else tuple(
         partition_by)
     for column, label in [(order_by, "order_by"), *((p, "partition_by") for p in partition)]:
@@ -145,7 +148,12 @@ def _spec(method, *, order_by, value, partition_by, every, start, params) -> Str
         if every is not None or start is not None:
             raise InvalidParameter("every and start define a count stream's buckets; method "
                                    f"{method!r} releases values, not counts")
-        return StreamSpec(method, params, order_by, value, partition)
+        delay = MaxDelay.of(max_delay)
+        return StreamSpec(method, params, order_by, value, partition,
+                          max_delay=None if delay is None else delay.plain())
+    if max_delay is not None:
+        raise InvalidParameter(f"max_delay bounds how long a row of values stays provisional; a count stream "
+                               f"({method!r}) releases each bucket once, when it closes (until=), got {max_delay!r}")
     if value is not None and value != order_by:
         raise InvalidParameter(f"a count stream counts the events of its time column (order_by={order_by!r}); "
                                f"value={value!r} would be another column")
@@ -168,6 +176,9 @@ class Stream:
         self.created = row.created
         self._secret = row.secret
         self._store = StreamStore(budget.ledger)
+        #: its max_delay, as its appends apply it (:mod:`dpsql.continual.delay`)
+        self.delay = StreamDelay(MaxDelay.of(self.spec.max_delay), self.spec.method, self.spec.params.get("grid"),
+                                 f"stream {self.name!r}: order column {self.spec.order_by!r}")
         # what this object's last appends committed (see RangeAppend): (release id, open partitions),
         # each reused while its row in the ledger still holds the state it left
         self._open: tuple[str, dict] | None = None
@@ -189,7 +200,7 @@ class Stream:
         return Keystream(key, private=flags[0] == 1, scheme=flags[1] if len(flags) > 1 else LEGACY_SCHEME)
 
     def _machine(self, draws: Draws, state: dict | None):
-        machine = machine_for(self.spec.method, None, draws, self.spec.params)
+        machine = machine_for(self.spec.method, None, draws, self._machine_params(None))
         if state is not None:
             machine.restore(state)
         return machine
@@ -206,7 +217,8 @@ class Stream:
         key = self.spec.order_by
         epsilon, delta = self.cost
         return {"name": self.name, "method": self.method,
-                "params": json.dumps(plain(self.spec.params), sort_keys=True), "epsilon": epsilon, "delta": delta,
+                "params": json.dumps(self.spec.recorded_params(), sort_keys=True), "epsilon": epsilon,
+                "delta": delta,
                 "rows": row.rows, "partitions": row.partitions,
                 "watermark": None if not released.num_rows else str(pc.max(released[key]).as_py()),
                 "created": self.created}
@@ -220,6 +232,8 @@ class Stream:
             expected = stored.get(name)
             if name == "partition_by":
                 value = (value,) if isinstance(value, str) else tuple(value)
+            if name == "max_delay":  # as registered: rows, or the duration as text
+                expected, value = self.spec.max_delay, MaxDelay.of(value).plain()  # type: ignore[union-attr]
             if expected != value:
                 raise InvalidParameter(f"stream {self.name!r} exists with {name}={expected!r}; reopening it with "
                                        f"{name}={value!r} is refused (a stream's parameters never change)")
@@ -241,8 +255,10 @@ class Stream:
 
     def plot(self, *, partition=None, ax=None, **options):
         """The released rows against their order keys (matplotlib), one panel per partition
-        (the first twelve, or ``partition``; ``ax`` for an unpartitioned stream), as
-        :meth:`dpsql.Release.plot`; returns the figure."""
+        (the first twelve, or ``partition``; ``ax`` for an unpartitioned stream): final rows as
+        :meth:`dpsql.Release.plot` draws a release (a solid line, its band), provisional rows
+        apart (hollow markers on a dashed line), each named in the legend; returns the figure,
+        which a notebook shows once. Post-processing of released rows: it costs nothing."""
         from dpsql.display import plot_stream
 
         return plot_stream(self, partition=partition, ax=ax, **options)
@@ -481,13 +497,16 @@ class Stream:
             return None
         return Pool(fleet, self.spec.method, self.spec.params, self._keystream().partition(b""))
 
+    def _machine_params(self, params: dict | None) -> dict:
+        """A machine's parameters: the stream's, its ``max_delay`` in rows where that is known
+        without a partition's grid, and a class's ``params`` (a partition's grid and its
+        ``max_delay`` in rows; a fleet's threshold and pooled rows, beside the pool's ``m``)."""
+        return {**self.spec.params, **self.delay.machine_params(), **(params or {})}
+
     def _batch_machine(self, draws: DrawsBatch, state: dict | None, params: dict | None = None):
         """The machine of the partitions ``draws`` (one, for methods that release one at a time),
-        with the class's ``params`` beside the stream's (a fleet's threshold: no hold-out length of
-        its own), continued from ``state``."""
-        own = self.spec.params if params is None else {
-            **{k: v for k, v in self.spec.params.items() if k != "m"}, **params}
-        machine = machine_for(self.spec.method, None, draws[0], own)
+        with the class's ``params`` (:meth:`_machine_params`), continued from ``state``."""
+        machine = machine_for(self.spec.method, None, draws[0], self._machine_params(params))
         if self._batchable:
             machine = machine.batched(draws)
         if state is not None:

@@ -198,15 +198,16 @@ def _instant(value):
     return value
 
 
-def _duration(value):
+def _duration(value, name: str = "every"):
     """A JSON-rendered SQL INTERVAL (``'1 day 00:05:00'``) as a timedelta. Numbers and
-    short duration strings (``'5m'``, ``'1h30m'``) pass through to the core's parser."""
+    short duration strings (``'5m'``, ``'1h30m'``) pass through to the core's parser.
+    Refusals name the parameter ``name``."""
     if not isinstance(value, str):
         return value
     match = _INTERVAL.match(value.strip()) if value.strip() else None
     if match is None:
         if re.search(r"mon|year", value):
-            raise InvalidParameter(f"every must be an INTERVAL of fixed length (days, hours, minutes, seconds; "
+            raise InvalidParameter(f"{name} must be an INTERVAL of fixed length (days, hours, minutes, seconds; "
                                    f"no months or years), got {value!r}")
         return value
     seconds = float(match["h"] or 0) * 3600 + float(match["m"] or 0) * 60 + float(match["s"] or 0)

@@ -81,6 +81,8 @@ def _install_create(context: Context) -> None:
                          partition_by=column_name(partition_by, "partition_by", required=False),
                          every=_duration(every) if every is not None else None,
                          start=_instant(start) if start is not None else None, **parse_params(params_json))
+        if arguments.get("max_delay") is not None:  # rows, or a duration: an INTERVAL as JSON renders it, or text
+            arguments["max_delay"] = _duration(arguments["max_delay"], "max_delay")
         return context.result_query(INFO_SCHEMA, functools.partial(run, arguments))
 
     def run(arguments: dict) -> pa.Table:
