@@ -17,6 +17,11 @@ lower bound and its bound or threshold). By default the buckets follow the block
 was made of (merged to at most about 500), so that no bucket cuts a block and the band shows
 the noise alone: the resolution at which the release says something; ``every`` asks for
 buckets of that many rows instead. Rows of a hold-out are shaded and labelled.
+
+A continual stream (:meth:`dpsql.Stream.plot`) draws its final rows so, as a solid line with its
+band, and its provisional rows (predictions from released values, waiting for their block or
+hold-out to complete: ``dp_final`` false) apart, as hollow markers on a dashed line, each named in
+the legend: a provisional value has no noise interval of its own, only the bound it lies within.
 """
 
 from __future__ import annotations
@@ -100,8 +105,10 @@ def _holdout_rows(release) -> int:
 
 
 def plot_release(release, *, ax=None, truth=None, time=None, every: int | None = None, level: float = 0.95,
-                 value: str = "value", unit: str | None = None, time_label: str | None = None):
-    """Draw ``release`` (module docstring) on ``ax`` (a new figure if None); returns the figure."""
+                 value: str = "value", unit: str | None = None, time_label: str | None = None,
+                 label: str | None = None):
+    """Draw ``release`` (module docstring) on ``ax`` (a new figure if None), its values named
+    ``label`` in the legend (``released (method)`` by default); returns the figure."""
     if ax is None:
         _, ax = _new_figure((9, 3.2))
     series = bucketed(release, every=every, level=level)
@@ -111,7 +118,8 @@ def plot_release(release, *, ax=None, truth=None, time=None, every: int | None =
 
     ax.fill_between(x, closed(series["low"]), closed(series["high"]), step="post", color="tab:blue", alpha=0.2,
                     lw=0, label=f"{level:.0%} interval")
-    ax.step(x, closed(series["mean"]), where="post", color="tab:blue", lw=1.0, label=f"released ({release.method})")
+    ax.step(x, closed(series["mean"]), where="post", color="tab:blue", lw=1.0,
+            label=label or f"released ({release.method})")
     if truth is not None:
         truth = np.asarray(truth, dtype=np.float64)
         if len(truth) != len(release.values):
@@ -175,15 +183,17 @@ def plot_partitions(release, *, truth=None, time=None, titles=None, **options):
 
 def plot_stream(stream, *, partition=None, ax=None, **options):
     """A stream's released rows against their order keys: one panel, or one per partition
-    (the first twelve, or the one given); returns the figure."""
+    (the first twelve, or the one given), final and provisional rows apart; returns the figure."""
     released = stream.released()
     if released.num_rows == 0:
         raise InvalidParameter(f"stream {stream.name!r} has released no rows yet")
-    key = stream.spec.order_by
     options.setdefault("value", stream._value_column())
-    options.setdefault("time_label", key)
+    options.setdefault("time_label", stream.spec.order_by)
     if not stream.spec.partition_by:
-        return plot_release(stream.release(None), ax=ax, time=released[key].to_numpy(), **options)
+        if ax is None:
+            _, ax = _new_figure((9, 3.2))
+        _plot_stream_rows(stream, None, released, ax, options)
+        return ax.figure
     columns = list(stream.spec.partition_by)
     keys = released.select(columns).group_by(columns).aggregate([]).sort_by([(c, "ascending") for c in columns])
     keys = [row[0] if len(columns) == 1 else tuple(row) for row in zip(*(keys[c].to_pylist() for c in columns))]
@@ -192,10 +202,34 @@ def plot_stream(stream, *, partition=None, ax=None, **options):
     keys = keys[:_MAX_PANELS]
     fig, axes = _new_figure((9, 2.3 * len(keys)), len(keys), 1, squeeze=False)
     for ax, part in zip(axes[:, 0], keys):
-        rows = stream.released(partition=part)
-        plot_release(stream.release(part), ax=ax, time=rows[key].to_numpy(), **options)
+        _plot_stream_rows(stream, part, stream.released(partition=part), ax, options)
         ax.set_title(f"{', '.join(columns)} = {part}", fontsize=9)
     return fig
+
+
+def _plot_stream_rows(stream, partition, rows, ax, options: dict) -> None:
+    """One partition's released ``rows`` (sorted by order key) on ``ax``: its final rows (the first
+    ones: a row's value is final once every row before it is) as a release, the rest as hollow
+    markers on a dashed line."""
+    import dataclasses
+
+    release = stream.release(partition)
+    time = rows[stream.spec.order_by].to_numpy()
+    final = int(np.asarray(rows["dp_final"]).sum())
+    if final:
+        plot_release(dataclasses.replace(release, values=release.values[:final]), ax=ax, time=time[:final],
+                     label=f"final ({release.method})", **options)
+    if final < len(time):
+        waiting = len(time) - final
+        ax.plot(time[final:], release.values[final:], ls="--", lw=0.8, marker="o", ms=3, mfc="none",
+                color="tab:orange", label=f"provisional ({waiting:,} row{'s' * (waiting > 1)}, final later)")
+        ax.legend(loc="best", fontsize=8, frameon=False)
+        if not final:
+            ax.set_xlabel(options["time_label"])
+            ax.set_ylabel(options["value"])
+            ax.set_title(f"{release.method}: every row still provisional", fontsize=10)
+        if np.issubdtype(time.dtype, np.datetime64):
+            _dates(ax)
 
 
 def plot_budget(budget, *, ax=None):

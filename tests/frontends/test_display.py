@@ -1,8 +1,11 @@
 """Pictures and notebook views: post-processing of released values, honest bands, readable labels."""
 
+import io
+
 import matplotlib
 import numpy as np
 import polars as pl
+import pyarrow.compute as pc
 import pytest
 
 import dpsql
@@ -163,3 +166,52 @@ def test_the_budget_s_time_axis_is_readable():
     assert labels and all(len(label) <= 5 for label in labels), labels  # seconds: "28.5", not "51:28.500000"
     assert not any(re.search(r"\d\.\d{4}", label) for label in labels), labels
     assert re.fullmatch(r"\d{4}-[A-Z][a-z]{2}-\d\d \d\d:\d\d", ax.xaxis.get_offset_text().get_text())
+
+
+def _legend_line(ax, starts: str):
+    """The line whose legend label starts with ``starts``."""
+    lines = [line for line in ax.get_lines() if line.get_label().startswith(starts)]
+    assert len(lines) == 1, [line.get_label() for line in ax.get_lines()]
+    return lines[0]
+
+
+def test_a_stream_plot_shows_final_and_provisional_rows_apart():
+    budget = dpsql.Budget.in_memory(epsilon=3)
+    hours = np.datetime64("2024-01-30T05:00", "us") + np.arange(100) * np.timedelta64(1, "h")
+    values = np.arange(100) % 9 * 1.0
+    with dpsql.testing.seeded(2):
+        stream = budget.stream("s", method="hierarchy", epsilon=1.0, order_by="ts", value="kwh", upper=10.0)
+        fleet = budget.stream("f", method="hierarchy", epsilon=1.0, order_by="ts", value="kwh", upper=10.0,
+                              partition_by="meter")
+    stream.append(pl.DataFrame({"ts": hours, "kwh": values}))
+    fleet.append(pl.DataFrame({"meter": np.repeat([1, 2], 100), "ts": np.tile(hours, 2), "kwh": np.tile(values, 2)}))
+    panels = [(stream.plot().axes[0], stream.released())]
+    panels += [(ax, fleet.released(partition=meter)) for ax, meter in zip(fleet.plot().axes, (1, 2))]
+    for ax, released in panels:
+        final = released.filter(released["dp_final"])  # the days complete so far (calendar blocks): 19 + 72
+        waiting = released.filter(pc.invert(released["dp_final"]))
+        assert final.num_rows == 91 and waiting.num_rows == 9
+        provisional = _legend_line(ax, "provisional (9 rows")
+        assert provisional.get_linestyle() == "--" and provisional.get_markerfacecolor() == "none"
+        np.testing.assert_array_equal(provisional.get_xdata(orig=True), waiting["ts"].to_numpy())
+        np.testing.assert_array_equal(provisional.get_ydata(orig=True), waiting["kwh"].to_numpy())
+        solid = _legend_line(ax, "final (hierarchy)")
+        assert solid.get_linestyle() == "-"
+        x = solid.get_xdata(orig=True)  # buckets of the final rows, first to last
+        assert x[0] == final["ts"][0].as_py() and x[-1] == final["ts"][-1].as_py()
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert labels[0] == "95% interval" and labels[1] == "final (hierarchy)" and labels[2].startswith("prov")
+        ax.figure.savefig(io.BytesIO(), format="png")
+        ticks = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+        assert ticks and all(len(t) <= 6 for t in ticks), ticks  # dates, concisely ("Feb", "02", "12:00")
+
+
+def test_a_stream_with_no_final_row_yet_is_drawn_provisional():
+    budget = dpsql.Budget.in_memory(epsilon=3)
+    with dpsql.testing.seeded(2):
+        stream = budget.stream("s", method="tops", epsilon=1.0, order_by="ts", value="kwh", upper=10.0, m=50)
+    stream.append(pl.DataFrame({"ts": np.arange(30), "kwh": np.ones(30)}))  # in the hold-out: every row waits
+    ax = stream.plot().axes[0]
+    line = _legend_line(ax, "provisional (30 rows")
+    assert list(line.get_xdata(orig=True)) == list(range(30)) and "still provisional" in ax.get_title()
+    assert not [line for line in ax.get_lines() if line.get_label().startswith("final")]
