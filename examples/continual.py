@@ -4,12 +4,13 @@ Run: ``python examples/continual.py`` (after ``pip install -e '.[examples]'``); 
 ``examples/output/continual.png``.
 
 A stream is registered once in a persistent ledger and charged then (epsilon = 1 for its
-whole, unbounded future). Every day the day's 24 hourly readings are appended; each append
-releases what the online algorithm can release and stores its open state in the ledger, so
-the next day's append may come from another process. The hierarchy releases a block of
-hours when the block's last hour arrives (128 hours at epsilon 1), so the released history
-grows in steps of about five days. Re-releasing the whole table every day instead would have
-cost epsilon 1 per day: 60 after 60 days, with 60 different, inconsistent histories.
+whole, unbounded future). Every day 24 hourly readings are appended; each append releases a
+value for every one of them and stores the algorithm's open state in the ledger, so the next
+day's append may come from another process. On hourly readings the hierarchy's blocks are
+calendar days: an hour's value is final when its day's last hour arrives, and provisional (a
+prediction from the days released before) until then; ``max_delay="1d"`` says no hour may wait
+longer than a day. Re-releasing the whole table every day instead would have cost epsilon 1 per
+day: 60 after 60 days, with 60 different, inconsistent histories.
 
 Privacy: replace-one-hour's-value neighbours, public bound 8,000 vehicles per hour, the hourly
 time axis public. The ledger file holds the stream's secret state: keep it as carefully as
@@ -42,7 +43,8 @@ def main() -> None:
     LEDGER.unlink(missing_ok=True)  # the example starts a fresh ledger each run
     traffic = pl.read_csv(DATA, try_parse_dates=True).head(24 * DAYS)
     budget = dpsql.Budget.open(LEDGER, scope="traffic", epsilon=2.0)
-    budget.stream("i94", method="hierarchy", epsilon=EPSILON, order_by="ts", value="volume", upper=8000.0)
+    budget.stream("i94", method="hierarchy", epsilon=EPSILON, order_by="ts", value="volume", upper=8000.0,
+                  max_delay="1d")
     released_by_day = []
     for day in range(DAYS):
         # each day a scheduled job reopens the stream by name (no charge) and appends the day
@@ -51,8 +53,9 @@ def main() -> None:
         released_by_day.append(stream.released().num_rows)
     print(stream)
     print(budget.history())
-    print(f"released {released_by_day[-1]} of {24 * DAYS} hours; the last "
-          f"{24 * DAYS - released_by_day[-1]} wait for their block's last hour")
+    final = int(np.sum(stream.released()["dp_final"].to_numpy()))
+    print(f"released {released_by_day[-1]} of {24 * DAYS} hours, {final} final; the last "
+          f"{released_by_day[-1] - final} are provisional until their day's last hour")
 
     fig, (history, cost) = plt.subplots(1, 2, figsize=(12, 3.6), width_ratios=[2.2, 1], constrained_layout=True)
     truth = traffic.head(released_by_day[-1])
