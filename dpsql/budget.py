@@ -191,7 +191,7 @@ class Budget:
 
     def stream(self, name: str, *, method: str | None = None, epsilon: float | None = None,
                order_by: str | None = None, value: str | None = None, partition_by=None, delta: float = 0.0,
-               **params) -> Stream:
+               max_delay=None, **params) -> Stream:
         """Register the continual stream ``name`` in this scope, charging its whole cost once, or
         reopen it (from any process, free).
 
@@ -228,7 +228,7 @@ class Budget:
         (0.5, 0.0)
         """
         return open_stream(self, name, method=method, epsilon=epsilon, order_by=order_by, value=value,
-                           partition_by=partition_by, delta=delta, **params)
+                           partition_by=partition_by, delta=delta, max_delay=max_delay, **params)
 
     def streams(self):
         """This scope's streams as a Polars DataFrame: name, method, params (JSON), epsilon,

@@ -218,8 +218,7 @@ class Stream:
         epsilon, delta = self.cost
         return {"name": self.name, "method": self.method,
                 "params": json.dumps(self.spec.recorded_params(), sort_keys=True), "epsilon": epsilon,
-                "delta": delta,
-                "rows": row.rows, "partitions": row.partitions,
+                "delta": delta, "rows": row.rows, "partitions": row.partitions,
                 "watermark": None if not released.num_rows else str(pc.max(released[key]).as_py()),
                 "created": self.created}
 
