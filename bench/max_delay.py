@@ -24,10 +24,10 @@ import numpy as np
 import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import markdown_table, report, run_options  # noqa: E402
-from calendar_blocks import household  # noqa: E402
+from _report import markdown_table, report, run_options
+from calendar_blocks import household
 
-import dpsql  # noqa: E402
+import dpsql
 
 DAYS = 30
 UPPER = 10.0
