@@ -79,6 +79,16 @@ class MaxDelay:
         return ticks // step
 
 
+def registered(max_delay, method: str, counts: bool) -> int | str | None:
+    """``max_delay`` as a stream of ``method`` keeps it when registered (:meth:`MaxDelay.plain`);
+    refused for a count stream (``counts``), whose buckets are released once, when they close."""
+    if counts and max_delay is not None:
+        raise InvalidParameter(f"max_delay bounds how long a row of values stays provisional; a count stream "
+                               f"({method!r}) releases each bucket once, when it closes (until=), got {max_delay!r}")
+    delay = MaxDelay.of(max_delay)
+    return None if delay is None else delay.plain()
+
+
 def holds_rows(method: str) -> bool:
     """Does ``method`` hold rows back (so takes ``max_delay`` in rows as a parameter)?"""
     return "max_delay" in parameter_names(method)
@@ -94,6 +104,11 @@ class StreamDelay:
     method: str
     grid: object = None
     label: str = "max_delay"
+
+    @classmethod
+    def of(cls, spec, label: str = "max_delay") -> StreamDelay:
+        """The ``max_delay`` of a stream registered with ``spec`` (a :class:`~dpsql.continual.state.StreamSpec`)."""
+        return cls(MaxDelay.of(spec.max_delay), spec.method, spec.params.get("grid"), label)
 
     @property
     def by_grid(self) -> bool:

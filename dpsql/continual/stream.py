@@ -53,7 +53,7 @@ from dpsql.addresses import partition_address, partition_addresses
 from dpsql.continual import rows as stored
 from dpsql.continual.appends import RangeAppend
 from dpsql.continual.counts import CountAppend
-from dpsql.continual.delay import MaxDelay, StreamDelay
+from dpsql.continual.delay import MaxDelay, StreamDelay, registered
 from dpsql.continual.fleet import SHARD, Fleet, Shard, split_state
 from dpsql.continual.pool import Pool, pools
 from dpsql.continual.state import (
@@ -89,8 +89,7 @@ def open_stream(budget, name: str, *, method: str | None = None, epsilon: float 
                 every=None, start=None, max_delay=None, **params) -> Stream:
     """Register stream ``name`` in ``budget``'s scope (charging its cost once), or reopen it.
 
-    See :meth:`dpsql.Budget.stream`. ``max_delay`` (:mod:`dpsql.continual.delay`) is checked with
-    the rest before anything is charged."""
+    See :meth:`dpsql.Budget.stream` (``max_delay``: :mod:`dpsql.continual.delay`)."""
     if not isinstance(name, str) or not name:
         raise InvalidParameter(f"a stream's name is a non-empty string, got {name!r}")
     store = StreamStore(budget.ledger)
@@ -111,10 +110,10 @@ def open_stream(budget, name: str, *, method: str | None = None, epsilon: float 
                                "or every and start for a count stream) to register it")
     check_method(method, per_row=True, online=True)
     spec = _spec(method, order_by=order_by, value=value, partition_by=partition_by, every=every, start=start,
-                 max_delay=max_delay, params={"epsilon": epsilon, **({"delta": delta} if delta else {}), **params})
+                 max_delay=registered(max_delay, method, method in COUNT_METHODS),
+                 params={"epsilon": epsilon, **({"delta": delta} if delta else {}), **params})
     keystream = Keystream.fresh()
-    # the machine with the stream's max_delay where it is known in rows: a layout it forbids is refused now
-    own = {**spec.params, **StreamDelay(MaxDelay.of(spec.max_delay), method, spec.params.get("grid")).machine_params()}
+    own = {**spec.params, **StreamDelay.of(spec).machine_params()}  # a layout its max_delay forbids: refused now
     charge = unsized_charge(method, own, keystream, public_params=spec.recorded_params(), kind=Kind.STREAM,
                             stream=name, note=f"stream {name!r}")
 
@@ -148,12 +147,7 @@ def _spec(method, *, order_by, value, partition_by, every, start, max_delay, par
         if every is not None or start is not None:
             raise InvalidParameter("every and start define a count stream's buckets; method "
                                    f"{method!r} releases values, not counts")
-        delay = MaxDelay.of(max_delay)
-        return StreamSpec(method, params, order_by, value, partition,
-                          max_delay=None if delay is None else delay.plain())
-    if max_delay is not None:
-        raise InvalidParameter(f"max_delay bounds how long a row of values stays provisional; a count stream "
-                               f"({method!r}) releases each bucket once, when it closes (until=), got {max_delay!r}")
+        return StreamSpec(method, params, order_by, value, partition, max_delay=max_delay)
     if value is not None and value != order_by:
         raise InvalidParameter(f"a count stream counts the events of its time column (order_by={order_by!r}); "
                                f"value={value!r} would be another column")
@@ -176,9 +170,7 @@ class Stream:
         self.created = row.created
         self._secret = row.secret
         self._store = StreamStore(budget.ledger)
-        #: its max_delay, as its appends apply it (:mod:`dpsql.continual.delay`)
-        self.delay = StreamDelay(MaxDelay.of(self.spec.max_delay), self.spec.method, self.spec.params.get("grid"),
-                                 f"stream {self.name!r}: order column {self.spec.order_by!r}")
+        self.delay = StreamDelay.of(self.spec, f"stream {self.name!r}: order column {self.spec.order_by!r}")
         # what this object's last appends committed (see RangeAppend): (release id, open partitions),
         # each reused while its row in the ledger still holds the state it left
         self._open: tuple[str, dict] | None = None
@@ -253,11 +245,9 @@ class Stream:
                 f"partitions={info['partitions']}, watermark={info['watermark']})")
 
     def plot(self, *, partition=None, ax=None, **options):
-        """The released rows against their order keys (matplotlib), one panel per partition
-        (the first twelve, or ``partition``; ``ax`` for an unpartitioned stream): final rows as
-        :meth:`dpsql.Release.plot` draws a release (a solid line, its band), provisional rows
-        apart (hollow markers on a dashed line), each named in the legend; returns the figure,
-        which a notebook shows once. Post-processing of released rows: it costs nothing."""
+        """The released rows against their order keys (matplotlib), one panel per partition (the first twelve,
+        or ``partition``; ``ax`` for an unpartitioned stream): final rows as :meth:`dpsql.Release.plot` draws
+        them, provisional ones apart (hollow markers, dashed); returns the figure. Post-processing: free."""
         from dpsql.display import plot_stream
 
         return plot_stream(self, partition=partition, ax=ax, **options)
@@ -497,9 +487,8 @@ class Stream:
         return Pool(fleet, self.spec.method, self.spec.params, self._keystream().partition(b""))
 
     def _machine_params(self, params: dict | None) -> dict:
-        """A machine's parameters: the stream's, its ``max_delay`` in rows where that is known
-        without a partition's grid, and a class's ``params`` (a partition's grid and its
-        ``max_delay`` in rows; a fleet's threshold and pooled rows, beside the pool's ``m``)."""
+        """A machine's parameters: the stream's, its ``max_delay`` in rows where known without a grid, and a
+        class's ``params`` (a partition's grid and ``max_delay`` in rows; a fleet's threshold, pooled rows)."""
         return {**self.spec.params, **self.delay.machine_params(), **(params or {})}
 
     def _batch_machine(self, draws: DrawsBatch, state: dict | None, params: dict | None = None):
