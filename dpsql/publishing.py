@@ -486,9 +486,8 @@ def _fleet_machine(method: str, params: dict, total: int, keystream: Keystream) 
 
 
 def _fleet_params(method: str, params: dict, fleet: ThresholdedStream, theta: float) -> dict:
-    """What every partition's machine of a fleet takes: the parameters, with the fleet's threshold
-    ``theta`` (and PAK's delta: the pooled threshold's, paid here) beside the pool's length ``m``, by
-    which a partition's machine knows whether its pooled rows wait within a ``max_delay``."""
+    """What every partition's machine of a fleet takes: the parameters, the fleet's threshold ``theta``, PAK's
+    delta (the pooled threshold's, paid here) and the pool's ``m`` (do pooled rows wait within a max_delay?)."""
     shared = {**params, "m": _fleet_holdout(params), "threshold": theta}
     if method == "pak":
         shared["delta"] = fleet.cost[1]
