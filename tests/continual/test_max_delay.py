@@ -29,6 +29,9 @@ CASES = [
     ("tops", {"upper": 200.0, "m": 300, "threshold_by": "partition"}),
     ("pak", {"upper": 200.0, "m": 300, "delta": 1e-6}),
 ]
+#: Each case on one stream (0 meters) and on a fleet of 5; threshold_by is a fleet's choice only.
+FLEET_CASES = [(method, params, meters) for method, params in CASES for meters in (0, 5)
+               if meters or not params.get("threshold_by")]
 
 
 def _hourly(meters: int, hours: int, seed: int = 0) -> pl.DataFrame:
@@ -85,12 +88,9 @@ def _provisional_within(rows: int):
     return check
 
 
-@pytest.mark.parametrize("meters", [0, 5])
-@pytest.mark.parametrize(("method", "params"), CASES, ids=str)
+@pytest.mark.parametrize(("method", "params", "meters"), FLEET_CASES, ids=str)
 @pytest.mark.parametrize(("max_delay", "rows"), [(24, 24), ("1d", 24), ("6h", 6), (dt.timedelta(hours=30), 30)])
 def test_no_row_stays_provisional_longer_than_max_delay(method, params, meters, max_delay, rows):
-    if params.get("threshold_by") and not meters:
-        pytest.skip("threshold_by is a fleet's choice")
     frame = _hourly(meters, 300 if meters else 900)
     budget = dpsql.Budget.in_memory(epsilon=2.0, delta=1e-5)
     stream = _stream(budget, "s", method, params, meters, max_delay)
@@ -99,11 +99,8 @@ def test_no_row_stays_provisional_longer_than_max_delay(method, params, meters, 
     assert budget.spent == (1.0, params.get("delta", 0.0))
 
 
-@pytest.mark.parametrize("meters", [0, 5])
-@pytest.mark.parametrize(("method", "params"), CASES, ids=str)
+@pytest.mark.parametrize(("method", "params", "meters"), FLEET_CASES, ids=str)
 def test_final_values_do_not_depend_on_the_appends(method, params, meters):
-    if params.get("threshold_by") and not meters:
-        pytest.skip("threshold_by is a fleet's choice")
     frame = _hourly(meters, 200 if meters else 700, seed=1)
     budget = dpsql.Budget.in_memory(epsilon=4.0, delta=1e-4)
     chunked = _stream(budget, "chunked", method, params, meters, "1d")
