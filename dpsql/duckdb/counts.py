@@ -134,8 +134,8 @@ def install(con, context: Context) -> None:
         options = dict(count_plan.options)
         every = options.pop("every")
         result = release_event_counts(
-            times, start=_instant(options.pop("start", None)), stop=_instant(options.pop("stop", None)),
-            every=_duration(every), epsilon=options.pop("epsilon", None), method=options.pop("method", COUNT_METHOD),
+            times, start=sql_instant(options.pop("start", None)), stop=sql_instant(options.pop("stop", None)),
+            every=sql_duration(every), epsilon=options.pop("epsilon", None), method=options.pop("method", COUNT_METHOD),
             keys=keys, hierarchy=bool(options.pop("hierarchy", False)), units=units,
             cap=options.pop("contribution_cap", None), window=options.pop("window", None),
             alarm_threshold=options.pop("alarm_threshold", None), budget=context.budget,
@@ -188,7 +188,7 @@ def _read_events(context: Context, plan: CountPlan):
     return times, keys, units
 
 
-def _instant(value):
+def sql_instant(value):
     """A JSON-rendered SQL TIMESTAMP / DATE / VARCHAR (ISO text, optional UTC offset) or a number."""
     if isinstance(value, str):
         try:
@@ -198,7 +198,7 @@ def _instant(value):
     return value
 
 
-def _duration(value, name: str = "every"):
+def sql_duration(value, name: str = "every"):
     """A JSON-rendered SQL INTERVAL (``'1 day 00:05:00'``) as a timedelta. Numbers and
     short duration strings (``'5m'``, ``'1h30m'``) pass through to the core's parser.
     Refusals name the parameter ``name``."""

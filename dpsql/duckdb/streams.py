@@ -48,7 +48,7 @@ import pyarrow as pa
 from dpsql.continual import ROW_COLUMN, Stream
 from dpsql.continual.state import FINAL
 from dpsql.duckdb.context import Context
-from dpsql.duckdb.counts import _duration, _instant
+from dpsql.duckdb.counts import sql_duration, sql_instant
 from dpsql.duckdb.macros import method_parameters, params_struct, parse_params
 from dpsql.duckdb.sources import Source, arrow_fields, column_name, describe, require_columns, resolve_source
 from dpsql.duckdb.sqltext import quote_ident
@@ -79,10 +79,10 @@ def _install_create(context: Context) -> None:
                          order_by=column_name(order_by, "order_by", required=False),
                          value=column_name(value_col, "value_col", required=False),
                          partition_by=column_name(partition_by, "partition_by", required=False),
-                         every=_duration(every) if every is not None else None,
-                         start=_instant(start) if start is not None else None, **parse_params(params_json))
+                         every=sql_duration(every) if every is not None else None,
+                         start=sql_instant(start) if start is not None else None, **parse_params(params_json))
         if arguments.get("max_delay") is not None:  # rows, or a duration: an INTERVAL as JSON renders it, or text
-            arguments["max_delay"] = _duration(arguments["max_delay"], "max_delay")
+            arguments["max_delay"] = sql_duration(arguments["max_delay"], "max_delay")
         return context.result_query(INFO_SCHEMA, functools.partial(run, arguments))
 
     def run(arguments: dict) -> pa.Table:
@@ -122,7 +122,7 @@ def _install_append(context: Context) -> None:
         fields = {f.name: f for f in arrow_fields(context, source, keys)}
         schema = _output_schema(stream, fields)
         return context.result_query(schema, functools.partial(run, stream, source, schema,
-                                                              None if until is None else _instant(until)))
+                                                              None if until is None else sql_instant(until)))
 
     def run(stream: Stream, source: Source, schema: pa.Schema, until) -> pa.Table:
         columns = stream.spec.columns()
