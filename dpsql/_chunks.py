@@ -10,15 +10,14 @@ rows has a known shape, and each shape has a direct encoding:
 - a released value often holds for many rows (ToPS releases a value per node of its hierarchy);
 - the keyed tag of each value repeats as often as the value does (counts, readings in steps).
 
-So every column of 64-bit integers, floats, timestamps or durations without nulls, in a table of
-at least 256 rows (a smaller one is stored as it is), is stored as its bits (``int64``), the
-``key`` column as the differences of consecutive keys (the first key in the field's metadata),
-in the first of these that applies:
+So every column of 64-bit integers, floats, timestamps or durations, or of 32-bit integers (the
+value tags), without nulls, in a table of at least 256 rows (a smaller one is stored as it is), is
+stored as its bits (``int64``), the ``key`` column as the differences of consecutive keys (the
+first key in the field's metadata), in the first of these that applies:
 
 - run-length encoded, when there are fewer than a third as many runs as rows;
 - dictionary encoded with 8- or 16-bit indices, when few distinct values are seen in the
-  first rows and the whole column has at most 65,536 (a column may also come encoded so, as
-  the value tags do: they are made one per distinct value);
+  first rows and the whole column has at most 65,536 (a column may also come encoded so);
 - as 32-bit integers, when every value fits;
 - as it is.
 
@@ -81,11 +80,12 @@ def table_of(data: bytes) -> pa.Table:
 
 def _as_bits(kind: pa.DataType) -> bool:
     return (pa.types.is_int64(kind) or pa.types.is_uint64(kind) or pa.types.is_float64(kind)
-            or pa.types.is_timestamp(kind) or pa.types.is_duration(kind))
+            or pa.types.is_timestamp(kind) or pa.types.is_duration(kind) or pa.types.is_int32(kind))
 
 
 def _encoded(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Array]:
-    bits = np.ascontiguousarray(column.to_numpy()).view(np.int64)
+    narrow = pa.types.is_int32(field.type)  # the value tags: only a run-length or dictionary encoding is smaller
+    bits = column.to_numpy().astype(np.int64) if narrow else np.ascontiguousarray(column.to_numpy()).view(np.int64)
     metadata = {_TYPE: str(field.type).encode()}
     if field.name == "key":
         metadata.update({_ENCODING: b"delta", _FIRST: str(int(bits[0])).encode()})
@@ -100,7 +100,7 @@ def _encoded(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Arr
         stored = pa.RunEndEncodedArray.from_arrays(ends, bits[ends - 1])
     elif (found := distinct(bits)) is not None:
         stored = _dictionary(*found)
-    if stored is None and _INT32.min <= bits.min() and bits.max() <= _INT32.max:
+    if stored is None and not narrow and _INT32.min <= bits.min() and bits.max() <= _INT32.max:
         stored = pa.array(bits.astype(np.int32))
     if stored is None:
         if field.name != "key":
@@ -206,6 +206,8 @@ def _decoded(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Arr
         bits += np.int64(int(field.metadata.get(_FIRST, b"0")))
     kind = _stored_type(field.metadata[_TYPE].decode())
     # nullable, as every chunk's columns are: earlier versions stored their keys as not null
+    if pa.types.is_int32(kind):
+        return pa.field(field.name, kind), pa.array(bits.astype(np.int32))
     return pa.field(field.name, kind), pa.array(bits).view(kind)
 
 

@@ -219,20 +219,20 @@ class Draws:
     def _blocks_at(self, header: int, indices: np.ndarray, *, first_word: bool = False) -> np.ndarray:
         """The keystream blocks at scattered ``indices`` (equal to :meth:`_blocks` there) as
         ``(n, 2)`` words, or only each block's first word."""
-        return _blocks_at(self._aes, np.uint64(self._mask >> 64), np.uint64(self._mask & _MASK64), header,
-                          indices, first_word=first_word)
+        mask = np.array([[self._mask >> 64, self._mask & _MASK64]], dtype=np.uint64)
+        return _blocks_at(self._aes, mask, None, header, indices, first_word=first_word)
 
 
-def _blocks_at(aes: algorithms.AES, mask_high, mask_low, header: int, indices: np.ndarray, *,
+def _blocks_at(aes: algorithms.AES, masks: np.ndarray, rows: np.ndarray | None, header: int, indices: np.ndarray, *,
                first_word: bool = False) -> np.ndarray:
     """AES (``aes``, ECB) of the counters ``mask + (header << 64 | index)`` for each of
-    ``indices`` (uint64 or int64), ``mask_high`` and ``mask_low`` one mask's words or one per
-    index: what counter mode computes at those counters. ``(n, 2)`` little-endian words, or
-    each block's first word; a few thousand at a time, so counters and blocks stay in cache."""
+    ``indices`` (uint64 or int64), the mask ``masks[rows[i]]`` (``masks``: ``(k, 2)`` words) or,
+    without ``rows``, ``masks[0]`` for every index: what counter mode computes at those counters.
+    ``(n, 2)`` little-endian words, or each block's first word; a few thousand at a time, so
+    counters, masks and blocks stay in cache."""
     indices = np.asarray(indices).view(np.uint64) if np.asarray(indices).dtype == np.int64 else np.asarray(
         indices, dtype=np.uint64)
     n = len(indices)
-    per_index = np.ndim(mask_high) > 0
     step = max(min(n, _STEP_AT if first_word else _PIECE), 1)
     counters = np.empty((step, 2), dtype=np.uint64)
     cipher_in = np.empty((step, 2), dtype=">u8")
@@ -240,12 +240,14 @@ def _blocks_at(aes: algorithms.AES, mask_high, mask_low, header: int, indices: n
     result = np.empty(n, dtype=np.uint64) if first_word else np.empty((n, 2), dtype=np.uint64)
     encryptor = Cipher(aes, modes.ECB()).encryptor()
     header_word = np.uint64(header & _MASK64)
+    mask_high, mask_low = masks[0, 0], masks[0, 1]
     for at in range(0, n, step):
         m = min(step, n - at)
-        high = mask_high[at:at + m] if per_index else mask_high
-        low = mask_low[at:at + m] if per_index else mask_low
-        np.add(indices[at:at + m], low, out=counters[:m, 1])
-        np.add(high, header_word, out=counters[:m, 0])
+        if rows is not None:  # gathered a step at a time: one pass over the rows' masks, in cache
+            chosen = masks[rows[at:at + m]]
+            mask_high, mask_low = chosen[:, 0], chosen[:, 1]
+        np.add(indices[at:at + m], mask_low, out=counters[:m, 1])
+        np.add(mask_high, header_word, out=counters[:m, 0])
         counters[:m, 0] += counters[:m, 1] < indices[at:at + m]  # the carry of the low words' sum
         cipher_in[:m] = counters[:m]
         encryptor.update_into(cipher_in[:m].view(np.uint8).reshape(-1), out[:2 * m + 2].view(np.uint8))
@@ -388,8 +390,8 @@ class DrawsBatch:
         if self._parts is not None:
             return _per_partition(rows, len(self), lambda j, at: self._parts[j]._blocks_at(  # type: ignore[index]
                 header, bits[at], first_word=True), np.uint64)
-        masks = self._masks[np.asarray(rows, dtype=np.intp)]
-        return _blocks_at(self._aes, masks[:, 0], masks[:, 1], header, bits, first_word=True)  # type: ignore[arg-type]
+        rows = None if len(self._masks) == 1 else np.asarray(rows, dtype=np.intp)
+        return _blocks_at(self._aes, self._masks, rows, header, bits, first_word=True)  # type: ignore[arg-type]
 
 
 def _per_partition(rows: np.ndarray, partitions: int, draw: Callable[[int, np.ndarray], np.ndarray],
@@ -443,8 +445,8 @@ class BatchLaneDraws:
         return LaneDraws(draws, self._header >> 48, (self._header >> 32) & 0xFFFF)
 
     def _masked_blocks(self, rows: np.ndarray, indices: np.ndarray, attempt: int = 0) -> np.ndarray:
-        masks = self._masks[rows]
-        return _blocks_at(self._aes, masks[:, 0], masks[:, 1], self._header | attempt, indices)  # type: ignore[arg-type]
+        return _blocks_at(self._aes, self._masks, np.asarray(rows, dtype=np.intp), self._header | attempt,  # type: ignore[arg-type]
+                          indices)
 
     def discrete_laplace(self, scale: float | np.ndarray, start: int, count: int) -> np.ndarray:
         """Partition ``j``'s row is ``lanes[j].discrete_laplace(scale[j], start, count)``

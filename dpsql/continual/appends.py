@@ -30,7 +30,7 @@ from dpsql.continual.state import (
     numeric,
     refuse_null_keys,
     same_type,
-    short_tags,
+    value_tags,
 )
 from dpsql.errors import InvalidTimeKey
 from dpsql.noise import DrawsBatch
@@ -177,7 +177,7 @@ class RangeAppend:
         ordinals, positions, starts, counts = ordinals[live], positions[live], starts[live], counts[live]
         draws = stream._draws(self.fleet, ordinals)
         rows_of_new = _ranges(starts, counts)
-        tags = short_tags(draws.tags(np.repeat(np.arange(len(ordinals)), counts), values[rows_of_new]))
+        tags = value_tags(draws, np.repeat(np.arange(len(ordinals)), counts), values[rows_of_new])
         where = np.full(shard.size, -1, dtype=np.int64)  # each touched position's place among the groups
         where[positions] = np.arange(len(positions))
         new = _New(ordinals, starts, counts, keys, values, tags, rows_of_new, draws)
@@ -372,7 +372,7 @@ class RangeAppend:
             raise InvalidTimeKey(f"stream {self.stream.name!r}: order key {row_keys[int(again[0])].as_py()!r} appears "
                                  "twice in one partition of this append; time keys must be unique within a partition")
         draws = self.stream._draws(self.fleet, ordinals[old])
-        tags = short_tags(draws.tags(group_of_row, self._values[rows]))
+        tags = value_tags(draws, group_of_row, self._values[rows])
         recorded = self.stream._repeated(self.conn, shard, ordinals[old][group_of_row], row_keys, tags,
                                          marks.take(pa.array(old[group_of_row])))
         if recorded is not None:

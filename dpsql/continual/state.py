@@ -12,7 +12,7 @@ import polars as pl
 import pyarrow as pa
 
 from dpsql import _state
-from dpsql._chunks import table_of
+from dpsql._chunks import distinct, table_of
 from dpsql.errors import InvalidData, InvalidTimeKey
 from dpsql.methods import COUNT_METHODS
 from dpsql.ordering import refuse_rows_without_keys
@@ -20,8 +20,11 @@ from dpsql.timegrid import TimeGrid
 
 if TYPE_CHECKING:
     from dpsql.continual.stream import Stream
+    from dpsql.noise import DrawsBatch
 
 ROW_COLUMN = "dp_row"
+#: Batches of at most so many values are tagged value by value: looking for repeats costs more.
+_TAGGED_EACH = 1024
 TAG = "dp_tag"
 #: Whether a released row's value is final (True) or provisional, waiting for later rows (False).
 FINAL = "dp_final"
@@ -35,6 +38,18 @@ def short_tags(tags: np.ndarray) -> np.ndarray:
     if tags.dtype == np.int32:
         return tags
     return (tags.astype(np.uint64, copy=False) & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.int32)
+
+
+def value_tags(draws: DrawsBatch, rows: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The short tags (:func:`short_tags`) of ``values[i]`` in partition ``rows[i]`` of ``draws``:
+    for a batch of one partition, one AES block per distinct value when its values repeat
+    (readings in steps, counts), else one per row."""
+    bits = np.ascontiguousarray(values, dtype=np.float64).reshape(-1).view(np.int64)
+    found = distinct(bits) if len(draws) == 1 and len(bits) > _TAGGED_EACH else None
+    if found is None:
+        return short_tags(draws.tags(rows, values))
+    indices, dictionary = found  # indices: pooled memory, used at once
+    return short_tags(draws.tags(np.zeros(len(dictionary), np.intp), dictionary.view(np.float64)))[indices]
 
 
 @dataclass(frozen=True)

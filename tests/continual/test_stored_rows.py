@@ -232,3 +232,29 @@ def test_value_tags_of_many_partitions_are_each_partitions_own():
         np.testing.assert_array_equal(tags[mine], keystream.partition(address).tags(values[mine]))
     assert tags[0] == tags[1] and tags[2] != tags[3]
     assert short_tags(tags).dtype == np.int32 and (short_tags(tags) == short_tags(short_tags(tags))).all()
+
+
+def test_a_partition_s_repeated_values_are_tagged_once_each_with_the_tags_of_each_row():
+    """One partition's batch of values that repeat is tagged one cipher block per distinct value:
+    every row gets the tag its value gets alone (a -0.0 the tag of 0.0)."""
+    from dpsql.continual.state import short_tags, value_tags
+    from dpsql.noise import Keystream
+
+    draws = Keystream.fresh().partitions([b"meter 7"])
+    rng = np.random.default_rng(10)
+    for values in (rng.poisson(30.0, 5_000).astype(np.float64), rng.uniform(0, 1, 5_000)):
+        values[:2] = [0.0, -0.0]
+        rows = np.zeros(len(values), np.intp)
+        np.testing.assert_array_equal(value_tags(draws, rows, values), short_tags(draws.tags(rows, values)))
+
+
+def test_short_tags_that_repeat_are_stored_as_a_dictionary_and_restored_as_they_were():
+    from dpsql.continual.state import short_tags
+
+    n = 20_000
+    rng = np.random.default_rng(6)
+    repeating = short_tags(rng.poisson(300.0, n).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    stored = _round_trip(pa.table({"key": pa.array(np.arange(n)), "dp_tag": pa.array(repeating)}))
+    assert stored["dp_tag"] == pa.dictionary(pa.uint8(), pa.int64())
+    random = short_tags(rng.integers(0, 2**63, n).astype(np.uint64))
+    assert _round_trip(pa.table({"key": pa.array(np.arange(n)), "dp_tag": pa.array(random)}))["dp_tag"] == pa.int32()
