@@ -12,8 +12,8 @@ rows has a known shape, and each shape has a direct encoding:
 
 So every column of 64-bit integers, floats, timestamps or durations, or of 32-bit integers (the
 value tags), without nulls, in a table of at least 256 rows (a smaller one is stored as it is), is
-stored as its bits (``int64``), the ``key`` column as the differences of consecutive keys (the
-first key in the field's metadata), in the first of these that applies:
+stored as its bits (``int64``), the ``key`` and ``dp_index`` columns as the differences of
+consecutive values (the first one in the field's metadata), in the first of these that applies:
 
 - run-length encoded, when there are fewer than a third as many runs as rows;
 - dictionary encoded with 8- or 16-bit indices, when few distinct values are seen in the
@@ -37,6 +37,9 @@ from dpsql._memory import pooled_array
 #: for the keys, ``delta`` and the first key.
 _TYPE, _ENCODING, _FIRST = b"dpsql.type", b"dpsql.encoding", b"dpsql.first"
 _INT32 = np.iinfo(np.int32)
+#: Columns stored as differences: the order keys, and each partition's row numbers (which count up
+#: by one along a partition's rows: one run per partition).
+_ASCENDING = ("key", "dp_index")
 #: Rows looked at before dictionary-encoding a whole column, and how many distinct ones among
 #: them make it worth hashing all of it.
 _SAMPLE, _FEW = 1024, 256
@@ -87,7 +90,7 @@ def _encoded(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Arr
     narrow = pa.types.is_int32(field.type)  # the value tags: only a run-length or dictionary encoding is smaller
     bits = column.to_numpy().astype(np.int64) if narrow else np.ascontiguousarray(column.to_numpy()).view(np.int64)
     metadata = {_TYPE: str(field.type).encode()}
-    if field.name == "key":
+    if field.name in _ASCENDING:
         metadata.update({_ENCODING: b"delta", _FIRST: str(int(bits[0])).encode()})
         deltas = pooled_array(len(bits), np.int64)
         deltas[0] = 0
@@ -103,7 +106,7 @@ def _encoded(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Arr
     if stored is None and not narrow and _INT32.min <= bits.min() and bits.max() <= _INT32.max:
         stored = pa.array(bits.astype(np.int32))
     if stored is None:
-        if field.name != "key":
+        if field.name not in _ASCENDING:
             return field, column
         stored = pa.array(bits)
     return pa.field(field.name, stored.type, nullable=field.nullable, metadata=metadata), stored

@@ -59,6 +59,10 @@ class Released:
     def chunk(self) -> pa.Table | None:
         if not self.pieces:
             return None
+        if len(self.pieces) == 1:  # one class of partitions, each's rows in order: as it is if they are
+            partition = np.asarray(self.pieces[0]["dp_partition"])
+            if (partition[1:] >= partition[:-1]).all():
+                return pa.table(self.pieces[0])
         names = list(self.pieces[0])
         columns = {}
         for name in names:
@@ -443,6 +447,8 @@ def _taken(column: pa.Array | None, positions: np.ndarray, kind: pa.DataType) ->
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """``concatenate([arange(s, s + c) for s, c in zip(starts, counts)])``, vectorised."""
+    if len(starts) == 1:
+        return np.arange(starts[0], starts[0] + counts[0])
     total = int(counts.sum())
     return np.repeat(starts, counts) + (np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts))
 

@@ -258,3 +258,18 @@ def test_short_tags_that_repeat_are_stored_as_a_dictionary_and_restored_as_they_
     assert stored["dp_tag"] == pa.dictionary(pa.uint8(), pa.int64())
     random = short_tags(rng.integers(0, 2**63, n).astype(np.uint64))
     assert _round_trip(pa.table({"key": pa.array(np.arange(n)), "dp_tag": pa.array(random)}))["dp_tag"] == pa.int32()
+
+
+@pytest.mark.parametrize("partitions", [1, 1_000])
+def test_row_numbers_are_stored_as_runs_of_differences(partitions):
+    """A chunk's row numbers count up by one along each partition's rows: one run per partition."""
+    n = 24_000
+    per = n // partitions
+    index = np.tile(np.arange(per) + 48, partitions).astype(np.int64)
+    chunk = pa.table({"dp_partition": np.repeat(np.arange(partitions), per), "dp_index": index,
+                      "key": pa.array(np.tile(np.arange(per), partitions))})
+    stored = _round_trip(chunk)
+    assert stored["dp_index"] == REE
+    # 24 bytes a row as they are; runs of 12 bytes: two per partition for the keys and the row
+    # numbers (one up the partition, one back to the next), one for the partition
+    assert len(table_bytes(chunk)) < 64 * partitions + 2_000
