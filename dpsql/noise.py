@@ -241,11 +241,12 @@ def _blocks_at(aes: algorithms.AES, masks: np.ndarray, rows: np.ndarray | None, 
     encryptor = Cipher(aes, modes.ECB()).encryptor()
     header_word = np.uint64(header & _MASK64)
     mask_high, mask_low = masks[0, 0], masks[0, 1]
+    chosen = np.empty((step, 2), dtype=np.uint64)
     for at in range(0, n, step):
         m = min(step, n - at)
-        if rows is not None:  # gathered a step at a time: one pass over the rows' masks, in cache
-            chosen = masks[rows[at:at + m]]
-            mask_high, mask_low = chosen[:, 0], chosen[:, 1]
+        if rows is not None:  # gathered a step at a time, in cache (take: a 2-D fancy index is 4x slower)
+            np.take(masks, rows[at:at + m], axis=0, out=chosen[:m])
+            mask_high, mask_low = chosen[:m, 0], chosen[:m, 1]
         np.add(indices[at:at + m], mask_low, out=counters[:m, 1])
         np.add(mask_high, header_word, out=counters[:m, 0])
         counters[:m, 0] += counters[:m, 1] < indices[at:at + m]  # the carry of the low words' sum
@@ -375,7 +376,8 @@ class DrawsBatch:
         """The partitions at positions ``indices``, as a batch."""
         if self._parts is not None:
             return DrawsBatch([self._parts[int(k)] for k in np.asarray(indices).tolist()])
-        return DrawsBatch.masked(self._aes, self._masks[np.asarray(indices, dtype=np.intp)], self.private)  # type: ignore[arg-type]
+        masks = np.take(self._masks, np.asarray(indices, dtype=np.intp), axis=0)  # (a 2-D fancy index: 4x slower)
+        return DrawsBatch.masked(self._aes, masks, self.private)  # type: ignore[arg-type]
 
     def lane(self, lane: Lane, level: int = 0) -> BatchLaneDraws:
         if self._parts is not None:

@@ -59,10 +59,6 @@ class Released:
     def chunk(self) -> pa.Table | None:
         if not self.pieces:
             return None
-        if len(self.pieces) == 1:  # one class of partitions, each's rows in order: as it is if they are
-            partition = np.asarray(self.pieces[0]["dp_partition"])
-            if (partition[1:] >= partition[:-1]).all():
-                return pa.table(self.pieces[0])
         names = list(self.pieces[0])
         columns = {}
         for name in names:
@@ -71,17 +67,30 @@ class Released:
                 columns[name] = pa.chunked_array([p for part in parts for p in (
                     part.chunks if isinstance(part, pa.ChunkedArray) else [part])])
             else:
-                columns[name] = np.concatenate(parts)
+                columns[name] = np.concatenate(parts) if len(parts) > 1 else parts[0]
         table = pa.table(columns)
+        if self._in_order():
+            return table
+        # a row released twice in one append (a lazy frame's later batch completed its block)
+        # keeps its last version
         partition, index = table["dp_partition"].to_numpy(), table["dp_index"].to_numpy()
-        if len(partition) > 1 and not ((np.diff(partition) > 0) | ((np.diff(partition) == 0) & (np.diff(index) > 0))
-                                       ).all():
-            # by partition and row; a row released twice in one append (a lazy frame's later batch
-            # completed its block) keeps its last version
-            order = np.lexsort((index, partition))
-            last = np.append((np.diff(partition[order]) != 0) | (np.diff(index[order]) != 0), True)
-            table = table.take(pa.array(order[last]))
-        return table
+        order = np.lexsort((index, partition))
+        last = np.append((np.diff(partition[order]) != 0) | (np.diff(index[order]) != 0), True)
+        return table.take(pa.array(order[last]))
+
+    def _in_order(self) -> bool:
+        """Whether the pieces' rows are by partition, then row, each once: each piece's partitions
+        ascend (a partition's rows in a piece ascend by construction), and each piece's come after
+        the piece's before."""
+        last = -1
+        for piece in self.pieces:
+            partition = np.asarray(piece["dp_partition"])
+            if not len(partition):
+                continue
+            if partition[0] <= last or not (partition[1:] >= partition[:-1]).all():
+                return False
+            last = partition[-1]
+        return True
 
 
 @dataclass
@@ -94,8 +103,7 @@ class _New:
     counts: np.ndarray
     keys: pa.Array
     values: np.ndarray
-    tags: np.ndarray
-    rows_of_new: np.ndarray
+    tags: np.ndarray  # the new rows', group after group
     draws: DrawsBatch
     #: the rows still provisional after this append, of the partitions it fed (position, index, key, tag)
     pending: list = field(default_factory=list)
@@ -180,11 +188,10 @@ class RangeAppend:
         live = counts > 0
         ordinals, positions, starts, counts = ordinals[live], positions[live], starts[live], counts[live]
         draws = stream._draws(self.fleet, ordinals)
-        rows_of_new = _ranges(starts, counts)
-        tags = value_tags(draws, np.repeat(np.arange(len(ordinals)), counts), values[rows_of_new])
+        tags = value_tags(draws, np.repeat(np.arange(len(ordinals)), counts), values[_rows(starts, counts)])
         where = np.full(shard.size, -1, dtype=np.int64)  # each touched position's place among the groups
         where[positions] = np.arange(len(positions))
-        new = _New(ordinals, starts, counts, keys, values, tags, rows_of_new, draws)
+        new = _New(ordinals, starts, counts, keys, values, tags, draws)
         classes: list[MachineClass] = []
         for machine_class in units(shard.classes, stream._batchable):
             members = machine_class.members
@@ -244,8 +251,8 @@ class RangeAppend:
         if not fresh or not (stream._calendar or timed):
             return [(np.arange(k), params)]
         old_keys, _ = _pending(shard, members, final, fed)
-        keys = _interleaved(old_keys, new.keys.take(pa.array(_ranges(new.starts[groups], np.full(k, n)))),
-                            fed - final, n, k)
+        keys = _interleaved(old_keys, _taken_rows(new.keys, _rows(new.starts[groups], np.full(k, n))), fed - final, n,
+                            k)
         grids = partition_grids(keys, np.arange(k + 1) * (fed - final + n))
         if grids is None and timed:
             stream.delay.rows(None, fed - final + n)  # refused: keys that are not times
@@ -324,9 +331,9 @@ class RangeAppend:
             raise AssertionError(f"{type(machine).__name__} accounted for {emitted + provisional} rows, "
                                  f"expected {count}")
         old_keys, old_tags = _pending(shard, members, final, fed)
-        keys_now = _interleaved(old_keys, new.keys.take(pa.array(_ranges(new.starts[groups], np.full(k, n)))),
-                                fed - final, n, k)
-        group_tags = new.tags[_ranges(np.searchsorted(new.rows_of_new, new.starts[groups]), np.full(k, n))]
+        keys_now = _interleaved(old_keys, _taken_rows(new.keys, _rows(new.starts[groups], np.full(k, n))), fed - final,
+                                n, k)
+        group_tags = new.tags[_rows((np.cumsum(new.counts) - new.counts)[groups], np.full(k, n))]
         tags_now = np.concatenate([old_tags.reshape(k, -1), group_tags.reshape(k, n)], axis=1).reshape(-1)
         value_now = np.concatenate([out, waiting], axis=1).reshape(-1)
         final_now = np.tile(np.arange(count) < emitted, k)
@@ -451,6 +458,20 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
         return np.arange(starts[0], starts[0] + counts[0])
     total = int(counts.sum())
     return np.repeat(starts, counts) + (np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts))
+
+
+def _rows(starts: np.ndarray, counts: np.ndarray) -> slice | np.ndarray:
+    """The rows :func:`_ranges` gives, as a slice when each range follows the one before (an
+    append's rows of one class of partitions usually do): taken without copying."""
+    if len(starts) and (starts[1:] == starts[:-1] + counts[:-1]).all():
+        return slice(int(starts[0]), int(starts[0] + counts.sum()))
+    return _ranges(starts, counts)
+
+
+def _taken_rows(array: pa.Array, rows: slice | np.ndarray) -> pa.Array:
+    if isinstance(rows, slice):
+        return array.slice(rows.start, rows.stop - rows.start)
+    return array.take(pa.array(rows))
 
 
 def _interleaved(old: pa.Array, new: pa.Array, q: int, n: int, k: int) -> pa.Array:

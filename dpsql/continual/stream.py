@@ -46,7 +46,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dpsql._chunks import table_bytes
+from dpsql._chunks import table_buffer
 from dpsql._tables import arrow_batches
 from dpsql.accounting import Kind
 from dpsql.addresses import partition_address, partition_addresses
@@ -538,7 +538,7 @@ class Stream:
         chunk = released.chunk()
         new_rows = 0
         if chunk is not None:
-            self._store.add_chunk(conn, row, int(fleet.facts["appends"]), chunk.num_rows, table_bytes(chunk))
+            self._store.add_chunk(conn, row, int(fleet.facts["appends"]), chunk.num_rows, table_buffer(chunk))
             fleet.facts["appends"] = int(fleet.facts["appends"]) + 1
             new_rows = released.new_rows
         fleet.commit()

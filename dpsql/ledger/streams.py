@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dpsql import _state
 from dpsql.errors import InvalidParameter, UnknownStream
 from dpsql.ledger.store import Ledger, Receipt, _now
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 #: Row handles reserved for each partition of a stream: its released rows are consecutive.
 PARTITION_HANDLES = 1 << 32
@@ -141,8 +145,9 @@ class StreamStore:
                                                        "partitions": count}))))
         return first_handle
 
-    def add_chunk(self, conn, stream: StreamRow, number: int, rows: int, data: bytes) -> None:
-        """Store the released rows of an append (all partitions: ordinal -1), numbered ``number``."""
+    def add_chunk(self, conn, stream: StreamRow, number: int, rows: int, data: bytes | pa.Buffer) -> None:
+        """Store the released rows of an append (all partitions: ordinal -1), numbered ``number``
+        (``data``: bytes, or an Arrow buffer the driver copies without an intermediate copy)."""
         self._q(conn, "INSERT INTO stream_rows (release_id, ordinal, first_row, rows, data) VALUES (?, -1, ?, ?, ?)",
                 (stream.release_id, number, rows, self.ledger.backend.blob(data)))
 
