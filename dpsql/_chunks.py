@@ -19,6 +19,8 @@ consecutive values (the first one in the field's metadata), in the first of thes
 - dictionary encoded with 8- or 16-bit indices, when few distinct values are seen in the
   first rows and the whole column has at most 65,536 (a column may also come encoded so);
 - as 32-bit integers, when every value fits;
+- floats as 32-bit multiples of a power of two (the exponent in the field's metadata), when every
+  value is one (the Laplace mechanism's releases: the values of a lattice);
 - as it is.
 
 Bits, not values, so that ``-0.0`` and ``0.0`` stay apart and every float round-trips exactly;
@@ -36,6 +38,8 @@ from dpsql._memory import pooled_array
 #: Field metadata of a stored column: its type (present when it is stored as int64 bits) and,
 #: for the keys, ``delta`` and the first key.
 _TYPE, _ENCODING, _FIRST = b"dpsql.type", b"dpsql.encoding", b"dpsql.first"
+#: A lattice-encoded column's power of two.
+_EXPONENT = b"dpsql.exponent"
 _INT32 = np.iinfo(np.int32)
 #: Columns stored as differences: the order keys, and each partition's row numbers (which count up
 #: by one along a partition's rows: one run per partition).
@@ -111,11 +115,44 @@ def _encoded(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Arr
         stored = _dictionary(*found)
     if stored is None and not narrow and _INT32.min <= bits.min() and bits.max() <= _INT32.max:
         stored = pa.array(bits.astype(np.int32))
+    if stored is None and pa.types.is_float64(field.type) and (found_lattice := lattice(bits.view(np.float64))):
+        exponent, units = found_lattice
+        metadata.update({_ENCODING: b"lattice", _EXPONENT: str(exponent).encode()})
+        stored = pa.array(units)
     if stored is None:
         if field.name not in _ASCENDING:
             return field, column
         stored = pa.array(bits)
     return pa.field(field.name, stored.type, nullable=field.nullable, metadata=metadata), stored
+
+
+def lattice(values: np.ndarray) -> tuple[int, np.ndarray] | None:
+    """``(e, units)`` with ``values == units * 2.0**e`` bit for bit, ``units`` ``int32``, when the
+    values are such multiples of a power of two (the Laplace mechanism's releases are, on its
+    lattice; so are counts); else None.
+
+    ``e`` is the lowest set bit's exponent among the first rows; every value is checked.
+
+    >>> lattice(np.array([0.375, -2.0, 1.125]))
+    (-3, array([  3, -16,   9], dtype=int32))
+    >>> lattice(np.array([0.375, -0.0])) is None  # -0.0 would come back as 0.0
+    True
+    """
+    sample = values[:_SAMPLE]
+    sample = sample[np.isfinite(sample) & (sample != 0)]
+    if not len(sample):
+        return None
+    fractions, exponents = np.frexp(sample)
+    mantissas = np.ldexp(fractions, 53).astype(np.int64)  # exactly: 53 significant bits
+    lowest = np.frexp((mantissas & -mantissas).astype(np.float64))[1] - 1  # each mantissa's lowest set bit
+    exponent = int((exponents - 53 + lowest).min())
+    scaled = np.ldexp(values, -exponent)
+    if not (_INT32.min <= scaled.min() and scaled.max() <= _INT32.max):  # (NaN: False)
+        return None
+    units = scaled.astype(np.int32)
+    if not np.array_equal(np.ldexp(units.astype(np.float64), exponent).view(np.int64), values.view(np.int64)):
+        return None
+    return exponent, units
 
 
 def distinct(bits: np.ndarray, seen: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
@@ -209,6 +246,9 @@ def _decoded(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Arr
         stored = pc.run_end_decode(stored)
     elif pa.types.is_dictionary(stored.type):
         stored = stored.dictionary_decode()
+    if field.metadata.get(_ENCODING) == b"lattice":
+        values = np.ldexp(stored.to_numpy().astype(np.float64), int(field.metadata[_EXPONENT]))
+        return pa.field(field.name, pa.float64()), pa.array(values)
     bits = stored.to_numpy().astype(np.int64, copy=False)
     if field.metadata.get(_ENCODING) == b"delta":
         bits = np.cumsum(bits, dtype=np.int64)

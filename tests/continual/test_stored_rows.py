@@ -273,3 +273,25 @@ def test_row_numbers_are_stored_as_runs_of_differences(partitions):
     # 24 bytes a row as they are; runs of 12 bytes: two per partition for the keys and the row
     # numbers (one up the partition, one back to the next), one for the partition
     assert len(table_bytes(chunk)) < 64 * partitions + 2_000
+
+
+def test_laplace_releases_are_stored_as_lattice_units_and_restored_bit_for_bit():
+    """A Laplace release's values are multiples of its lattice's power of two: four bytes a row.
+    Values off every such 32-bit lattice, or a -0.0, are stored as they are."""
+    import dpsql
+    from dpsql.mechanisms.laplace import LaplaceLattice
+
+    n = 20_000
+    rng = np.random.default_rng(12)
+    draws = dpsql.noise.Keystream.fresh().partition().lane(dpsql.noise.Lane.ROWS)
+    released = LaplaceLattice(sensitivity=1000.0, epsilon=0.5).release(rng.uniform(0, 1000, n), draws)
+    stored = _round_trip(_chunk(np.arange(n), values=released))
+    assert stored["value"] == pa.int32()
+    assert len(table_bytes(_chunk(np.arange(n), values=released))) < 12 * n + 2_000  # and the 8-byte tags
+    finer = released.copy()
+    finer[n - 1] += 2.0**-30  # beyond the first rows: found by the check of every value
+    signed = released.copy()
+    signed[5] = -0.0
+    huge = released + 2.0**40  # units beyond 32 bits
+    for values in (finer, signed, huge):
+        assert _round_trip(_chunk(np.arange(n), values=values))["value"] == pa.float64()
