@@ -113,9 +113,10 @@ def _encoded(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Arr
         stored = pa.RunEndEncodedArray.from_arrays(ends, bits[ends - 1])
     elif (found := distinct(bits)) is not None:
         stored = _dictionary(*found)
-    if stored is None and not narrow and _INT32.min <= bits.min() and bits.max() <= _INT32.max:
+    floats = pa.types.is_float64(field.type)  # (whose bits fit 32 only for 0.0 and tiny subnormals)
+    if stored is None and not (narrow or floats) and _INT32.min <= bits.min() and bits.max() <= _INT32.max:
         stored = pa.array(bits.astype(np.int32))
-    if stored is None and pa.types.is_float64(field.type) and (found_lattice := lattice(bits.view(np.float64))):
+    if stored is None and floats and (found_lattice := lattice(bits.view(np.float64))):
         exponent, units = found_lattice
         metadata.update({_ENCODING: b"lattice", _EXPONENT: str(exponent).encode()})
         stored = pa.array(units)
@@ -146,11 +147,11 @@ def lattice(values: np.ndarray) -> tuple[int, np.ndarray] | None:
     mantissas = np.ldexp(fractions, 53).astype(np.int64)  # exactly: 53 significant bits
     lowest = np.frexp((mantissas & -mantissas).astype(np.float64))[1] - 1  # each mantissa's lowest set bit
     exponent = int((exponents - 53 + lowest).min())
-    scaled = np.ldexp(values, -exponent)
-    if not (_INT32.min <= scaled.min() and scaled.max() <= _INT32.max):  # (NaN: False)
-        return None
-    units = scaled.astype(np.int32)
-    if not np.array_equal(np.ldexp(units.astype(np.float64), exponent).view(np.int64), values.view(np.int64)):
+    scaled = np.ldexp(values, -exponent)  # exact, or out of range: then no units equal it
+    with np.errstate(invalid="ignore"):  # NaN, infinities and values out of range: checked next
+        units = scaled.astype(np.int32)
+    # bits, not values: -0.0 (whose unit is 0) must not pass for 0.0
+    if not np.array_equal(units.astype(np.float64).view(np.int64), scaled.view(np.int64)):
         return None
     return exponent, units
 
