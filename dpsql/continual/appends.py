@@ -480,6 +480,8 @@ def _interleaved(old: pa.Array, new: pa.Array, q: int, n: int, k: int) -> pa.Arr
     if not q:
         return new
     joined = pa.concat_arrays([old.cast(new.type), new.combine_chunks() if isinstance(new, pa.ChunkedArray) else new])
+    if k == 1:
+        return joined
     order = np.concatenate([np.arange(k * q).reshape(k, q), k * q + np.arange(k * n).reshape(k, n)], axis=1)
     return joined.take(pa.array(order.reshape(-1)))
 
