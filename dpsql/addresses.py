@@ -48,6 +48,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from dpsql._groups import unique
 from dpsql.errors import InvalidParameter
 
 _EPOCH = dt.datetime(1970, 1, 1)
@@ -196,11 +197,24 @@ def _column_addresses(column: pa.Array) -> pa.Array:
 
 
 def _tagged(tag: bytes, column: pa.Array) -> pa.Array:
-    """``tag`` followed by each value's text (numbers: their decimal digits) or bytes."""
+    """``tag`` (one byte) followed by each value's text (numbers: their decimal digits) or bytes,
+    laid out by numpy (Arrow's element-wise join takes three times as long)."""
     text = column if pa.types.is_large_string(column.type) or pa.types.is_large_binary(column.type) else \
         column.cast(pa.large_string())
-    return pc.binary_join_element_wise(pa.scalar(tag, pa.large_binary()), text.cast(pa.large_binary()),
-                                       pa.scalar(b"", pa.large_binary()))
+    binary = text.cast(pa.large_binary())
+    if binary.null_count:
+        return pc.binary_join_element_wise(pa.scalar(tag, pa.large_binary()), binary, pa.scalar(b"", pa.large_binary()))
+    n = len(binary)
+    offsets = np.frombuffer(binary.buffers()[1], np.int64)[binary.offset:binary.offset + n + 1]
+    data = binary.buffers()[2]
+    body = np.frombuffer(data, np.uint8)[offsets[0]:offsets[-1]] if data is not None else np.empty(0, np.uint8)
+    tagged_offsets = offsets - offsets[0] + np.arange(n + 1)
+    out = np.empty(len(body) + n, np.uint8)
+    is_tag = np.zeros(len(out), bool)
+    is_tag[tagged_offsets[:-1]] = True
+    out[is_tag] = tag[0]
+    out[~is_tag] = body
+    return pa.Array.from_buffers(pa.large_binary(), n, [None, pa.py_buffer(tagged_offsets), pa.py_buffer(out)])
 
 
 def _scaled(tag: bytes, column: pa.Array, unit: str) -> pa.Array:
@@ -263,34 +277,50 @@ def masks(aes: algorithms.AES, addresses: Sequence[bytes] | pa.Array) -> np.ndar
     """Each canonical address's 128-bit mask (:mod:`dpsql.noise`, "Addresses") as ``(n, 2)``
     uint64 words (high, low): CBC-MAC under ``aes`` of one block holding the address's length
     (big-endian) followed by the address, zero-padded to whole blocks. Addresses are handled in
-    groups of equal block counts, each group padded by Arrow and chained with one ECB call per block."""
+    groups of equal block counts, each group's blocks laid out by numpy and chained with one ECB
+    call per block."""
     if isinstance(addresses, pa.ChunkedArray):
         addresses = addresses.combine_chunks()
     if not isinstance(addresses, pa.Array):
         addresses = pa.array(list(addresses), pa.large_binary())
     addresses = addresses.cast(pa.large_binary())
-    lengths = pc.binary_length(addresses).to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = np.frombuffer(addresses.buffers()[1], np.int64)[addresses.offset:addresses.offset + len(addresses) + 1]
+    lengths = np.diff(offsets)
     blocks = -(-lengths // 16)
-    state = np.zeros((len(lengths), 16), dtype=np.uint8)
-    state[:, 8:] = lengths.astype(">u8")[:, None].view(np.uint8)
+    state = np.zeros((len(lengths), 2), dtype=">u8")
+    state[:, 1] = lengths
     encryptor = Cipher(aes, modes.ECB()).encryptor()
-    state = _encrypted(encryptor, state)
-    pads = pa.array([bytes(p) for p in range(16)], pa.large_binary())  # zeros to a whole block
-    for count in np.unique(blocks).tolist():
+    state = _encrypted(encryptor, state.view(np.uint8))
+    raw = np.frombuffer(addresses.buffers()[2], np.uint8) if len(addresses) else np.empty(0, np.uint8)
+    for count in unique(blocks).tolist():
         if count == 0:
             continue
-        rows = np.flatnonzero(blocks == count)
-        chosen = addresses if len(rows) == len(addresses) else addresses.take(pa.array(rows))
-        padding = pads.take(pa.array(16 * count - lengths[rows]))
-        padded = pc.binary_join_element_wise(chosen, padding, pa.scalar(b"", pa.large_binary()))
-        # every padded address is ``count`` blocks long: its bytes are a (rows, count * 16) matrix
-        data = np.frombuffer(padded.buffers()[2], dtype=np.uint8)[:len(rows) * 16 * count].reshape(len(rows), -1)
-        chained = state[rows]
+        every = count == blocks[0] and (len(blocks) == 1 or (blocks == count).all())
+        rows = None if every else np.flatnonzero(blocks == count)
+        data = _padded(raw, offsets[:-1] if every else offsets[rows], lengths if every else lengths[rows], count)
+        chained = state if every else state[rows]
         for b in range(count):
             chained ^= data[:, 16 * b:16 * (b + 1)]
             chained = _encrypted(encryptor, chained)
-        state[rows] = chained
+        if every:
+            state = chained
+        else:
+            state[rows] = chained
     return state.view(">u8").astype(np.uint64)
+
+
+def _padded(raw: np.ndarray, starts: np.ndarray, lengths: np.ndarray, count: int) -> np.ndarray:
+    """The byte strings ``raw[starts[i]:starts[i] + lengths[i]]``, each zero-padded to ``count``
+    blocks, as the rows of a ``(n, 16 * count)`` matrix, gathered eight bytes at a time (a view
+    of ``raw`` whose i-th word starts at byte i), the bytes past each string's end masked off."""
+    buffer = np.concatenate([raw, np.zeros(16 * count + 8, np.uint8)])
+    words = np.ndarray((len(buffer) - 7,), dtype="<u8", buffer=buffer, strides=(1,))
+    data = np.empty((len(starts), 2 * count), dtype="<u8")
+    for w in range(2 * count):
+        kept = np.clip(lengths - 8 * w, 0, 8).astype(np.uint64)  # this word's bytes inside the string
+        mask = np.where(kept == 8, ~np.uint64(0), (np.uint64(1) << (np.uint64(8) * kept)) - np.uint64(1))
+        np.bitwise_and(words[starts + 8 * w], mask, out=data[:, w])
+    return data.view(np.uint8)
 
 
 def _encrypted(encryptor, blocks: np.ndarray) -> np.ndarray:
