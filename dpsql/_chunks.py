@@ -147,11 +147,11 @@ def lattice(values: np.ndarray) -> tuple[int, np.ndarray] | None:
     mantissas = np.ldexp(fractions, 53).astype(np.int64)  # exactly: 53 significant bits
     lowest = np.frexp((mantissas & -mantissas).astype(np.float64))[1] - 1  # each mantissa's lowest set bit
     exponent = int((exponents - 53 + lowest).min())
-    scaled = np.ldexp(values, -exponent)  # exact, or out of range: then no units equal it
-    with np.errstate(invalid="ignore"):  # NaN, infinities and values out of range: checked next
-        units = scaled.astype(np.int32)
-    # bits, not values: -0.0 (whose unit is 0) must not pass for 0.0
-    if not np.array_equal(units.astype(np.float64).view(np.int64), scaled.view(np.int64)):
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # out of range: checked next
+        units = np.ldexp(values, -exponent).astype(np.int32)
+    # the decoded bits, not the scaled values: -0.0 (whose unit is 0) must not pass for 0.0, nor a
+    # value that underflows to 0 units
+    if not np.array_equal(np.ldexp(units.astype(np.float64), exponent).view(np.int64), values.view(np.int64)):
         return None
     return exponent, units
 
@@ -232,7 +232,8 @@ def _given_dictionary(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Fiel
     kind = field.type.value_type
     if merged.null_count or len(merged.dictionary) > 1 << 16:
         return pa.field(field.name, kind, nullable=field.nullable), merged.dictionary_decode()
-    dictionary = np.ascontiguousarray(merged.dictionary.to_numpy()).view(np.int64)
+    entries = merged.dictionary.to_numpy()
+    dictionary = entries.astype(np.int64) if pa.types.is_int32(kind) else np.ascontiguousarray(entries).view(np.int64)
     if merged.indices.type in (pa.uint8(), pa.uint16()):
         stored = pa.DictionaryArray.from_arrays(merged.indices, pa.array(dictionary, pa.int64()), safe=False)
     else:
