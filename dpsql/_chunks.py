@@ -156,7 +156,8 @@ def lattice(values: np.ndarray) -> tuple[int, np.ndarray] | None:
     return exponent, units
 
 
-def distinct(bits: np.ndarray, seen: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+def distinct(bits: np.ndarray, seen: np.ndarray | None = None, *,
+             mostly_seen: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
     """``(indices, dictionary)`` with ``dictionary[indices] == bits`` (``int64``) when ``bits``
     holds few distinct values: few among its first rows, at most 65,536 in all; else None.
 
@@ -167,6 +168,8 @@ def distinct(bits: np.ndarray, seen: np.ndarray | None = None) -> tuple[np.ndarr
     ``seen``: the values to look up first instead (at most a few hundred: an earlier call's
     dictionary, for the next batch of the same column); the dictionary then starts with them.
     When many rows miss them, the column is judged by its own first rows, as without ``seen``.
+    ``mostly_seen``: None instead when many rows miss the values seen first (for a caller to
+    whom a dictionary is only worth the hashing when it comes that cheap).
 
     Examples
     --------
@@ -196,6 +199,8 @@ def distinct(bits: np.ndarray, seen: np.ndarray | None = None) -> tuple[np.ndarr
     missed = np.flatnonzero(np.not_equal(recovered, bits, out=pooled_array(len(bits), np.bool_)))
     if len(missed) > len(bits) // 8 and given:
         return distinct(bits)  # other values than the given ones: judged by its own first rows
+    if len(missed) > len(bits) // 8 and mostly_seen:
+        return None
     if len(missed) > len(bits) // 8:
         encoded = pc.dictionary_encode(pa.array(bits, pa.int64()))
         indices, dictionary = encoded.indices.to_numpy().astype(np.intp), encoded.dictionary.to_numpy()

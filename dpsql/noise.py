@@ -240,6 +240,8 @@ def _blocks_at(aes: algorithms.AES, masks: np.ndarray, rows: np.ndarray | None, 
     result = np.empty(n, dtype=np.uint64) if first_word else np.empty((n, 2), dtype=np.uint64)
     encryptor = Cipher(aes, modes.ECB()).encryptor()
     header_word = np.uint64(header & _MASK64)
+    if not n:
+        return result
     mask_high, mask_low = masks[0, 0], masks[0, 1]
     chosen = np.empty((step, 2), dtype=np.uint64)
     for at in range(0, n, step):

@@ -45,7 +45,7 @@ def value_tags(draws: DrawsBatch, rows: np.ndarray, values: np.ndarray) -> np.nd
     for a batch of one partition, one AES block per distinct value when its values repeat
     (readings in steps, counts), else one per row."""
     bits = np.ascontiguousarray(values, dtype=np.float64).reshape(-1).view(np.int64)
-    found = distinct(bits) if len(draws) == 1 and len(bits) > _TAGGED_EACH else None
+    found = distinct(bits, mostly_seen=True) if len(draws) == 1 and len(bits) > _TAGGED_EACH else None
     if found is None:
         return short_tags(draws.tags(rows, values))
     indices, dictionary = found  # indices: pooled memory, used at once

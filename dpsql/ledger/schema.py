@@ -16,8 +16,10 @@ from __future__ import annotations
 #: are kept but answer no one. 5: a continual stream's open state as columns (``stream_state``: a
 #: directory of its partitions and one record per shard of them) and one chunk of released rows per
 #: append, for all its partitions (``stream_rows`` with ordinal -1); a stream kept per partition
-#: before is converted when next appended.
-VERSION = 5
+#: before is converted when next appended. 6: released rows' value tags (32 bits) and row numbers
+#: encoded by :mod:`dpsql._chunks` too, and values on a power-of-two lattice (Laplace releases) kept
+#: as its 32-bit units, which dpsql of version 5 would misread: it refuses a ledger of version 6.
+VERSION = 6
 
 TABLES = [
     # key/value facts about the ledger itself: version, id, next row handle

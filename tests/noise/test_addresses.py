@@ -165,6 +165,6 @@ def test_masks_of_any_length_and_any_slice_are_the_cbc_mac_of_their_bytes():
         last = Cipher(aes, modes.CBC(bytes(16))).encryptor().update(message)[-16:]
         return [int.from_bytes(last[:8], "big"), int.from_bytes(last[8:], "big")]
 
-    whole = pa.array([b"ahead"] + addresses + [b"behind" * 5], pa.large_binary())
+    whole = pa.array([b"ahead", *addresses, b"behind" * 5], pa.large_binary())
     for array in (pa.array(addresses, pa.large_binary()), whole.slice(1, len(addresses)), pa.array(addresses)):
         assert masks(aes, array).tolist() == [cbc_mac(a) for a in addresses]
