@@ -58,12 +58,25 @@ from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.noisy_max import nm_scores, noisy_max_thresholds
 from dpsql.noise import BatchLaneDraws
 
+#: Long ranges, when the release declares no range (``r``): 2**16 rows.
+LONG_RANGE = 1 << 16
 #: What a release is for (``focus=``): the lengths, in rows, of the range sums it should answer
-#: well. ``"mixed"``: a day, a week and a month of hourly rows, and long ranges (2**16 rows);
-#: ``"windows"``: a day and a week; ``"long"``: long ranges.
-FOCUS_LENGTHS = {"mixed": (24, 168, 730, 1 << 16), "windows": (24, 168), "long": (1 << 16,)}
+#: well. ``"mixed"``: a day, a week and a month of hourly rows, and long ranges; ``"windows"``: a
+#: day and a week; ``"long"``: long ranges (:func:`focus_lengths`).
+FOCUS_LENGTHS = {"mixed": (24, 168, 730, LONG_RANGE), "windows": (24, 168), "long": (LONG_RANGE,)}
 #: Every ``focus=``: the query mixes, and ``"paper"``, ToPS Eq. 6 as published (:mod:`.noisy_max`).
 FOCUSES = (*FOCUS_LENGTHS, "paper")
+
+
+def focus_lengths(focus: str, longest: int | None = None) -> tuple[int, ...]:
+    """The range lengths ``focus`` stands for; the long ranges are ``longest`` rows when the
+    release declares the range it is for (ToPS's ``r``), else :data:`LONG_RANGE`.
+
+    >>> focus_lengths("mixed"), focus_lengths("mixed", 2**20), focus_lengths("windows", 2**20)
+    ((24, 168, 730, 65536), (24, 168, 730, 1048576), (24, 168))
+    """
+    return tuple(longest if length == LONG_RANGE and longest is not None else length
+                 for length in FOCUS_LENGTHS[focus])
 #: Candidates per octave: ``upper * 2**(-j / 8)``, so the best candidate is within 9 % of any threshold.
 PER_OCTAVE = 8
 #: The candidates reach down to ``upper * 2**-20``.

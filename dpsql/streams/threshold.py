@@ -6,7 +6,8 @@ All rows are the hold-out: they are clipped to the public ``[lower, upper]``, sh
 * ``estimator="nm"``: Report-Noisy-Max, ``epsilon``-DP, over a score for what the later
   release is for (``focus="mixed"``, ``"windows"``, ``"long"``:
   :func:`dpsql.mechanisms.query_mix.mix_thresholds`, for the hierarchy at ``epsilon_perturber``
-  with chunks of ``r`` rows and ``fanout``) or ToPS Eq. 6 (``focus="paper"``:
+  with chunks of ``r`` rows, long ranges of ``r`` rows when given, and ``fanout``) or ToPS Eq. 6
+  (``focus="paper"``:
   :func:`dpsql.mechanisms.noisy_max.nm_threshold`);
 * ``estimator="pak"``: PAK's smooth-sensitivity quantile
   (:func:`dpsql.mechanisms.smooth_sensitivity.pak_threshold`), ``(epsilon, delta)``-DP.
@@ -23,7 +24,7 @@ from dpsql import _validate
 from dpsql.error_models import ErrorModel
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_threshold
-from dpsql.mechanisms.query_mix import FOCUS_LENGTHS, FOCUSES, mix_thresholds
+from dpsql.mechanisms.query_mix import FOCUSES, focus_lengths, mix_thresholds
 from dpsql.mechanisms.smooth_sensitivity import check_pak_threshold, pak_threshold
 from dpsql.noise import BatchLaneDraws, Draws, Lane
 from dpsql.release import StreamMachine
@@ -119,7 +120,7 @@ class ThresholdRelease(StreamMachine):
                                    f"focus={focus!r}")
         stream = HierarchyStream(epsilon=common["epsilon_perturber"], upper=1.0, r=r, fanout=common["fanout"],
                                  noise=self._noise)
-        self._mix = stream.query_mix(FOCUS_LENGTHS[focus])
+        self._mix = stream.query_mix(focus_lengths(focus, r))
         return {**common, "r": r, "penalty": self._mix.penalty(n, epsilon=self.epsilon)}
 
     def feed(self, chunk: np.ndarray) -> np.ndarray:

@@ -16,7 +16,7 @@ from dpsql import _validate
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.calendar import DEFAULT_CALENDAR
 from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_thresholds, noisy_max_lattice
-from dpsql.mechanisms.query_mix import FOCUS_LENGTHS, FOCUSES, mix_thresholds
+from dpsql.mechanisms.query_mix import FOCUSES, focus_lengths, mix_thresholds
 from dpsql.noise import Draws, Lane
 from dpsql.release import StreamMachine
 from dpsql.streams.hierarchy import PAPER_RANGE, HierarchyStream, check_hierarchy_options
@@ -38,7 +38,8 @@ class ToPS(ThresholdedStream):
     24-row windows, weeks and months of hourly rows, long ranges), ``"windows"`` or ``"long"``:
     Report-Noisy-Max over ``-#{v > theta} - beta * ln(theta)`` on the candidates
     ``upper * 2**(-j / 8)``, ``beta`` from the stream phase's noise for those range lengths
-    (:mod:`dpsql.mechanisms.query_mix`). ``focus="paper"``: ToPS Eq. 6 as published, with its
+    (:mod:`dpsql.mechanisms.query_mix`; the long ranges are ``r`` rows when ``r`` is given, the
+    paper's range, else ``2**16``). ``focus="paper"``: ToPS Eq. 6 as published, with its
     constants whatever the stream's length (the largest range ``r``, ``2**20`` unless given,
     ``log16 r`` levels, ``c`` = 60, candidates ``step, 2 step, ..., upper``;
     ``levels_for_nm="code"`` counts ``floor(log16 r) + 1`` levels as the reference code does);
@@ -83,7 +84,7 @@ class ToPS(ThresholdedStream):
                                        f"epsilon={self.epsilon_threshold!r} ((1 - holdout_share) * epsilon), too "
                                        f"little for Noisy Max: lower holdout_share or raise epsilon") from None
         # public: the range sums the threshold is for, with the stream phase's noise for them
-        self._mix = (self._stream_phase(np.ones(1), None).query_mix(FOCUS_LENGTHS[self.focus])
+        self._mix = (self._stream_phase(np.ones(1), None).query_mix(focus_lengths(self.focus, self.r))
                      if threshold is None and self.focus != "paper" else None)
 
     def _choose_thresholds(self, holdout: np.ndarray) -> np.ndarray:

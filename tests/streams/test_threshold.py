@@ -5,7 +5,7 @@ import pytest
 
 import dpsql
 from dpsql.mechanisms.noisy_max import nm_threshold
-from dpsql.mechanisms.query_mix import FOCUS_LENGTHS, mix_thresholds
+from dpsql.mechanisms.query_mix import FOCUS_LENGTHS, focus_lengths, mix_thresholds
 from dpsql.mechanisms.smooth_sensitivity import pak_threshold
 from dpsql.methods import run
 from dpsql.noise import BatchLaneDraws, Lane
@@ -24,7 +24,8 @@ def test_nm_threshold_release():
     assert (rel.epsilon, rel.delta) == (0.5, 0.0) and budget.spent == (0.5, 0.0)
     assert rel.method == "threshold" and rel.params["method"] == "nm" and rel.params["epsilon_perturber"] == 0.5
     assert rel.params["r"] == 4096 and rel.params["focus"] == "mixed" and "step" not in rel.params
-    mix = HierarchyStream(epsilon=0.5, upper=1.0, r=4096, noise=draws(0)).query_mix(FOCUS_LENGTHS["mixed"])
+    mix = HierarchyStream(epsilon=0.5, upper=1.0, r=4096, noise=draws(0)).query_mix(focus_lengths("mixed", 4096))
+    assert mix.lengths == (24, 168, 730, 4096)  # long ranges: the declared r
     assert rel.params["penalty"] == mix.penalty(len(VALUES), epsilon=0.5)
     with pytest.raises(dpsql.InvalidParameter, match="range sums are undefined"):
         rel.range_variance(0, 1)
@@ -38,7 +39,7 @@ def test_nm_matches_the_primitives_on_clipped_shifted_values(spread):
     holdout = np.sort(np.clip(values, 10.0, 90.0) - 10.0)
     rel = run("threshold", values, noise=keys(2), epsilon=0.2, lower=10.0, upper=90.0, epsilon_perturber=0.1,
               r=2**16)
-    mix = HierarchyStream(epsilon=0.1, upper=1.0, r=2**16, noise=draws(0)).query_mix(FOCUS_LENGTHS["mixed"])
+    mix = HierarchyStream(epsilon=0.1, upper=1.0, r=2**16, noise=draws(0)).query_mix(focus_lengths("mixed", 2**16))
     direct = mix_thresholds(holdout[None], epsilon=0.2, upper=80.0, mix=mix,
                             noise=BatchLaneDraws.of(draws(2).lane(Lane.NOISY_MAX)))[0]
     assert rel.threshold == 10.0 + direct and 10.0 < rel.threshold <= 90.0

@@ -21,7 +21,7 @@ from dpsql.mechanisms import LaplaceLattice
 from dpsql.mechanisms.block_error import BlockStreamNoise
 from dpsql.mechanisms.hierarchy import Layout, flat_block, leaf_interval_variance
 from dpsql.mechanisms.noisy_max import default_step, nm_slope, nm_thresholds
-from dpsql.mechanisms.query_mix import FOCUS_LENGTHS, mix_candidates, mix_scores, mix_thresholds
+from dpsql.mechanisms.query_mix import FOCUS_LENGTHS, focus_lengths, mix_candidates, mix_scores, mix_thresholds
 from dpsql.methods import run
 from dpsql.noise import DrawsBatch, Lane
 from dpsql.streams import tops as tops_module
@@ -61,7 +61,7 @@ def tops_oracle(values, *, epsilon, upper, lower=0.0, m=DEFAULT_HOLDOUT, holdout
         theta = float(nm_thresholds(holdout[None], epsilon=epsilon_threshold, upper=bound, epsilon_perturber=epsilon,
                                     r=r or 2**20, levels_for_nm=levels_for_nm, is_sorted=False, noise=lane)[0])
     else:  # Noisy Max over -#{v > theta} - beta ln(theta), beta from the stream phase's noise for the mix
-        mix = HierarchyStream(epsilon=epsilon, upper=1.0, r=r, noise=noise).query_mix(FOCUS_LENGTHS[focus])
+        mix = HierarchyStream(epsilon=epsilon, upper=1.0, r=r, noise=noise).query_mix(focus_lengths(focus, r))
         theta = float(mix_thresholds(holdout[None], epsilon=epsilon_threshold, upper=bound, mix=mix, is_sorted=False,
                                      noise=lane)[0])
     theta = min(max(theta, 2.0**-30 * bound), bound)
@@ -182,14 +182,20 @@ def test_a_given_threshold_skips_the_holdout_and_gives_the_stream_the_whole_epsi
     assert held.params["m"] == 4096 and held.components["threshold"][0] == 0.4
 
 
-def test_the_paper_objective_keeps_its_constants_unless_r_is_given(monkeypatch):
-    calls = []
+def recorded_calls(monkeypatch, name):
+    """The keyword arguments of every call ToPS makes to its threshold function ``name`` from now on."""
+    calls, function = [], getattr(tops_module, name)
 
     def recording(*args, **kwargs):
         calls.append(kwargs)
-        return nm_thresholds(*args, **kwargs)
+        return function(*args, **kwargs)
 
-    monkeypatch.setattr(tops_module, "nm_thresholds", recording)
+    monkeypatch.setattr(tops_module, name, recording)
+    return calls
+
+
+def test_the_paper_objective_keeps_its_constants_unless_r_is_given(monkeypatch):
+    calls = recorded_calls(monkeypatch, "nm_thresholds")
     values = spiky(10_000, 10, scale=40.0)
     rel = run("tops", values, noise=keys(11), epsilon=0.5, upper=1000.0, focus="paper")
     (paper,) = calls
@@ -222,19 +228,17 @@ def test_the_paper_objective_keeps_its_constants_unless_r_is_given(monkeypatch):
 def test_the_default_objective_is_for_the_stream_phase_it_clips(monkeypatch, params):
     """The query mix is the focus's range lengths with the stream phase's own noise (its layout,
     epsilon and fanout, at bound 1), the selection gets the threshold's epsilon and the bound."""
-    calls = []
-
-    def recording(*args, **kwargs):
-        calls.append(kwargs)
-        return mix_thresholds(*args, **kwargs)
-
-    monkeypatch.setattr(tops_module, "mix_thresholds", recording)
+    calls = recorded_calls(monkeypatch, "mix_thresholds")
     values = spiky(10_000, 12, scale=40.0)
     rel = run("tops", values, noise=keys(13), epsilon=0.5, upper=1000.0, **params)
     ((call),) = calls
-    stream = {k: v for k, v in params.items() if k in ("r", "smoother", "fanout")}
-    expected = HierarchyStream(epsilon=0.5, upper=1.0, noise=draws(0), **stream).query_mix(
-        FOCUS_LENGTHS[params.get("focus", "mixed")])
+    stream = HierarchyStream(epsilon=0.5, upper=1.0, noise=draws(0),
+                             **{k: v for k, v in params.items() if k in ("r", "smoother", "fanout")})
+    # long ranges: r rows when the layout declares it (a predictive smoother's paper layout: 2**20), else 2**16
+    lengths = focus_lengths(params.get("focus", "mixed"), stream.r)
+    if params.get("focus") != "windows":
+        assert lengths[-1] == params.get("r", 2**20 if "smoother" in params else 2**16)
+    expected = stream.query_mix(lengths)
     assert call["mix"] == expected and call["upper"] == 1000.0 and call["is_sorted"] is False
     share = params.get("holdout_share", 0.5)
     assert call["epsilon"] == (1 - share) * 0.5 == rel.components["threshold"][0]
