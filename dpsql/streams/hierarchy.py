@@ -464,10 +464,10 @@ class HierarchyStream(StreamMachine):
         only, no row fed).
 
         Each length's unit variance is the mean over 64 evenly spaced ranges of a stream of
-        ``max(2**18, 4 * max(lengths))`` rows (short ranges fall anywhere in a long stream),
-        released with rows spread evenly over their block (the flat spread, the default; a
+        ``max(2**18, 4 * max(lengths))`` rows (short ranges fall anywhere in a long stream), all
+        released, with rows spread evenly over their block (the flat spread, the default; a
         predictive smoother's windows carry more noise, and a median's depends on released
-        values). Computed once per public layout (cached).
+        values): every one is positive. Computed once per public layout (cached).
 
         >>> import dpsql
         >>> stream = HierarchyStream(epsilon=1.0, upper=1.0, noise=dpsql.testing.draws(0))
@@ -480,7 +480,7 @@ class HierarchyStream(StreamMachine):
                tuple(lengths))
         if key not in _QUERY_MIXES:
             rows = max(_MIX_ROWS, 4 * max(lengths))
-            model = self._error_model(0, rows, {"name": "none"}, False)
+            model = self._error_model(0, rows, {"name": "none"}, True)
             variances = []
             for length in lengths:
                 starts = np.linspace(0, rows - length, 64).astype(np.int64)

@@ -88,7 +88,7 @@ class ThresholdRelease(StreamMachine):
         self._noise = noise
         bound = self.upper - self.lower
         if self.estimator == "nm":
-            self.options = self._check_nm(self.options, n)
+            self.options = self._check_nm(self.options)
             self.cost = (self.epsilon, 0.0)
         else:
             self.options["delta"] = 1.0 / n**2 if self.options["delta"] is None else self.options["delta"]
@@ -98,7 +98,7 @@ class ThresholdRelease(StreamMachine):
         self._held: list[np.ndarray] = []
         self.threshold: float | None = None
 
-    def _check_nm(self, options: dict, n: int) -> dict:
+    def _check_nm(self, options: dict) -> dict:
         focus = _validate.choice(options["focus"], "focus", FOCUSES)
         common = {
             "focus": focus,
@@ -121,7 +121,7 @@ class ThresholdRelease(StreamMachine):
         stream = HierarchyStream(epsilon=common["epsilon_perturber"], upper=1.0, r=r, fanout=common["fanout"],
                                  noise=self._noise)
         self._mix = stream.query_mix(focus_lengths(focus, r))
-        return {**common, "r": r, "penalty": self._mix.penalty(n, epsilon=self.epsilon)}
+        return {**common, "r": r}
 
     def feed(self, chunk: np.ndarray) -> np.ndarray:
         self._held.append(chunk)

@@ -16,7 +16,7 @@ from dpsql import _validate
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.calendar import DEFAULT_CALENDAR
 from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_thresholds, noisy_max_lattice
-from dpsql.mechanisms.query_mix import FOCUSES, focus_lengths, mix_thresholds
+from dpsql.mechanisms.query_mix import FOCUSES, QueryMix, focus_lengths, mix_thresholds
 from dpsql.noise import Draws, Lane
 from dpsql.release import StreamMachine
 from dpsql.streams.hierarchy import PAPER_RANGE, HierarchyStream, check_hierarchy_options
@@ -83,9 +83,6 @@ class ToPS(ThresholdedStream):
                 raise InvalidParameter(f"holdout_share={self.holdout_share!r} leaves the threshold "
                                        f"epsilon={self.epsilon_threshold!r} ((1 - holdout_share) * epsilon), too "
                                        f"little for Noisy Max: lower holdout_share or raise epsilon") from None
-        # public: the range sums the threshold is for, with the stream phase's noise for them
-        self._mix = (self._stream_phase(np.ones(1), None).query_mix(focus_lengths(self.focus, self.r))
-                     if threshold is None and self.focus != "paper" else None)
 
     def _choose_thresholds(self, holdout: np.ndarray) -> np.ndarray:
         noise = self._draws.lane(Lane.NOISY_MAX)
@@ -94,8 +91,13 @@ class ToPS(ThresholdedStream):
                                  epsilon_perturber=self.epsilon, r=self.r or PAPER_RANGE, fanout=self.fanout,
                                  c=self.c, step=self.step, levels_for_nm=self.levels_for_nm, is_sorted=False,
                                  noise=noise)
-        return mix_thresholds(holdout, epsilon=self.epsilon_threshold, upper=self.bound, mix=self._mix,
+        return mix_thresholds(holdout, epsilon=self.epsilon_threshold, upper=self.bound, mix=self._query_mix(),
                               is_sorted=False, noise=noise)
+
+    def _query_mix(self) -> QueryMix:
+        """The range sums the threshold is for, with the stream phase's noise for them (public;
+        computed when the threshold is chosen: a calendar layout's takes about a second)."""
+        return self._stream_phase(np.ones(1), None).query_mix(focus_lengths(self.focus, self.r))
 
     def _stream_phase(self, thresholds: np.ndarray, initials: np.ndarray | None) -> StreamMachine:
         grid = None if self.grid is None else self.grid.shifted(self.m)  # the rows after the hold-out
@@ -110,5 +112,4 @@ class ToPS(ThresholdedStream):
         layout["grid"] = None if self.grid is None else self.grid.plain()
         if self.focus == "paper":
             return {**layout, "focus": "paper", "c": self.c, "step": self.step, "levels_for_nm": self.levels_for_nm}
-        threshold = {} if self._mix is None else {"penalty": self._mix.penalty(self.m, epsilon=self.epsilon_threshold)}
-        return {**layout, "focus": self.focus, **threshold}
+        return {**layout, "focus": self.focus}

@@ -26,7 +26,10 @@ def test_nm_threshold_release():
     assert rel.params["r"] == 4096 and rel.params["focus"] == "mixed" and "step" not in rel.params
     mix = HierarchyStream(epsilon=0.5, upper=1.0, r=4096, noise=draws(0)).query_mix(focus_lengths("mixed", 4096))
     assert mix.lengths == (24, 168, 730, 4096)  # long ranges: the declared r
-    assert rel.params["penalty"] == mix.penalty(len(VALUES), epsilon=0.5)
+    with seeded(0) as release_keys:
+        lane = BatchLaneDraws.of(release_keys.partition().lane(Lane.NOISY_MAX))
+        direct = mix_thresholds(np.sort(VALUES)[None], epsilon=0.5, upper=1000.0, mix=mix, noise=lane)[0]
+    assert rel.threshold == direct
     with pytest.raises(dpsql.InvalidParameter, match="range sums are undefined"):
         rel.range_variance(0, 1)
     with pytest.raises(dpsql.InvalidParameter, match="range sums are undefined"):

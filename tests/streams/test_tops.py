@@ -243,7 +243,6 @@ def test_the_default_objective_is_for_the_stream_phase_it_clips(monkeypatch, par
     share = params.get("holdout_share", 0.5)
     assert call["epsilon"] == (1 - share) * 0.5 == rel.components["threshold"][0]
     assert rel.params["focus"] == params.get("focus", "mixed")
-    assert rel.params["penalty"] == expected.penalty(4096, epsilon=(1 - share) * 0.5)
     assert not {"c", "step", "levels_for_nm"} & set(rel.params)
 
 
@@ -465,7 +464,7 @@ def test_accounting_and_ledger():
     recorded = json.loads(row["params"])
     assert recorded["m"] == 4096 and recorded["r"] is None and recorded["holdout_share"] == 0.5
     assert recorded["blocks"] == rel.params["blocks"] and recorded["focus"] == "mixed"
-    assert recorded["penalty"] == rel.params["penalty"] > 0 and rel.params["smoother"] == "none"
+    assert rel.params["focus"] == "mixed" and rel.params["smoother"] == "none"
 
 
 @pytest.mark.parametrize("params, word", [
