@@ -66,6 +66,24 @@ LONG_RANGE = 1 << 16
 FOCUS_LENGTHS = {"mixed": (24, 168, 730, LONG_RANGE), "windows": (24, 168), "long": (LONG_RANGE,)}
 #: Every ``focus=``: the query mixes, and ``"paper"``, ToPS Eq. 6 as published (:mod:`.noisy_max`).
 FOCUSES = (*FOCUS_LENGTHS, "paper")
+#: The options of ToPS Eq. 6 alone (``focus="paper"``).
+PAPER_OPTIONS = ("c", "step", "levels_for_nm")
+
+
+def refuse_paper_options(focus: str, options: dict) -> None:
+    """Refuse Eq. 6's own options (:data:`PAPER_OPTIONS` in ``options`` that are not None) with any
+    other ``focus``: they would be ignored.
+
+    >>> refuse_paper_options("mixed", {"c": 30.0, "step": None})
+    Traceback (most recent call last):
+    ...
+    dpsql.errors.InvalidParameter: c applies to ToPS Eq. 6 alone (focus='paper'), not to focus='mixed'
+    """
+    given = [k for k in PAPER_OPTIONS if options.get(k) is not None]
+    if focus != "paper" and given:
+        verb = "applies" if len(given) == 1 else "apply"
+        raise InvalidParameter(f"{', '.join(given)} {verb} to ToPS Eq. 6 alone (focus='paper'), not to "
+                               f"focus={focus!r}")
 
 
 def focus_lengths(focus: str, longest: int | None = None) -> tuple[int, ...]:

@@ -24,7 +24,7 @@ from dpsql import _validate
 from dpsql.error_models import ErrorModel
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_threshold
-from dpsql.mechanisms.query_mix import FOCUSES, focus_lengths, mix_thresholds
+from dpsql.mechanisms.query_mix import FOCUSES, focus_lengths, mix_thresholds, refuse_paper_options
 from dpsql.mechanisms.smooth_sensitivity import check_pak_threshold, pak_threshold
 from dpsql.noise import BatchLaneDraws, Draws, Lane
 from dpsql.release import StreamMachine
@@ -40,8 +40,6 @@ _OPTIONS = {
            "levels_for_nm": None},
     "pak": {"delta": None, "tail_p": 0.005, "lam": 0.85, "beta_lt": 0.006, "rho": 1.0},
 }
-#: The options of ToPS Eq. 6 alone (``focus="paper"``).
-_PAPER_OPTIONS = ("c", "step", "levels_for_nm")
 
 
 class NoRangeSums(ErrorModel):
@@ -114,10 +112,7 @@ class ThresholdRelease(StreamMachine):
                     else _validate.real(options["step"], "step", minimum=0.0, strict=True),
                     "levels_for_nm": _validate.choice(options["levels_for_nm"] or "paper", "levels_for_nm",
                                                       NM_LEVELS)}
-        misplaced = [k for k in _PAPER_OPTIONS if options[k] is not None]
-        if misplaced:
-            raise InvalidParameter(f"{', '.join(misplaced)} apply to ToPS Eq. 6 alone (focus='paper'), not to "
-                                   f"focus={focus!r}")
+        refuse_paper_options(focus, options)
         stream = HierarchyStream(epsilon=common["epsilon_perturber"], upper=1.0, r=r, fanout=common["fanout"],
                                  noise=self._noise)
         self._mix = stream.query_mix(focus_lengths(focus, r))

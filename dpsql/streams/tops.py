@@ -16,7 +16,7 @@ from dpsql import _validate
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.calendar import DEFAULT_CALENDAR
 from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_thresholds, noisy_max_lattice
-from dpsql.mechanisms.query_mix import FOCUSES, QueryMix, focus_lengths, mix_thresholds
+from dpsql.mechanisms.query_mix import FOCUSES, QueryMix, focus_lengths, mix_thresholds, refuse_paper_options
 from dpsql.noise import Draws, Lane
 from dpsql.release import StreamMachine
 from dpsql.streams.hierarchy import PAPER_RANGE, HierarchyStream, check_hierarchy_options
@@ -65,10 +65,7 @@ class ToPS(ThresholdedStream):
         if self.grid is not None and n is not None:
             self.grid.check_rows(n)
         self.focus = _validate.choice(focus, "focus", FOCUSES)
-        paper_options = {"c": c, "step": step, "levels_for_nm": levels_for_nm}
-        if self.focus != "paper" and any(v is not None for v in paper_options.values()):
-            given = ", ".join(k for k, v in paper_options.items() if v is not None)
-            raise InvalidParameter(f"{given} apply to ToPS Eq. 6 alone (focus='paper'), not to focus={self.focus!r}")
+        refuse_paper_options(self.focus, {"c": c, "step": step, "levels_for_nm": levels_for_nm})
         self.c = 60.0 if c is None else _validate.real(c, "c", minimum=0.0, strict=True)
         bound = _validate.bounds(lower, upper)[1] - _validate.bounds(lower, upper)[0]
         self.step = default_step(bound) if step is None else _validate.real(step, "step", minimum=0.0, strict=True)

@@ -106,7 +106,7 @@ def test_pak_options_pass_through():
     (dict(method="pak", delta=1.0), "delta"), (dict(epsilon=0.0), "epsilon"), (dict(epsilon=float("nan")), "epsilon"),
     (dict(focus="paper", levels_for_nm="x"), "levels_for_nm"), (dict(levels_for_nm="paper"), "levels_for_nm"),
     (dict(epsilon_perturber=-1.0), "epsilon_perturber"), (dict(focus="paper", step=0.0), "step"),
-    (dict(step=1.0), "step"), (dict(c=60.0), "'c'|c apply"), (dict(focus="median"), "focus"),
+    (dict(step=1.0), "step"), (dict(c=60.0), "c applies to ToPS Eq. 6 alone"), (dict(focus="median"), "focus"),
     (dict(method="pak", focus="mixed"), "focus"), (dict(upper=-1.0), "upper"), (dict(r=0), "r"),
 ])
 def test_bad_parameters_are_refused_before_charging(params, word):
