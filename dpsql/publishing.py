@@ -457,7 +457,9 @@ def fleet_threshold(method: str, data: np.ndarray, lengths: np.ndarray, addresse
         counts = pooled_by_key(order_values, np.repeat(np.arange(len(lengths)), lengths), rank, m, len(lengths))
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     pool = data[np.repeat(starts, counts) + (np.arange(m) - np.repeat(np.cumsum(counts) - counts, counts))]
-    return pooled_params(_fleet_params(method, params, fleet, fleet.pooled_threshold(pool)), counts)
+    # for ranges in the longest partition (a threshold for what the release is for serves no longer one)
+    theta = fleet.pooled_threshold(pool, int(lengths.max()))
+    return pooled_params(_fleet_params(method, params, fleet, theta), counts)
 
 
 def pooled_params(shared: dict, pooled_rows) -> tuple[list[dict], np.ndarray]:

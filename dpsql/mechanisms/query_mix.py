@@ -39,6 +39,18 @@ sample of ``m`` values would put about ``c +- sqrt(c)`` above a threshold where 
 of scale 1, whatever the budget. ``beta`` is at most ``m / (2 ln(upper / lowest candidate))``,
 so that no candidate with more than half the hold-out above it can outscore ``upper``.
 
+The floor moves the choice: where it raises ``beta`` above the mix's own ``beta_mix``, Noisy Max
+settles where the count falls by ``beta``, not ``beta_mix``, per unit of ``ln theta``, about
+``beta / beta_mix`` times as many values above it as the mix wants. Under the model's own tail
+(a value above ``theta`` exceeds it by about ``theta``: a Pareto tail of index 2, whose count
+above ``theta`` falls as ``theta**-2``) the mix's threshold is ``sqrt(beta / beta_mix)`` times
+that choice, and that is the threshold released (:meth:`QueryMix.lift`: public, so
+post-processing). This matters where the hold-out is short against the ranges asked: at
+epsilon 1 a 4096-row hold-out for ranges of ``2**20`` rows has ``beta_mix`` 0.6 against the
+floor's 9.1, and the floor's own choice clipped about 15 times the values those ranges can
+bear. Where the cap lowers ``beta`` below ``beta_mix`` nothing is lifted or lowered: the tail
+model is for the top of the hold-out, and the cap acts in its bulk.
+
 Sensitivity: ``#{v > theta}`` moves by at most 1 for every ``theta`` when one value is
 replaced, all counts in the same direction; ``beta * ln(theta)`` does not depend on the data.
 The scores have sensitivity 1 and are monotone, so Report-Noisy-Max with Laplace noise of
@@ -58,12 +70,16 @@ from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.noisy_max import nm_scores, noisy_max_thresholds
 from dpsql.noise import BatchLaneDraws
 
-#: Long ranges, when the release declares no range (``r``): 2**16 rows.
-LONG_RANGE = 1 << 16
+#: The rows a release's ranges are taken to fall in when it has fewer, or when its length is unknown
+#: (a stream's): 2**16, about seven years of hourly rows (:func:`ranges_span`).
+DEFAULT_SPAN = 1 << 16
+#: Long ranges in :data:`FOCUS_LENGTHS`: ranges anywhere in the release's span (:func:`focus_lengths`).
+LONG = "long"
 #: What a release is for (``focus=``): the lengths, in rows, of the range sums it should answer
 #: well. ``"mixed"``: a day, a week and a month of hourly rows, and long ranges; ``"windows"``: a
-#: day and a week; ``"long"``: long ranges (:func:`focus_lengths`).
-FOCUS_LENGTHS = {"mixed": (24, 168, 730, LONG_RANGE), "windows": (24, 168), "long": (LONG_RANGE,)}
+#: day and a week; ``"long"``: long ranges.
+FOCUS_LENGTHS: dict[str, tuple[int | str, ...]] = {"mixed": (24, 168, 730, LONG), "windows": (24, 168),
+                                                   "long": (LONG,)}
 #: Every ``focus=``: the query mixes, and ``"paper"``, ToPS Eq. 6 as published (:mod:`.noisy_max`).
 FOCUSES = (*FOCUS_LENGTHS, "paper")
 #: The options of ToPS Eq. 6 alone (``focus="paper"``).
@@ -86,15 +102,34 @@ def refuse_paper_options(focus: str, options: dict) -> None:
                                f"focus={focus!r}")
 
 
-def focus_lengths(focus: str, longest: int | None = None) -> tuple[int, ...]:
-    """The range lengths ``focus`` stands for; the long ranges are ``longest`` rows when the
-    release declares the range it is for (ToPS's ``r``), else :data:`LONG_RANGE`.
+def ranges_span(rows: int | None, r: int | None) -> int:
+    """The rows a release's ranges fall in: its ``rows`` (None: a stream's, unknown when its
+    threshold is chosen), at least :data:`DEFAULT_SPAN`, so that a stream and the one-shot release
+    of the same rows choose the same threshold up to that length, and at most the range ``r`` the
+    release declares (the paper's range).
 
-    >>> focus_lengths("mixed"), focus_lengths("mixed", 2**20), focus_lengths("windows", 2**20)
-    ((24, 168, 730, 65536), (24, 168, 730, 1048576), (24, 168))
+    >>> ranges_span(None, None), ranges_span(5000, None), ranges_span(2**20, None), ranges_span(2**21, 2**20)
+    (65536, 65536, 1048576, 1048576)
     """
-    return tuple(longest if length == LONG_RANGE and longest is not None else length
+    span = max(rows or 0, DEFAULT_SPAN)
+    return span if r is None else min(span, r)
+
+
+def focus_lengths(focus: str, span: int) -> tuple[int, ...]:
+    """The range lengths ``focus`` stands for in a release whose ranges fall in ``span`` rows
+    (:func:`ranges_span`): long ranges have both ends anywhere in it and are stood for by their
+    root-mean-square length ``span / sqrt(6)`` (their squared clipping bias grows as their length
+    squared, so that length carries their mean squared bias); no length is longer than ``span``.
+
+    >>> focus_lengths("mixed", 2**16), focus_lengths("mixed", 2**20), focus_lengths("windows", 2**20)
+    ((24, 168, 730, 26755), (24, 168, 730, 428079), (24, 168))
+    >>> focus_lengths("mixed", 500)
+    (24, 168, 500, 204)
+    """
+    return tuple(max(1, round(span / math.sqrt(6.0))) if length == LONG else min(int(length), span)
                  for length in FOCUS_LENGTHS[focus])
+
+
 #: Candidates per octave: ``upper * 2**(-j / 8)``, so the best candidate is within 9 % of any threshold.
 PER_OCTAVE = 8
 #: The candidates reach down to ``upper * 2**-20``.
@@ -135,12 +170,28 @@ class QueryMix:
         per_row = np.where(v >= 0.5, np.sqrt(np.maximum(4.0 * v - 1.0, 0.0)), 2.0 * v)
         return m / np.asarray(self.lengths, dtype=np.float64) * per_row
 
+    def own_penalty(self, m: int) -> float:
+        """``beta_mix``: the harmonic mean of :meth:`penalties`."""
+        return len(self.lengths) / float(np.sum(1.0 / self.penalties(m)))
+
     def penalty(self, m: int, *, epsilon: float) -> float:
-        """``beta``: the harmonic mean of :meth:`penalties`, raised to the stability floor
-        ``STABILITY * max(1 / epsilon, 1)`` and kept at most ``m / (2 ln 2**OCTAVES)`` (module
-        docstring)."""
-        mixed = len(self.lengths) / float(np.sum(1.0 / self.penalties(m)))
-        return min(max(mixed, STABILITY * max(1.0 / epsilon, 1.0)), m / (2.0 * OCTAVES * math.log(2.0)))
+        """``beta``: :meth:`own_penalty` raised to the stability floor ``STABILITY * max(1 / epsilon, 1)``
+        and kept at most ``m / (2 ln 2**OCTAVES)`` (module docstring)."""
+        return min(max(self.own_penalty(m), STABILITY * max(1.0 / epsilon, 1.0)), m / (2.0 * OCTAVES * math.log(2.0)))
+
+    def lift(self, m: int, *, epsilon: float) -> float:
+        """The factor the chosen candidate is raised by, ``sqrt(beta / beta_mix)`` where :meth:`penalty`
+        is above :meth:`own_penalty`, else 1 (module docstring: the floor moves the choice).
+
+        >>> mix = QueryMix((24, 2**20), (0.06, 423.0))  # epsilon 1's unit variances, roughly
+        >>> round(mix.own_penalty(4096), 2), round(mix.penalty(4096, epsilon=0.5), 2)
+        (0.32, 9.11)
+        >>> round(mix.lift(4096, epsilon=0.5), 2)
+        5.35
+        >>> QueryMix((24,), (500.0,)).lift(4096, epsilon=0.5)  # the cap below the mix's own: none
+        1.0
+        """
+        return math.sqrt(max(self.penalty(m, epsilon=epsilon) / self.own_penalty(m), 1.0))
 
 
 def _stability_penalty() -> float:
@@ -211,7 +262,8 @@ def mix_thresholds(holdouts: np.ndarray, *, epsilon: float, upper: float, mix: Q
                    noise: BatchLaneDraws) -> np.ndarray:
     """A threshold for each row of ``holdouts`` (hold-outs of one length ``m``, values in
     ``[0, upper]``; row ``k`` draws from ``noise``'s partition ``k``): Report-Noisy-Max over
-    :func:`mix_scores` with the penalty ``mix.penalty(m, epsilon=epsilon)``.
+    :func:`mix_scores` with the penalty ``mix.penalty(m, epsilon=epsilon)``, the chosen candidate
+    times ``mix.lift(m, epsilon=epsilon)``, at most ``upper``.
 
     Privacy: ``epsilon``-DP on each row under replace-one-value neighbours (sensitivity 1,
     monotone scores: module docstring). ``mix`` and ``upper`` are public. A pooled hold-out
@@ -227,6 +279,7 @@ def mix_thresholds(holdouts: np.ndarray, *, epsilon: float, upper: float, mix: Q
     >>> theta  # the candidate just above 10 (the one below would clip 3990 values)
     array([10.13155902])
     """
-    penalty = mix.penalty(holdouts.shape[-1], epsilon=epsilon)
-    return noisy_max_thresholds(holdouts, mix_candidates(upper), _public_scores(penalty), epsilon=epsilon,
-                                is_sorted=is_sorted, noise=noise)
+    m = holdouts.shape[-1]
+    chosen = noisy_max_thresholds(holdouts, mix_candidates(upper), _public_scores(mix.penalty(m, epsilon=epsilon)),
+                                  epsilon=epsilon, is_sorted=is_sorted, noise=noise)
+    return np.minimum(chosen * mix.lift(m, epsilon=epsilon), upper)

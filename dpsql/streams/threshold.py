@@ -6,7 +6,7 @@ All rows are the hold-out: they are clipped to the public ``[lower, upper]``, sh
 * ``estimator="nm"``: Report-Noisy-Max, ``epsilon``-DP, over a score for what the later
   release is for (``focus="mixed"``, ``"windows"``, ``"long"``:
   :func:`dpsql.mechanisms.query_mix.mix_thresholds`, for the hierarchy at ``epsilon_perturber``
-  with chunks of ``r`` rows, long ranges of ``r`` rows when given, and ``fanout``) or ToPS Eq. 6
+  with chunks of ``r`` rows and long ranges in ``min(r, 2**16)`` rows, or ``2**16``, and ``fanout``) or ToPS Eq. 6
   (``focus="paper"``:
   :func:`dpsql.mechanisms.noisy_max.nm_threshold`);
 * ``estimator="pak"``: PAK's smooth-sensitivity quantile
@@ -24,7 +24,7 @@ from dpsql import _validate
 from dpsql.error_models import ErrorModel
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_threshold
-from dpsql.mechanisms.query_mix import FOCUSES, focus_lengths, mix_thresholds, refuse_paper_options
+from dpsql.mechanisms.query_mix import FOCUSES, focus_lengths, mix_thresholds, ranges_span, refuse_paper_options
 from dpsql.mechanisms.smooth_sensitivity import check_pak_threshold, pak_threshold
 from dpsql.noise import BatchLaneDraws, Draws, Lane
 from dpsql.release import StreamMachine
@@ -115,7 +115,7 @@ class ThresholdRelease(StreamMachine):
         refuse_paper_options(focus, options)
         stream = HierarchyStream(epsilon=common["epsilon_perturber"], upper=1.0, r=r, fanout=common["fanout"],
                                  noise=self._noise)
-        self._mix = stream.query_mix(focus_lengths(focus, r))
+        self._mix = stream.query_mix(focus_lengths(focus, ranges_span(None, r)))  # the later release's length unknown
         return {**common, "r": r}
 
     def feed(self, chunk: np.ndarray) -> np.ndarray:

@@ -16,7 +16,14 @@ from dpsql import _validate
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.calendar import DEFAULT_CALENDAR
 from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_thresholds, noisy_max_lattice
-from dpsql.mechanisms.query_mix import FOCUSES, QueryMix, focus_lengths, mix_thresholds, refuse_paper_options
+from dpsql.mechanisms.query_mix import (
+    FOCUSES,
+    QueryMix,
+    focus_lengths,
+    mix_thresholds,
+    ranges_span,
+    refuse_paper_options,
+)
 from dpsql.noise import Draws, Lane
 from dpsql.release import StreamMachine
 from dpsql.streams.hierarchy import PAPER_RANGE, HierarchyStream, check_hierarchy_options
@@ -37,11 +44,14 @@ class ToPS(ThresholdedStream):
     The threshold gets ``(1 - holdout_share) * epsilon``. ``focus="mixed"`` (the default:
     24-row windows, weeks and months of hourly rows, long ranges), ``"windows"`` or ``"long"``:
     Report-Noisy-Max over ``-#{v > theta} - beta * ln(theta)`` on the candidates
-    ``upper * 2**(-j / 8)``, ``beta`` from the stream phase's noise for those range lengths
-    (:mod:`dpsql.mechanisms.query_mix`; the long ranges are ``r`` rows when ``r`` is given, the
-    paper's range, else ``2**16``). ``focus="paper"``: ToPS Eq. 6 as published, with its
-    constants whatever the stream's length (the largest range ``r``, ``2**20`` unless given,
-    ``log16 r`` levels, ``c`` = 60, candidates ``step, 2 step, ..., upper``;
+    ``upper * 2**(-j / 8)``, ``beta`` from the stream phase's noise for those range lengths, the
+    choice raised by ``sqrt(beta / beta_mix)`` where the stability floor raised ``beta`` above the
+    mix's own (:mod:`dpsql.mechanisms.query_mix`; the long ranges are ranges anywhere in the
+    release's ``n`` rows, at least ``2**16`` (a stream's length is unknown: ``2**16``), and at most
+    ``r`` when given (the paper's range), stood for by their root-mean-square length, a
+    ``sqrt(6)``-th of that span). ``focus="paper"``: ToPS
+    Eq. 6 as published, with its constants whatever the stream's length (the largest range ``r``,
+    ``2**20`` unless given, ``log16 r`` levels, ``c`` = 60, candidates ``step, 2 step, ..., upper``;
     ``levels_for_nm="code"`` counts ``floor(log16 r) + 1`` levels as the reference code does);
     ``c``, ``step`` and ``levels_for_nm`` apply to it alone. A predictive smoother's first guess is
     the hold-out's released mean, clipped to ``[0, threshold]`` (already paid for; the paper's
@@ -81,20 +91,23 @@ class ToPS(ThresholdedStream):
                                        f"epsilon={self.epsilon_threshold!r} ((1 - holdout_share) * epsilon), too "
                                        f"little for Noisy Max: lower holdout_share or raise epsilon") from None
 
-    def _choose_thresholds(self, holdout: np.ndarray) -> np.ndarray:
+    def _choose_thresholds(self, holdout: np.ndarray, rows: int | None) -> np.ndarray:
         noise = self._draws.lane(Lane.NOISY_MAX)
         if self.focus == "paper":
             return nm_thresholds(holdout, epsilon=self.epsilon_threshold, upper=self.bound,
                                  epsilon_perturber=self.epsilon, r=self.r or PAPER_RANGE, fanout=self.fanout,
                                  c=self.c, step=self.step, levels_for_nm=self.levels_for_nm, is_sorted=False,
                                  noise=noise)
-        return mix_thresholds(holdout, epsilon=self.epsilon_threshold, upper=self.bound, mix=self._query_mix(),
+        return mix_thresholds(holdout, epsilon=self.epsilon_threshold, upper=self.bound, mix=self._query_mix(rows),
                               is_sorted=False, noise=noise)
 
-    def _query_mix(self) -> QueryMix:
-        """The range sums the threshold is for, with the stream phase's noise for them (public;
-        computed when the threshold is chosen: a calendar layout's takes about a second)."""
-        return self._stream_phase(np.ones(1), None).query_mix(focus_lengths(self.focus, self.r))
+    def _query_mix(self, rows: int | None) -> QueryMix:
+        """The range sums the threshold is for, in the span of partitions of ``rows`` rows (None: a
+        stream's) with the range ``r`` declared (:func:`~dpsql.mechanisms.query_mix.ranges_span`), with
+        the stream phase's noise for them (public; computed when the threshold is chosen: a calendar
+        layout's takes about a second)."""
+        span = ranges_span(rows, self.r)
+        return self._stream_phase(np.ones(1), None).query_mix(focus_lengths(self.focus, span))
 
     def _stream_phase(self, thresholds: np.ndarray, initials: np.ndarray | None) -> StreamMachine:
         grid = None if self.grid is None else self.grid.shifted(self.m)  # the rows after the hold-out

@@ -11,14 +11,15 @@ import pytest
 import dpsql
 from dpsql.mechanisms.noisy_max import nm_scores, noisy_max_lattice, noisy_max_thresholds, score_units
 from dpsql.mechanisms.query_mix import (
-    FOCUS_LENGTHS,
     OCTAVES,
     PER_OCTAVE,
     STABILITY,
     QueryMix,
+    focus_lengths,
     mix_candidates,
     mix_scores,
     mix_thresholds,
+    ranges_span,
 )
 from dpsql.noise import Lane
 from dpsql.streams.hierarchy import HierarchyStream
@@ -143,12 +144,14 @@ def test_mix_thresholds_is_noisy_max_over_the_mix_scores():
     got = mix_thresholds(holdouts, epsilon=0.7, upper=800.0, mix=mix, is_sorted=False, noise=partitions_lane(5, 6))
     want = noisy_max_thresholds(np.sort(holdouts, axis=1), mix_candidates(800.0), public_parts(800.0, penalty),
                                 epsilon=0.7, is_sorted=True, noise=partitions_lane(5, 6))
-    np.testing.assert_array_equal(got, want)
+    lift = mix.lift(3000, epsilon=0.7)
+    assert lift > 1  # the floor raised the penalty: the choice is lifted, never above the bound
+    np.testing.assert_array_equal(got, np.minimum(want * lift, 800.0))
     # with no noise to speak of the choice is the argmax of the scores
     sharp = mix_thresholds(holdouts[:1], epsilon=1e6, upper=800.0, mix=mix, is_sorted=False,
                            noise=partitions_lane(1, 7))
     scores = mix_scores(np.sort(holdouts[0]), upper=800.0, penalty=mix.penalty(3000, epsilon=1e6))
-    assert sharp[0] == mix_candidates(800.0)[np.argmax(scores)]
+    assert sharp[0] == mix_candidates(800.0)[np.argmax(scores)] * mix.lift(3000, epsilon=1e6)
 
 
 # --- the penalty --------------------------------------------------------------------------------------
@@ -175,6 +178,22 @@ def test_the_penalty_is_the_mix_raised_to_the_stability_floor_and_capped():
     assert mix.penalty(4096, epsilon=1e-3) == 4096 / (2 * OCTAVES * math.log(2))
 
 
+def test_the_lift_undoes_the_floors_shift_on_the_models_own_tail():
+    """On a Pareto tail of index 2 (the model's: a value above theta exceeds it by theta on average),
+    Noisy Max without noise at the floor's penalty, lifted, lands where it lands at the mix's own
+    penalty (within a grid step and the hold-out's granularity); the cap never lowers a choice."""
+    m = 40_000
+    holdout = np.sort(np.minimum(1.0 / np.sqrt(1.0 - (np.arange(m) + 0.5) / m), 5000.0))  # Pareto(2) quantiles
+    mix = QueryMix((24, 65536), (0.05, 167.0))
+    assert mix.penalty(m, epsilon=0.05) > 3 * mix.own_penalty(m)
+    candidates = mix_candidates(5000.0)
+    own = candidates[np.argmax(mix_scores(holdout, upper=5000.0, penalty=mix.own_penalty(m)))]
+    floored = candidates[np.argmax(mix_scores(holdout, upper=5000.0, penalty=mix.penalty(m, epsilon=0.05)))]
+    assert floored < own / 1.5  # the floor alone clips far more than the mix wants
+    assert floored * mix.lift(m, epsilon=0.05) == pytest.approx(own, rel=0.2)
+    assert QueryMix((24,), (500.0,)).lift(4096, epsilon=0.5) == 1.0  # the cap below the mix's own penalty
+
+
 def test_the_stability_floor_keeps_large_excursions_unlikely():
     """The union bound behind STABILITY: at beta * epsilon = STABILITY, candidates at least
     sqrt(5) above a better one beat it with total probability at most 10 %."""
@@ -185,13 +204,13 @@ def test_the_stability_floor_keeps_large_excursions_unlikely():
 
 
 def test_focus_lengths_and_a_mix_from_the_hierarchy():
-    assert FOCUS_LENGTHS["mixed"] == (24, 168, 730, 65536)
+    assert focus_lengths("mixed", ranges_span(None, None)) == (24, 168, 730, round(2**16 / math.sqrt(6)))
     stream = HierarchyStream(epsilon=1.0, upper=1.0, noise=draws(0))
-    mix = stream.query_mix(FOCUS_LENGTHS["mixed"])
-    assert mix.lengths == FOCUS_LENGTHS["mixed"]
+    mix = stream.query_mix(focus_lengths("mixed", 2**16))
+    assert mix.lengths == (24, 168, 730, 26755)
     # noise grows with the range's length, and per squared bound it is the same whatever the bound
     assert list(mix.unit_variances) == sorted(mix.unit_variances)
-    wide = HierarchyStream(epsilon=1.0, upper=500.0, noise=draws(0)).query_mix(FOCUS_LENGTHS["mixed"])
+    wide = HierarchyStream(epsilon=1.0, upper=500.0, noise=draws(0)).query_mix(mix.lengths)
     np.testing.assert_allclose(wide.unit_variances, mix.unit_variances, rtol=1e-3)  # the lattice's slack aside
     # a range of whole blocks inside one chunk: the forest's exact variance at bound 1
     exact = HierarchyStream(epsilon=1.0, upper=1.0, noise=draws(0), r=4096, block=16)
