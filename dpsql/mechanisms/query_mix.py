@@ -76,10 +76,14 @@ DEFAULT_SPAN = 1 << 16
 #: Long ranges in :data:`FOCUS_LENGTHS`: ranges anywhere in the release's span (:func:`focus_lengths`).
 LONG = "long"
 #: What a release is for (``focus=``): the lengths, in rows, of the range sums it should answer
-#: well. ``"mixed"``: a day, a week and a month of hourly rows, and long ranges; ``"windows"``: a
-#: day and a week; ``"long"``: long ranges.
+#: well. ``"mixed"``: a day, a week and a month of hourly rows, and long ranges (on a calendar
+#: layout :data:`CALENDAR_TOTALS` instead); ``"windows"``: a day and a week; ``"long"``: long ranges.
 FOCUS_LENGTHS: dict[str, tuple[int | str, ...]] = {"mixed": (24, 168, 730, LONG), "windows": (24, 168),
                                                    "long": (LONG,)}
+#: ``focus="mixed"`` on a calendar layout (rows on a time grid, blocks of days, levels of months and
+#: years): the calendar totals that layout is for, whole UTC days, weeks and months of the grid's rows
+#: (:func:`focus_lengths`).
+CALENDAR_TOTALS = ("day", "week", "month")
 #: Every ``focus=``: the query mixes, and ``"paper"``, ToPS Eq. 6 as published (:mod:`.noisy_max`).
 FOCUSES = (*FOCUS_LENGTHS, "paper")
 #: The options of ToPS Eq. 6 alone (``focus="paper"``).
@@ -115,17 +119,27 @@ def ranges_span(rows: int | None, r: int | None) -> int:
     return span if r is None else min(span, r)
 
 
-def focus_lengths(focus: str, span: int) -> tuple[int, ...]:
+def focus_lengths(focus: str, span: int, *, calendar: bool = False) -> tuple[int | str, ...]:
     """The range lengths ``focus`` stands for in a release whose ranges fall in ``span`` rows
     (:func:`ranges_span`): long ranges have both ends anywhere in it and are stood for by their
     root-mean-square length ``span / sqrt(6)`` (their squared clipping bias grows as their length
     squared, so that length carries their mean squared bias); no length is longer than ``span``.
 
+    On a ``calendar`` layout ``"mixed"`` stands for :data:`CALENDAR_TOTALS` instead, named by their
+    unit: the totals that layout serves as whole nodes, whatever the grid's step (a day is 24 hourly
+    rows, 96 quarter hours). Not long ranges: a calendar layout is chosen for calendar totals
+    (``calendar="none"`` keeps row-count blocks for arbitrary long ranges, and ``focus="long"`` asks
+    for them), and a long range's clipping error is a small share of its total at any threshold the
+    calendar totals can bear, while their log-MSE weighing would give it the same voice as a day's,
+    whose noise at a threshold near the hold-out's top is several times the day's total.
+
     >>> focus_lengths("mixed", 2**16), focus_lengths("mixed", 2**20), focus_lengths("windows", 2**20)
     ((24, 168, 730, 26755), (24, 168, 730, 428079), (24, 168))
-    >>> focus_lengths("mixed", 500)
-    (24, 168, 500, 204)
+    >>> focus_lengths("mixed", 500), focus_lengths("mixed", 2**16, calendar=True)
+    ((24, 168, 500, 204), ('day', 'week', 'month'))
     """
+    if calendar and focus == "mixed":
+        return CALENDAR_TOTALS
     return tuple(max(1, round(span / math.sqrt(6.0))) if length == LONG else min(int(length), span)
                  for length in FOCUS_LENGTHS[focus])
 

@@ -24,7 +24,7 @@ from dpsql import _validate
 from dpsql.error_models import ErrorModel
 from dpsql.errors import InvalidParameter
 from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_threshold
-from dpsql.mechanisms.query_mix import FOCUSES, focus_lengths, mix_thresholds, ranges_span, refuse_paper_options
+from dpsql.mechanisms.query_mix import FOCUSES, mix_thresholds, ranges_span, refuse_paper_options
 from dpsql.mechanisms.smooth_sensitivity import check_pak_threshold, pak_threshold
 from dpsql.noise import BatchLaneDraws, Draws, Lane
 from dpsql.release import StreamMachine
@@ -115,7 +115,7 @@ class ThresholdRelease(StreamMachine):
         refuse_paper_options(focus, options)
         stream = HierarchyStream(epsilon=common["epsilon_perturber"], upper=1.0, r=r, fanout=common["fanout"],
                                  noise=self._noise)
-        self._mix = stream.query_mix(focus_lengths(focus, ranges_span(None, r)))  # the later release's length unknown
+        self._mix = stream.focus_mix(focus, ranges_span(None, r))  # the later release's length unknown
         return {**common, "r": r}
 
     def feed(self, chunk: np.ndarray) -> np.ndarray:

@@ -19,7 +19,6 @@ from dpsql.mechanisms.noisy_max import NM_LEVELS, default_step, nm_thresholds, n
 from dpsql.mechanisms.query_mix import (
     FOCUSES,
     QueryMix,
-    focus_lengths,
     mix_thresholds,
     ranges_span,
     refuse_paper_options,
@@ -42,7 +41,8 @@ class ToPS(ThresholdedStream):
     release is for.
 
     The threshold gets ``(1 - holdout_share) * epsilon``. ``focus="mixed"`` (the default:
-    24-row windows, weeks and months of hourly rows, long ranges), ``"windows"`` or ``"long"``:
+    24-row windows, weeks and months of hourly rows, long ranges; with calendar blocks, the whole
+    days, weeks and months they serve), ``"windows"`` or ``"long"``:
     Report-Noisy-Max over ``-#{v > theta} - beta * ln(theta)`` on the candidates
     ``upper * 2**(-j / 8)``, ``beta`` from the stream phase's noise for those range lengths, the
     choice raised by ``sqrt(beta / beta_mix)`` where the stability floor raised ``beta`` above the
@@ -107,7 +107,7 @@ class ToPS(ThresholdedStream):
         the stream phase's noise for them (public; computed when the threshold is chosen: a calendar
         layout's takes about a second)."""
         span = ranges_span(rows, self.r)
-        return self._stream_phase(np.ones(1), None).query_mix(focus_lengths(self.focus, span))
+        return self._stream_phase(np.ones(1), None).focus_mix(self.focus, span)
 
     def _stream_phase(self, thresholds: np.ndarray, initials: np.ndarray | None) -> StreamMachine:
         grid = None if self.grid is None else self.grid.shifted(self.m)  # the rows after the hold-out
