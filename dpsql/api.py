@@ -120,8 +120,9 @@ def tops(values, *, epsilon: float, upper: float, lower: float = 0.0, m: int | N
 
     Threshold: Report-Noisy-Max at ``(1 - holdout_share) * epsilon`` over a score for what the
     release is for, ``focus``: ``"mixed"`` (default: 24-row windows, weeks and months of hourly
-    rows, and long ranges; on a calendar layout, whole days, weeks and months), ``"windows"`` or ``"long"`` trade the values clipped against the
-    noise the threshold brings to those range sums (docs/algorithms.md, "tops");
+    rows, and long ranges; on a calendar layout, whole days, weeks and months), ``"windows"`` or
+    ``"long"`` trade the values clipped against the noise the threshold brings to those range sums
+    (docs/algorithms.md, "tops");
     ``"paper"`` is ToPS Eq. 6 with the paper's constants whatever the table's length
     (candidates ``step, 2 step, ..., upper - lower``, ``c``; ``levels_for_nm="code"`` counts
     levels as the reference code; these three apply to it alone). Hold-out rows (``m``,
