@@ -29,8 +29,8 @@ true ones, the share of days whose released total equals the day before's, and t
 daily totals and of 24-row windows come from ``range_ci(parts=True)``.
 
 ``--baseline CHECKOUT`` measures the no-grid release in a process importing the dpsql of
-``CHECKOUT`` (today's code: its spreading bound too); the column "rows, this branch" is the
-same release here (identical values, the tightened spreading bound). A second table gives W24
+``CHECKOUT`` (its code: its threshold and spreading bound too); the column "rows, this branch" is
+the same release here (this code's threshold and spreading bound). A second table gives W24
 and random-range MSEs on the synthetic families of ``bench/utility_range.py`` (given an hourly
 grid from 2020-01-01) against their BENCHMARKS figures' configuration.
 
@@ -285,8 +285,8 @@ def section(reps: int, baseline: str | None) -> str:
             "clipped total; `days = day before`: the share of days whose released total equals the previous "
             "day's; W24: MSE of every 24-row window sum; ranges: MSE of 1,000 ranges with both ends uniform. "
             "`traffic` is in sample (the README's example); the other tables are held out (module docstring "
-            "of `bench/calendar_blocks.py`). `rows, this branch`: the release without a grid (values identical to "
-            "today's; the spreading bound of a range inside one block tightened). "
+            "of `bench/calendar_blocks.py`). `rows, this branch`: the release without a grid (this "
+            "code's threshold and spreading bound). "
             "`calendar, p95 threshold (what-if)`: the grid, and the threshold given as the 95th percentile of the "
             "first 4,096 rows, computed without "
             "privacy (so no hold-out: every row at the full epsilon), to show what a threshold chosen for daily "

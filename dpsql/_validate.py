@@ -6,6 +6,7 @@ of :mod:`dpsql.errors` with messages naming the parameter or column.
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from collections.abc import Iterable
@@ -101,10 +102,18 @@ def bounds(lower, upper) -> tuple[float, float]:
 
 
 def choice(value, name: str, choices: Iterable[str]) -> str:
-    """One of a fixed set of names."""
+    """One of a fixed set of names; another is refused naming the closest one, if any is close.
+
+    >>> choice("windos", "focus", ("mixed", "windows"))
+    Traceback (most recent call last):
+    ...
+    dpsql.errors.InvalidParameter: unknown focus 'windos' (did you mean 'windows'?); expected one of 'mixed', 'windows'
+    """
     choices = tuple(choices)
     if value not in choices:
-        raise InvalidParameter(f"unknown {name} {value!r}; expected one of {', '.join(map(repr, choices))}")
+        close = difflib.get_close_matches(value, choices, n=1, cutoff=0.6) if isinstance(value, str) else []
+        guess = f" (did you mean {close[0]!r}?)" if close else ""
+        raise InvalidParameter(f"unknown {name} {value!r}{guess}; expected one of {', '.join(map(repr, choices))}")
     return value
 
 

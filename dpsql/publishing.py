@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import cast, overload
+from typing import overload
 
 import numpy as np
 import pyarrow as pa
@@ -37,9 +37,10 @@ from dpsql._fingerprint import fingerprint, values_digest
 from dpsql._groups import group_codes, unique
 from dpsql._memory import pooled_array
 from dpsql.accounting import Charge, Neighbour, Notion, compose
-from dpsql.addresses import address_ranks, partition_address, partition_addresses, refuse_repeated
+from dpsql.addresses import partition_address, partition_addresses, refuse_repeated
 from dpsql.budget import Budget, default_budget
 from dpsql.errors import InvalidParameter, scrubbed
+from dpsql.fleets import fleet_holdout, fleet_machine, fleet_params, fleet_threshold, pooled_params
 from dpsql.ledger import CachedAnswer
 from dpsql.mechanisms.calendar import calendar_by_default
 from dpsql.methods import GRID_METHODS, machine_for, pools_fleet, unsized_charge
@@ -56,7 +57,6 @@ from dpsql.release import (
     release_batched,
     run_machine,
 )
-from dpsql.streams.holdout import DEFAULT_HOLDOUT, ThresholdedStream, pooled_by_key, pooled_counts
 from dpsql.timegrid import RowGrid, partition_grids
 
 
@@ -194,7 +194,7 @@ class _Request:
         with one length and the same parameters (drawing from the group's first partition):
         machines of one group are identical until fed, and cost the same. A partitioned ToPS or
         PAK release with ``threshold_by="fleet"`` (the default) and no threshold given first
-        chooses the fleet's threshold from its pooled hold-out (:func:`fleet_threshold`); a
+        chooses the fleet's threshold from its pooled hold-out (:mod:`dpsql.fleets`); a
         hierarchy or ToPS release whose partitions' order keys lie on a time grid (hourly, daily,
         ...: :func:`~dpsql.timegrid.partition_grids`) gives each its ``grid``, so its blocks and
         levels follow the calendar (unless ``calendar="none"``)."""
@@ -276,14 +276,15 @@ class DistributedRelease:
         self._method, self._params, self._keystream = method, dict(params), keystream
         self.fingerprint = PartitionFingerprint(fingerprint_key(keystream.key))
         #: The rows of the fleet's pooled hold-out (``m``) when the release chooses one threshold for all its
-        #: partitions (:func:`fleet_threshold`: ToPS or PAK, ``threshold_by="fleet"``, no threshold given), else None.
-        self.holdout = _fleet_holdout(params) if pools_fleet(method, params) else None
+        #: partitions (:func:`~dpsql.fleets.fleet_threshold`: ToPS or PAK, ``threshold_by="fleet"``, no threshold
+        #: given), else None.
+        self.holdout = fleet_holdout(params) if pools_fleet(method, params) else None
 
     def check(self, *, rows: int | None = None) -> None:
         """Refuse now (:class:`dpsql.BudgetExhausted`) what :meth:`charge` would refuse of the
         budget and, given the release's ``rows`` in all, a pooled hold-out that is not shorter."""
         if rows is not None and self.holdout is not None:
-            _fleet_holdout(self._params, rows)
+            fleet_holdout(self._params, rows)
         if self._budget is not None:
             self._budget.check(self._charge)
 
@@ -301,9 +302,9 @@ class DistributedRelease:
         if self.holdout is not None:
             if len(pooled_values) != self.holdout:
                 raise InvalidParameter(f"the fleet's pool holds m={self.holdout} values, got {len(pooled_values)}")
-            fleet = _fleet_machine(self._method, self._params, rows, self._keystream)
+            fleet = fleet_machine(self._method, self._params, rows, self._keystream)
             # every threshold the pool can give lies in (lower, upper]: validated with the bound's
-            shared = _fleet_params(self._method, self._params, fleet, float(self._params["upper"]))
+            shared = fleet_params(self._method, self._params, fleet, None, rows)
         draws = self._keystream.partition(b"")
         for (n, pooled), partition in shapes.items():
             try:
@@ -313,7 +314,8 @@ class DistributedRelease:
         if self._budget is not None:
             self._budget.charge(self._charge)
         if fleet is not None:
-            shared = _fleet_params(self._method, self._params, fleet, fleet.pooled_threshold(pooled_values))
+            # for ranges in the longest partition, as the local release (fleets.fleet_threshold)
+            shared = fleet_params(self._method, self._params, fleet, pooled_values, max(n for n, _ in shapes))
         return PartitionTask(method=self._method, params=shared, private=self._keystream.private,
                              key=self._keystream.key, admitted=admitted, pooled=fleet is not None)
 
@@ -434,64 +436,6 @@ def _with_grids(params: list[dict], which: np.ndarray, first: np.ndarray, step: 
     grids = [{**params[int(which[k])], **({"grid": RowGrid(int(first[k]), int(step[k])).plain()} if step[k] else {})}
              for k in chosen.tolist()]
     return grids, entry.reshape(-1)
-
-
-def fleet_threshold(method: str, data: np.ndarray, lengths: np.ndarray, addresses: pa.Array, keystream: Keystream,
-                    params: dict, order_values=None) -> tuple[list[dict], np.ndarray]:
-    """The fleet's threshold from its pooled hold-out (its earliest rows by ``order_values``, each
-    row's order key, ties by partition address, or without them the first rows of every partition
-    by row number then address; ``m`` rows in all: :mod:`dpsql.streams.holdout`), chosen
-    once by the method's rule from the fleet's draws (the unpartitioned address, which no
-    partition has) at ``(1 - holdout_share) * epsilon`` (a row is in the pool once, so the pool is
-    one mechanism); then the parameters of each partition's machine (the threshold, and how many
-    of its first rows were pooled: released at ``holdout_share * epsilon``, the rest at
-    ``epsilon``) as a list of distinct parameter sets and each partition's entry in it."""
-    fleet = _fleet_machine(method, params, int(lengths.sum()), keystream)
-    m = _fleet_holdout(params)
-    rank = address_ranks(addresses)
-    if isinstance(order_values, list):  # a front end's chunks
-        order_values = pa.chunked_array(order_values)
-    if order_values is None:  # the first rows of every partition, by row number
-        counts = pooled_counts(np.zeros(len(lengths), np.int64), lengths, rank, m)
-    else:  # the fleet's earliest rows
-        counts = pooled_by_key(order_values, np.repeat(np.arange(len(lengths)), lengths), rank, m, len(lengths))
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    pool = data[np.repeat(starts, counts) + (np.arange(m) - np.repeat(np.cumsum(counts) - counts, counts))]
-    return pooled_params(_fleet_params(method, params, fleet, fleet.pooled_threshold(pool)), counts)
-
-
-def pooled_params(shared: dict, pooled_rows) -> tuple[list[dict], np.ndarray]:
-    """The parameters of each partition of a fleet whose threshold is in ``shared``: the distinct
-    parameter sets (``shared`` and a partition's pooled rows, ``pooled_rows[k]`` for partition
-    ``k``) and each partition's entry in them."""
-    distinct, which = np.unique(np.asarray(pooled_rows, np.int64), return_inverse=True)
-    return [{**shared, "pooled_rows": int(c)} for c in distinct.tolist()], which.reshape(-1)
-
-
-def _fleet_holdout(params: Mapping, total: int | None = None) -> int:
-    """The rows of a fleet's pooled hold-out (``m``); refuses a pool not shorter than the fleet's ``total`` rows."""
-    m = DEFAULT_HOLDOUT if params.get("m") is None else _validate.integer(params["m"], "m", minimum=1)
-    if total is not None and m >= total:
-        raise InvalidParameter(f"m (the fleet's pooled hold-out) must be < the number of values ({total}), got m={m}; "
-                               "pass a smaller m, or a threshold released before (threshold=)")
-    return m
-
-
-def _fleet_machine(method: str, params: dict, total: int, keystream: Keystream) -> ThresholdedStream:
-    """The machine choosing a fleet's threshold (over the fleet's ``total`` rows, drawing from the
-    fleet's address; ``method`` is one of POOLED_METHODS); refuses a pool of ``m`` rows not
-    shorter than them."""
-    m = _fleet_holdout(params, total)
-    return cast(ThresholdedStream, machine_for(method, total, keystream.partition(b""), {**params, "m": m}))
-
-
-def _fleet_params(method: str, params: dict, fleet: ThresholdedStream, theta: float) -> dict:
-    """What every partition's machine of a fleet takes: the parameters, the fleet's threshold ``theta``, PAK's
-    delta (the pooled threshold's, paid here) and the pool's ``m`` (do pooled rows wait within a max_delay?)."""
-    shared = {**params, "m": _fleet_holdout(params), "threshold": theta}
-    if method == "pak":
-        shared["delta"] = fleet.cost[1]
-    return shared
 
 
 def _run_partitions(method: str, plan: _Plan, data: np.ndarray, offsets: np.ndarray, keystream: Keystream,

@@ -13,7 +13,7 @@ its length, a keyed digest of exactly the rows its release will consume, and eve
 release refuses (NULL or NaN keys, an order key repeated within a partition, a NULL, NaN,
 infinite or beyond-2**53 value, a length the method refuses, such as a partition's own hold-out
 longer than the partition). A partitioned ToPS or PAK release learns one threshold for the
-fleet by default (``threshold_by="fleet"``, :func:`dpsql.publishing.fleet_threshold`): from the
+fleet by default (``threshold_by="fleet"``, :func:`dpsql.fleets.fleet_threshold`): from the
 fleet's ``m`` earliest rows by order key, ties by partition address, as the local release does.
 The same job offers each partition's first rows as candidates (:data:`OFFERED_ROWS`, then, if
 the fleet's earliest partitions give the pool more, again with ``m``); the driver picks the pool

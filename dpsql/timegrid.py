@@ -168,6 +168,27 @@ class RowGrid:
         whole_first_day = self.first - first_day * DAY < self.step
         return np.concatenate([[0] if whole_first_day and rows else [], starts]).astype(np.int64)
 
+    def unit_ranges(self, unit: str, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """The first and stop rows of the whole calendar ``unit`` buckets (``"day"``, ``"week"``:
+        from Monday, ``"month"``; UTC) among the first ``rows`` rows (a partial first or last one left out).
+
+        >>> starts, stops = RowGrid.of(("2024-02-28T09:00", "1h")).unit_ranges("month", 24 * 70)
+        >>> starts.tolist(), stops.tolist()  # March and April 2024, from row 39 (midnight of March 1st)
+        ([39, 783], [783, 1503])
+        """
+        starts = self.day_starts(rows)
+        days = self.day_of_row(starts)
+        if unit == "week":
+            keep = (days + 3) % 7 == 0  # 1970-01-01 was a Thursday
+        elif unit == "month":
+            keep = days.astype("datetime64[D]") == days.astype("datetime64[D]").astype("datetime64[M]")
+        elif unit == "day":
+            keep = np.ones(len(starts), dtype=bool)
+        else:
+            raise InvalidParameter(f"unknown calendar unit {unit!r}; expected 'day', 'week' or 'month'")
+        starts = starts[keep]
+        return starts[:-1], starts[1:]
+
     def plain(self) -> dict:
         """The grid as plain text (exact to the nanosecond), as :meth:`of` reads it back."""
         return {"first": str(np.datetime64(self.first, "ns")), "step": duration_text(self.step)}

@@ -9,7 +9,7 @@ Exactness: the argmax is taken over int64 lattice units ``k_i + Z_i`` (no float 
 at any magnitude). Float scores given by a caller are refused when they reach ``2**53``
 lattice units with the noise: beyond that their own float rounding may move a score by
 more than its sensitivity. ToPS's scores are formed in lattice units directly, exactly
-(see :func:`nm_score_units`), so they have no such limit.
+(see :func:`score_units`), so they have no such limit.
 """
 
 from __future__ import annotations
@@ -222,40 +222,36 @@ def nm_scores(holdout: np.ndarray, candidates: np.ndarray, slope: float, *,
     return -slope * candidates - above
 
 
-def nm_score_units(holdout: np.ndarray, candidates: np.ndarray, slope: float, lap: LaplaceLattice, *,
-                   is_sorted: bool = True) -> np.ndarray:
-    """The Eq. 6 scores of increasing ``candidates`` in the lattice units of ``lap`` (the
-    sensitivity-1 :func:`noisy_max_lattice`), exactly (int64):
-    ``rint(-slope * theta / gamma) - m_theta / gamma``, less a public constant.
+def score_units(holdout: np.ndarray, candidates: np.ndarray, public: np.ndarray, lap: LaplaceLattice, *,
+                is_sorted: bool = True) -> np.ndarray:
+    """The scores ``public - m_theta`` of increasing ``candidates`` (``m_theta = #{v > theta}`` on
+    the hold-out, ``public`` a finite data-independent part per candidate) in the lattice units of
+    ``lap`` (the sensitivity-1 :func:`noisy_max_lattice`), exactly (int64), less a public constant.
 
-    The public part ``-slope * theta`` does not depend on the data, so rounding it to the
-    lattice first is a public change of the scoring function; the private part
-    ``m_theta / gamma`` is an exact integer (``1 / gamma`` is a power of two). Replacing one
-    value moves every score by at most ``1 / gamma`` units, all in the same direction: the
-    sensitivity is exactly 1 (``1 / gamma`` units, within the ``1 / gamma + 1`` units
-    ``lap``'s scale is calibrated for) and the scores are monotone, at any magnitude. Report-Noisy-Max over these units
-    has exactly the distribution of the ideal mechanism on the rounded scores, at the same
-    privacy cost. For ordinary magnitudes (scores below ``2**53`` units) they are the
-    float scores of :func:`nm_scores` rounded to the lattice, but for double rounding at
-    exact ties, and the noisy argmax is the same.
+    The public part does not depend on the data, so rounding it to the lattice first is a
+    public change of the scoring function; the private part ``m_theta / gamma`` is an exact
+    integer (``1 / gamma`` is a power of two). Replacing one value moves every score by at
+    most ``1 / gamma`` units, all in the same direction: the sensitivity is exactly 1
+    (``1 / gamma`` units, within the ``1 / gamma + 1`` units ``lap``'s scale is calibrated for)
+    and the scores are monotone, at any magnitude. Report-Noisy-Max over these units has
+    exactly the distribution of the ideal mechanism on the rounded scores, at the same
+    privacy cost.
 
     The public parts are taken relative to the largest one (a constant shift, which no
     argmax sees) and raised to at most ``m / gamma + 2 b + 1`` units below it (``m`` the
     hold-out length, ``b`` the largest draw): a candidate that low scores below
     ``-m / gamma - 2 b`` whatever the data, where the candidate with the largest public part
     scores at least ``-m / gamma``, so it is never a :func:`contenders` member either way.
-    All units therefore stay small whatever ``slope`` and ``upper``, and int64 is exact.
+    All units therefore stay small whatever the public parts, and int64 is exact.
 
-    >>> lap = noisy_max_lattice(1.0)  # 4096 units per score unit
-    >>> nm_score_units(np.array([1., 1, 2, 2, 3, 3, 4, 5, 9, 20]), np.array([3., 4, 5, 6, 9]), 0.5, lap) / 4096
-    array([-4. , -3.5, -3. , -3.5, -4. ])
-    >>> nm_scores(np.array([1., 1, 2, 2, 3, 3, 4, 5, 9, 20]), np.array([3., 4, 5, 6, 9]), 0.5) + 0.5 * 3
-    array([-4. , -3.5, -3. , -3.5, -4. ])
+    >>> lap = noisy_max_lattice(1.0)
+    >>> score_units(np.array([1., 5, 9]), np.array([2., 4, 8]), np.array([0., -0.5, -1.75]), lap) / 4096
+    array([-2.  , -2.5 , -2.75])
     """
     inverse_gamma = round(1.0 / lap.granularity)
-    public = np.rint(-slope * candidates / lap.granularity)
-    if not np.isfinite(public[0]):
-        raise InvalidParameter(f"ToPS scores overflow for candidates up to {candidates[-1]!r} at slope {slope!r}")
+    public = np.rint(np.asarray(public, dtype=np.float64) / lap.granularity)
+    if not np.all(np.isfinite(public)):
+        raise InvalidParameter(f"Noisy-Max scores overflow: a public part is {public[~np.isfinite(public)][0]!r}")
     public -= public.max()
     reach = holdout.shape[-1] * inverse_gamma + 2 * draw_bound(lap.scale_units) + 1
     np.maximum(public, -reach, out=public)
@@ -373,22 +369,36 @@ def nm_thresholds(holdouts: np.ndarray, *, epsilon: float, upper: float, epsilon
                   is_sorted: bool = True, noise: BatchLaneDraws) -> np.ndarray:
     """:func:`nm_threshold` for every row of ``holdouts`` (partitions' hold-outs of one length,
     row ``k`` drawing from ``noise``'s partition ``k``), each with exactly the distribution it
-    has alone (see :func:`report_noisy_max_rows`).
+    has alone (see :func:`report_noisy_max_rows`), by :func:`noisy_max_thresholds`.
+    """
+    candidates = candidate_grid(upper, default_step(upper) if step is None else step)
+    slope = nm_slope(holdouts.shape[1], epsilon_perturber=epsilon_perturber, r=r, fanout=fanout, c=c,
+                     levels_for_nm=levels_for_nm)
+    with np.errstate(over="ignore"):  # refused by score_units, before any draw
+        public = -slope * candidates
+    return noisy_max_thresholds(holdouts, candidates, public, epsilon=epsilon, is_sorted=is_sorted, noise=noise)
+
+
+def noisy_max_thresholds(holdouts: np.ndarray, candidates: np.ndarray, public: np.ndarray, *, epsilon: float,
+                         is_sorted: bool, noise: BatchLaneDraws) -> np.ndarray:
+    """Report-Noisy-Max over the scores ``public - #{v > theta}`` of increasing ``candidates``
+    (``public`` data-independent and finite) for every row of ``holdouts``, row ``k`` drawing
+    from ``noise``'s partition ``k``: the chosen candidate of each row.
+
+    Privacy: ``epsilon``-DP on each row (replace-one-value neighbours): the scores have
+    sensitivity 1 and are monotone (:func:`score_units`), only the chosen candidate is released.
 
     Rows are scored, pruned and given their draws in groups of about ``2**18`` scores
     (cache-sized): arrays as large as all partitions' candidates are never made (with
     thousands of partitions, nearly every candidate can win, and memory fresh from the system
     costs more than the arithmetic). Scores are formed in lattice units exactly
-    (:func:`nm_score_units`), so the noisy argmax is exact for any ``upper`` and epsilon.
+    (:func:`score_units`), so the noisy argmax is exact for any candidates and epsilon.
     """
-    candidates = candidate_grid(upper, default_step(upper) if step is None else step)
-    slope = nm_slope(holdouts.shape[1], epsilon_perturber=epsilon_perturber, r=r, fanout=fanout, c=c,
-                     levels_for_nm=levels_for_nm)
     lap = noisy_max_lattice(epsilon)
     group = max(1, _SCORES_AT_ONCE // len(candidates))
     chosen = np.empty(len(holdouts), dtype=np.int64)
     for a in range(0, len(holdouts), group):
-        units = nm_score_units(holdouts[a:a + group], candidates, slope, lap, is_sorted=is_sorted)
+        units = score_units(holdouts[a:a + group], candidates, public, lap, is_sorted=is_sorted)
         alive = contenders(units, lap.scale_units)
         chosen[a:a + group] = _noisy_argmax(units.ravel()[alive], alive, units.shape, lap, noise, first_row=a)
     return candidates[chosen]

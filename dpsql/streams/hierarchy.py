@@ -48,6 +48,7 @@ from dpsql.mechanisms.block_error import BlockStreamNoise, CalendarBlockNoise
 from dpsql.mechanisms.calendar import CALENDARS, DEFAULT_CALENDAR, CalendarLayout
 from dpsql.mechanisms.hierarchy import Chunk, Forest, Layout, predictive_depth, tree_height
 from dpsql.mechanisms.laplace import LatticeBatch
+from dpsql.mechanisms.query_mix import QueryMix, focus_lengths
 from dpsql.mechanisms.smoothers import MIN_ALPHA, SMOOTHERS, make_smoother
 from dpsql.noise import Draws, DrawsBatch, Lane
 from dpsql.release import StreamMachine
@@ -57,6 +58,11 @@ from dpsql.timegrid import RowGrid
 PAPER_RANGE = 1 << 20
 #: The largest block a user may ask for (rows wait for their block's last row).
 MAX_BLOCK = 1 << 24
+#: The stream a query mix's ranges are placed in (:meth:`HierarchyStream.query_mix`), at least.
+_MIX_ROWS = 1 << 18
+#: Query mixes computed, by public layout and lengths (at most ``_QUERY_MIXES_KEPT``).
+_QUERY_MIXES: dict[tuple, QueryMix] = {}
+_QUERY_MIXES_KEPT = 64
 
 
 def check_hierarchy_options(*, fanout, consistency, smoother, window, alpha, r, depth, block, grid=None,
@@ -449,20 +455,77 @@ class HierarchyStream(StreamMachine):
         """Partition ``partition``'s error model for the rows released so far: one model over
         a fixed layout's chunks (a predictive smoother's noise crosses chunk ends), one segment
         per chunk of a geometric layout (independent forests), one model over calendar years."""
-        released = self.released_rows
-        terms = self._smoother.partition_terms(partition)
+        return self._error_model(partition, self.released_rows, self._smoother.partition_terms(partition),
+                                 self._flushed)
+
+    def query_mix(self, lengths: tuple[int | str, ...]) -> QueryMix:
+        """The range sums of ``lengths`` rows, or of whole calendar units (``"day"``, ``"week"``,
+        ``"month"``: :data:`~dpsql.mechanisms.query_mix.CALENDAR_TOTALS`, on a grid), that a threshold
+        for this stream should serve, with their noise variance per squared bound (partition 0's;
+        public: the layout and epsilon only, no row fed).
+
+        A length's unit variance is the mean over 64 evenly spaced ranges of a stream of
+        ``max(2**18, 4 * max(lengths), 128 days)`` rows (short ranges fall anywhere in a long
+        stream); a unit's, the mean over the whole units of that stream, whose length is the unit's
+        mean number of rows. All rows released, spread evenly over their block (the flat spread, the
+        default; a predictive smoother's windows carry more noise, and a median's depends on released
+        values): every variance is positive. Computed once per public layout (cached).
+
+        >>> import dpsql
+        >>> stream = HierarchyStream(epsilon=1.0, upper=1.0, noise=dpsql.testing.draws(0))
+        >>> [round(v, 3) for v in stream.query_mix((24, 65536)).unit_variances]
+        [0.048, 167.298]
+        >>> hourly = HierarchyStream(epsilon=1.0, upper=1.0, grid=("2024-01-01", "1h"), noise=dpsql.testing.draws(0))
+        >>> mix = hourly.query_mix(("day", "week", "month"))
+        >>> mix.lengths, [round(v, 1) for v in mix.unit_variances]  # a day is one node at 0.7 epsilon
+        ((24, 168, 731), [4.0, 24.1, 33.6])
+        """
+        bound = float(self._bounds[0])
+        key = (self.epsilon, self.smoother_name, self.r, self.fanout, self.consistency, self.depth, self.block,
+               None if self.grid is None else tuple(sorted(self.grid.plain().items())), self.calendar, bound,
+               tuple(lengths))
+        if key not in _QUERY_MIXES:
+            units = [length for length in lengths if isinstance(length, str)]
+            if units and not self._on_calendar:
+                raise InvalidParameter(f"calendar totals ({', '.join(units)}) need a calendar layout (a grid)")
+            rows = max(_MIX_ROWS, 4 * max((n for n in lengths if not isinstance(n, str)), default=0),
+                       128 * self.grid.rows_per_day if units else 0)
+            model = self._error_model(0, rows, {"name": "none"}, True)
+            spans, variances = [], []
+            for length in lengths:
+                if isinstance(length, str):
+                    starts, stops = self.grid.unit_ranges(length, rows)
+                else:
+                    starts = np.linspace(0, rows - length, 64).astype(np.int64)
+                    stops = starts + length
+                spans.append(round(float(np.mean(stops - starts))))
+                variances.append(float(np.mean(model.range_variance(starts, stops))) / bound**2)
+            if len(_QUERY_MIXES) >= _QUERY_MIXES_KEPT:
+                _QUERY_MIXES.clear()
+            _QUERY_MIXES[key] = QueryMix(tuple(spans), tuple(variances))
+        return _QUERY_MIXES[key]
+
+    def focus_mix(self, focus: str, span: int) -> QueryMix:
+        """:meth:`query_mix` for what ``focus`` stands for in ranges of ``span`` rows
+        (:func:`~dpsql.mechanisms.query_mix.focus_lengths`; the calendar totals on a calendar layout)."""
+        return self.query_mix(focus_lengths(focus, span, calendar=self._on_calendar))
+
+    def _error_model(self, partition: int, released: int, terms: dict, flushed: bool
+                     ) -> BlockStreamNoise | SegmentedNoise | CalendarBlockNoise:
+        """Partition ``partition``'s error model once ``released`` rows are released with the
+        smoother ``terms`` (``flushed``: the last block was released short)."""
         bound = float(self._bounds[partition])
         if self._on_calendar:
             variances = [float(lattice.variance[partition]) for lattice in self._lattices(self.layout.chunk(0))]
             return CalendarBlockNoise(n_rows=released, grid=self.grid.plain(), level_variances=variances,
-                                      consistent=self.consistency, bound=bound, short_last_block=self._flushed)
+                                      consistent=self.consistency, bound=bound, short_last_block=flushed)
 
         def model(chunk: Chunk, rows: int, last: bool) -> BlockStreamNoise:
             node_variance = float(self._lattices(chunk)[0].variance[partition])
             return BlockStreamNoise(n_rows=rows, block=chunk.block, chunk_blocks=chunk.blocks, fanout=self.fanout,
                                     levels=chunk.forest.levels, node_variance=node_variance,
                                     consistent=self.consistency, smoother={**terms, "block": chunk.block},
-                                    bound=bound, short_last_block=self._flushed and last)
+                                    bound=bound, short_last_block=flushed and last)
 
         if not self.layout.geometric:
             return model(self.layout.chunk(0), released, True)

@@ -100,6 +100,7 @@ class ThresholdedStream(StreamMachine):
         self.epsilon = _validate.epsilon(epsilon)
         self.lower, self.upper = _validate.bounds(lower, upper)
         self.bound = self.upper - self.lower
+        self.n_rows = n  # None for a stream (its length unknown)
         self.threshold_by = _validate.choice(threshold_by, "threshold_by", THRESHOLD_BY)
         self.given_threshold = None
         #: True for a partition of a fleet whose threshold came from a pooled hold-out (see module docstring)
@@ -173,20 +174,23 @@ class ThresholdedStream(StreamMachine):
         # a threshold released before was paid for then; a fleet's pooled one by this release
         return self.epsilon, (0.0 if self.given_threshold is not None and not self.pooled else self.threshold_delta)
 
-    def pooled_threshold(self, values: np.ndarray) -> float:
+    def pooled_threshold(self, values: np.ndarray, rows: int | None = None) -> float:
         """The threshold of a fleet's pooled hold-out ``values`` (each row of the pool once), chosen
         by this machine's rule from its own draws (the fleet's): ``(1 - holdout_share) * epsilon``
         (and the method's delta) for all of them, as a single stream's hold-out costs; in data units.
-        The fleet's partitions then release their pooled rows (``pooled_rows``) at
-        ``holdout_share * epsilon`` and the rest at ``epsilon``, clipped at it."""
+        ``rows``: the longest partition's length, when the release's length is known (a threshold
+        for what the release is for serves no range longer). The fleet's partitions then release
+        their pooled rows (``pooled_rows``) at ``holdout_share * epsilon`` and the rest at
+        ``epsilon``, clipped at it."""
         holdout = np.ascontiguousarray(np.clip(self._shift(np.asarray(values, dtype=np.float64)), 0.0, self.bound))
-        theta = np.clip(self._choose_thresholds(holdout[None, :]), _MIN_THRESHOLD * self.bound, self.bound)
+        theta = np.clip(self._choose_thresholds(holdout[None, :], rows), _MIN_THRESHOLD * self.bound, self.bound)
         return float(theta[0]) + self.lower
 
     @abstractmethod
-    def _choose_thresholds(self, holdout: np.ndarray) -> np.ndarray:
+    def _choose_thresholds(self, holdout: np.ndarray, rows: int | None) -> np.ndarray:
         """One private threshold per row of ``holdout`` (values in ``[0, bound]``, one
-        partition's hold-out per row, in time order, C-contiguous)."""
+        partition's hold-out per row, in time order, C-contiguous) for partitions of ``rows``
+        rows (None: a stream's, of unknown length)."""
 
     @abstractmethod
     def _stream_phase(self, thresholds: np.ndarray, initials: np.ndarray | None) -> StreamMachine:
@@ -263,7 +267,8 @@ class ThresholdedStream(StreamMachine):
         if self.given_threshold is not None:  # a fleet's, from the pool these rows were in
             thresholds = np.full(self.partitions, self.given_threshold)
         else:
-            thresholds = np.clip(self._choose_thresholds(holdout), _MIN_THRESHOLD * self.bound, self.bound)
+            thresholds = np.clip(self._choose_thresholds(holdout, self.n_rows), _MIN_THRESHOLD * self.bound,
+                                 self.bound)
         if self.holdout_at_bound:
             # its mean is not kept anywhere exactly (summing the pieces would depend on the appends):
             # a predictive smoother starts from half the threshold, the paper's guess

@@ -77,7 +77,7 @@ class PakStream(ThresholdedStream):
                                                          rho=rho)
             self.threshold_delta = self._threshold_params.delta
 
-    def _choose_thresholds(self, holdout):
+    def _choose_thresholds(self, holdout, rows):  # PAK's quantile does not depend on the release's length
         p = self._threshold_params
         return np.array([pak_threshold(row, epsilon=p.epsilon, delta=p.delta, upper=p.upper, tail_p=p.tail_p,
                                        lam=p.lam, beta_lt=p.beta_lt, rho=p.rho,

@@ -409,8 +409,8 @@ def test_a_distributed_fleet_chooses_its_threshold_after_the_charge(monkeypatch)
     with its pooled rows, as publish does."""
     chosen = []
     pooled_threshold = ToPS.pooled_threshold
-    monkeypatch.setattr(ToPS, "pooled_threshold", lambda self, values: chosen.append(len(values)) or
-                        pooled_threshold(self, values))
+    monkeypatch.setattr(ToPS, "pooled_threshold", lambda self, values, rows=None: chosen.append(len(values)) or
+                        pooled_threshold(self, values, rows))
     rng = np.random.default_rng(4)
     values, offsets = rng.gamma(2.0, 3.0, 300), np.array([0, 100, 110, 300])
     keys = [pa.array(["a", "b", "c"])]

@@ -22,6 +22,7 @@ from dpsql.mechanisms.noisy_max import (
     nm_threshold,
     nm_thresholds,
     noisy_max_lattice,
+    noisy_max_thresholds,
     report_noisy_max_rows,
 )
 from dpsql.noise import BatchLaneDraws, Lane
@@ -312,3 +313,14 @@ def test_batch_lane_draws_are_each_partitions_draws():
     np.testing.assert_array_equal(
         batch.discrete_laplace_at(7.0, rows, indices),
         [partitions[r].lane(Lane.FOREST, 2).discrete_laplace_at(7.0, np.array([i]))[0] for r, i in zip(rows, indices)])
+
+
+def test_scores_whose_public_parts_overflow_are_refused_before_any_draw():
+    lane = ScriptedLane(np.zeros(8, dtype=np.int64))
+    with pytest.raises(dpsql.InvalidParameter, match="overflow"):
+        noisy_max_thresholds(np.ones((1, 4)), np.array([1.0, 2.0]), np.array([0.0, -np.inf]), epsilon=1.0,
+                             is_sorted=True, noise=BatchLaneDraws.of(lane))
+    with pytest.raises(dpsql.InvalidParameter, match="overflow"):
+        nm_thresholds(np.ones((1, 4)), epsilon=1.0, upper=1e300, epsilon_perturber=1e-300, r=2, step=1e299,
+                      noise=BatchLaneDraws.of(lane))
+    assert lane.asked == []

@@ -333,14 +333,18 @@ def _fleet(shape: str, partitions: int = 200, rows: int = 30) -> pl.DataFrame:
 @pytest.mark.parametrize(("shape", "method", "params"), [("together", "tops", {}), ("staggered", "tops", {}),
                                                          ("together", "tops", {"m": 300}),
                                                          ("minutes", "tops", {"m": 1000}),
-                                                         ("together", "pak", {"delta": 1e-6, "m": 300})])
+                                                         ("together", "pak", {"delta": 1e-6, "m": 300}),
+                                                         ("together", "tops", {"focus": "windows"}),
+                                                         ("staggered", "tops", {"focus": "long", "m": 300}),
+                                                         ("together", "tops", {"focus": "paper", "c": 30.0})])
 def test_a_fleet_threshold_release_equals_the_local_one(spark, shape, method, params):
     """Issue 21 items 3 and 4: the default partitioned tops (and PAK) chooses one threshold for the
     fleet from its pooled hold-out (its 4,096 earliest rows by time key, ties by partition
     address), on the driver after the charge, and releases 200 meters of 30 rows (shorter than
     their share of the pool) exactly as the local release does. The check gathers each meter's
     first 8 rows for the pool: enough for a pool of 300, not for 4,096 (21 rows a meter) or for
-    staggered meters (the earliest give all their rows): then it gathers again."""
+    staggered meters (the earliest give all their rows): then it gathers again. Every ``focus``
+    (issue 22 item 5) chooses the fleet's threshold on the driver as the local release does."""
     frame = _fleet(shape)
     budget = dpsql.Budget.in_memory(epsilon=1.0, delta=1e-5)
     release = dict(method=method, epsilon=1.0, upper=50.0, **params)
@@ -354,6 +358,28 @@ def test_a_fleet_threshold_release_equals_the_local_one(spark, shape, method, pa
     got = pl.from_pandas(out.toPandas()).sort("meter", "ts")
     expected = local.sort("meter", "ts")
     assert got.height == 6000 and got["kwh"].to_list() == expected["dp"].to_list()
+
+
+def test_a_fleet_threshold_serves_the_longest_partition_on_spark_as_locally(spark):
+    """The default threshold serves long ranges anywhere in the release's longest partition
+    (issue 22 item 5): a fleet of ten meters of 30 rows and one of 100,000 rows (longer than a
+    stream's span, 2**16 rows) must get that partition's threshold on Spark's driver too, and
+    release exactly what the local release does. The driver used to choose for a stream's span
+    (another threshold here: other values for every row)."""
+    rng = np.random.default_rng(21)
+    lengths = np.array([30] * 10 + [100_000])
+    meter = np.repeat(np.arange(len(lengths)), lengths)
+    ts = np.concatenate([np.arange(n) for n in lengths])
+    frame = pl.DataFrame({"meter": meter, "ts": ts, "kwh": np.round(rng.lognormal(1.0, 1.2, len(meter)), 3)})
+    release = dict(method="tops", epsilon=1.0, upper=1000.0)
+    with dpsql.testing.seeded(9):
+        local = frame.with_columns(pl.col("kwh").dpsql.range_sum(order_by="ts", partition_by="meter", **release)
+                                   .alias("dp"))
+    with dpsql.testing.seeded(9):
+        out = spark_dp.range_sum(spark.createDataFrame(frame.to_pandas()), order_by="ts", value="kwh",
+                                 partition_by="meter", budget=dpsql.Budget.in_memory(epsilon=1.0), **release)
+    got = pl.from_pandas(out.toPandas()).sort("meter", "ts")
+    assert got.height == len(meter) and got["kwh"].to_list() == local.sort("meter", "ts")["dp"].to_list()
 
 
 def test_partitions_cut_across_arrow_batches_are_released_whole(spark):

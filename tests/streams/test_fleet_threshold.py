@@ -44,7 +44,7 @@ def test_a_fleet_release_is_each_partition_under_the_fleets_threshold():
         [partition_address(k) for k in range(300)])), DEFAULT_HOLDOUT)
     pool = np.concatenate([values[p, :c] for p, c in enumerate(pooled)])
     fleet = machine_for("tops", values.size, keys.partition(b""), {"epsilon": 1.0, "upper": 500.0, "m": 4096})
-    theta = fleet.pooled_threshold(pool)
+    theta = fleet.pooled_threshold(pool, 50)  # for ranges in a partition's 50 rows
     assert {part.threshold for part in release.parts} == {theta}
     for p in (0, 7, 299):
         machine = machine_for("tops", 50, keys.partition(partition_address(p)),

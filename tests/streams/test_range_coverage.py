@@ -83,9 +83,9 @@ def tops_release():
 def test_the_releases_have_their_own_thresholds(tops_release):
     _, release = tops_release
     thresholds = {part.threshold for part in release.parts}
-    # each partition chose its own (Noisy Max picks below the 900 spikes in about 0.1 % of partitions, so
-    # whether one of 2,000 did is up to the seed; the spread of the choices is not)
-    assert len(thresholds) > 20 and max(thresholds) - min(thresholds) > 50.0
+    # each partition chose its own: most keep the 900 spikes (917 or 1000, the candidates above them),
+    # a few percent clip them (about 200)
+    assert len(thresholds) > 3 and max(thresholds) - min(thresholds) > 500.0
 
 
 @pytest.mark.parametrize("where", ["inside the hold-out", "after the hold-out", "across the hold-out's end"])

@@ -107,8 +107,8 @@ def test_a_seeded_release_draws_the_same_noise_as_before():
     """Pinned values of a seeded release (the current noise scheme's addressed draws): a continual
     stream appended later must draw what it drew, so the noise of an address may never change."""
     values = np.random.default_rng(0).gamma(2.0, 300.0, 60_000)
-    with seeded(7):
-        release = api.publish("tops", values, epsilon=0.7, upper=3000.0)
+    with seeded(7):  # Eq. 6, the objective these values were pinned with (the draws are the same for any)
+        release = api.publish("tops", values, epsilon=0.7, upper=3000.0, focus="paper")
     assert release.threshold == 2981.0
     assert (release.values[123], release.values[-1]) == (485.58203125, 735.8177083333334)
     assert release.values.sum() == pytest.approx(35979900.5, rel=1e-13)
@@ -120,7 +120,7 @@ def test_the_legacy_scheme_still_draws_what_it_drew():
     the values pinned under that scheme in round 2, exactly."""
     values = np.random.default_rng(0).gamma(2.0, 300.0, 60_000)
     legacy = Keystream(noise._SeededKeys(7).next_key(), private=False, scheme=noise.LEGACY_SCHEME)
-    release = run("tops", values, noise=legacy, epsilon=0.7, upper=3000.0)
+    release = run("tops", values, noise=legacy, epsilon=0.7, upper=3000.0, focus="paper")
     assert release.threshold == 2914.0
     assert (release.values[123], release.values[-1]) == (620.4296875, 726.65625)
     assert release.values.sum() == pytest.approx(36036294.5, rel=1e-13)
