@@ -12,7 +12,9 @@ bounds: nothing is released to predict from yet), and their values are kept in t
 (secret, like a single stream's pending hold-out). Once the threshold is chosen, each partition's
 machine releases its pooled rows at ``holdout_share * epsilon`` and the rest at ``epsilon``, clipped
 at it: a one-shot release of the same table gives the same values when the fleet's rows were
-appended in time order.
+appended in time order and its longest partition has at most 2**16 rows (a stream chooses its
+threshold for ranges of that span, not knowing how long it will grow; a one-shot release for its
+longest partition's: docs/algorithms.md, "The threshold's objective").
 """
 
 from __future__ import annotations

@@ -483,27 +483,35 @@ class HierarchyStream(StreamMachine):
         bound = float(self._bounds[0])
         key = (self.epsilon, self.smoother_name, self.r, self.fanout, self.consistency, self.depth, self.block,
                None if self.grid is None else tuple(sorted(self.grid.plain().items())), self.calendar, bound,
-               tuple(lengths))
-        if key not in _QUERY_MIXES:
+               tuple(lengths), self.max_delay)  # every public fact the layout depends on (max_delay: its blocks)
+        mix = _QUERY_MIXES.get(key)
+        if mix is None:
             units = [length for length in lengths if isinstance(length, str)]
             if units and not self._on_calendar:
                 raise InvalidParameter(f"calendar totals ({', '.join(units)}) need a calendar layout (a grid)")
             rows = max(_MIX_ROWS, 4 * max((n for n in lengths if not isinstance(n, str)), default=0),
                        128 * self.grid.rows_per_day if units else 0)
+            if self._on_calendar:  # a grid ends with the times numpy holds (2262): a daily one within 2**18 rows
+                rows = min(rows, self.grid.last_row)  # (its error model looks one row ahead)
             model = self._error_model(0, rows, {"name": "none"}, True)
             spans, variances = [], []
             for length in lengths:
                 if isinstance(length, str):
                     starts, stops = self.grid.unit_ranges(length, rows)
                 else:
-                    starts = np.linspace(0, rows - length, 64).astype(np.int64)
-                    stops = starts + length
+                    starts = np.linspace(0, max(rows - length, 0), 64).astype(np.int64)
+                    stops = np.minimum(starts + length, rows)
+                if not len(starts):  # no whole unit in the grid's times (a month near 2262): none asked
+                    continue
                 spans.append(round(float(np.mean(stops - starts))))
                 variances.append(float(np.mean(model.range_variance(starts, stops))) / bound**2)
+            if not spans:
+                raise InvalidParameter(f"no whole {', '.join(map(str, lengths))} fits the grid's times (they end "
+                                       "in 2262): choose focus='windows' or focus='long'")
             if len(_QUERY_MIXES) >= _QUERY_MIXES_KEPT:
                 _QUERY_MIXES.clear()
-            _QUERY_MIXES[key] = QueryMix(tuple(spans), tuple(variances))
-        return _QUERY_MIXES[key]
+            mix = _QUERY_MIXES[key] = QueryMix(tuple(spans), tuple(variances))
+        return mix
 
     def focus_mix(self, focus: str, span: int) -> QueryMix:
         """:meth:`query_mix` for what ``focus`` stands for in ranges of ``span`` rows

@@ -83,3 +83,17 @@ def test_a_distributed_fleet_on_a_daily_grid_is_refused_before_its_charge_or_rel
             assert budget.spent == (0.0, 0.0)  # a refusal charges nothing
         else:
             assert 0.0 < task.params["threshold"] <= 1000.0
+
+
+def test_an_hourly_grid_with_no_whole_month_before_2262_chooses_for_its_days_and_weeks():
+    """Months that the grid's times cannot hold (they end on 2262-04-11) are not asked of it; a
+    mix with no whole unit at all is refused before the charge."""
+    values = np.random.default_rng(3).exponential(10.0, 600)
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
+    release = dpsql.tops(values, epsilon=1.0, upper=1000.0, m=200, grid=("2262-03-15", "1h"), budget=budget)
+    assert np.isfinite(release.threshold) and 0 < release.threshold <= 1000.0
+    hierarchy = dpsql.streams.hierarchy.HierarchyStream(epsilon=1.0, upper=1.0, grid=("2262-03-15", "1h"),
+                                                        noise=dpsql.testing.draws(0))
+    assert hierarchy.query_mix(("day", "week", "month")).lengths == (24, 168)
+    with pytest.raises(dpsql.InvalidParameter, match="no whole month fits"):
+        hierarchy.query_mix(("month",))
