@@ -261,18 +261,30 @@ def _blocks_at(aes: algorithms.AES, masks: np.ndarray, rows: np.ndarray | None, 
     return result
 
 
-def _grid_blocks(aes: algorithms.AES, masks: np.ndarray, header: int, indices: np.ndarray, out: np.ndarray) -> None:
-    """The blocks of every partition of ``masks`` (``(k, 2)`` words) at each of ``indices``
-    (uint64) under ``header``, into ``out`` (``(k, len(indices), 2)`` words): AES of the counters
-    ``mask + (header << 64 | index)``, built by broadcasting (no per-draw gather)."""
-    low = masks[:, 1:2] + indices  # the low words' sums wrap; their carry goes into the high words
-    counters = np.empty((*low.shape, 2), dtype=">u8")
-    counters[..., 1] = low
-    counters[..., 0] = masks[:, 0:1] + np.uint64(header & _MASK64) + (low < indices)
-    cipher_out = out.reshape(-1).view(np.uint8)
-    buffer = np.empty(cipher_out.size + 16, dtype=np.uint8)  # update_into wants a block to spare
-    Cipher(aes, modes.ECB()).encryptor().update_into(counters.reshape(-1).view(np.uint8), buffer)
-    cipher_out[:] = buffer[:cipher_out.size]
+class _GridBlocks:
+    """The blocks of groups of partitions at the same indices (:meth:`blocks`), with one cipher
+    context and scratch arrays for the largest group, reused from group to group."""
+
+    def __init__(self, aes: algorithms.AES, header: int, indices: np.ndarray, group: int):
+        self._encryptor = Cipher(aes, modes.ECB()).encryptor()
+        self._header = np.uint64(header & _MASK64)
+        self._indices = indices
+        self._counters = np.empty((group, len(indices), 2), dtype=">u8")
+        self._low = np.empty((group, len(indices)), dtype=np.uint64)
+        self._out = np.empty(2 * group * len(indices) + 2, dtype=np.uint64)  # update_into wants a block to spare
+
+    def blocks(self, masks: np.ndarray) -> np.ndarray:
+        """The blocks of every partition of ``masks`` (``(k, 2)`` words, ``k`` at most the group) at
+        each index, as ``(k, len(indices), 2)`` words (a view of scratch memory, valid until the
+        next call): AES of the counters ``mask + (header << 64 | index)``, built by broadcasting."""
+        k, n = len(masks), len(self._indices)
+        low, counters = self._low[:k], self._counters[:k]
+        np.add(masks[:, 1:2], self._indices, out=low)  # the low words' sums wrap; their carry goes up
+        counters[..., 1] = low
+        counters[..., 0] = masks[:, 0:1] + self._header + (low < self._indices)
+        out = self._out[:2 * k * n + 2]
+        self._encryptor.update_into(counters.reshape(-1).view(np.uint8), out.view(np.uint8))
+        return out[:2 * k * n].reshape(k, n, 2)
 
 
 class LaneDraws:
@@ -468,13 +480,15 @@ class BatchLaneDraws:
         group = max(_PIECE // max(count, 1), 1)  # cache-sized groups of partitions
         one_scale = scales[0] if (scales == scales[0]).all() else None
         indices = np.arange(start, start + count, dtype=np.uint64)
-        blocks = np.empty((min(group, k), count, 2), dtype=np.uint64)
+        grid = None if self._aes is None else _GridBlocks(self._aes, self._header, indices, min(group, k))
+        scratch = np.empty((min(group, k), count, 2), dtype=np.uint64) if grid is None else None
         for g in range(0, k, group):
             members = min(group, k - g)
             flat = out[g:g + members].reshape(-1)
-            if self._aes is not None:
-                _grid_blocks(self._aes, self._masks[g:g + members], self._header, indices, blocks[:members])
+            if grid is not None:
+                blocks = grid.blocks(self._masks[g:g + members])
             else:
+                blocks = scratch[:members]
                 for j in range(members):
                     lane = self._lane_of(g + j)
                     lane._draws._blocks(lane._header, start, count, blocks[j])
@@ -483,7 +497,7 @@ class BatchLaneDraws:
                 flat[:] = 0
                 continue
             zero = flat_scale == 0
-            rejected = fill_discrete_laplace(blocks[:members].reshape(-1, 2), np.where(zero, 1.0, flat_scale), flat)
+            rejected = fill_discrete_laplace(blocks.reshape(-1, 2), np.where(zero, 1.0, flat_scale), flat)
             if one_scale is None:
                 flat[zero] = 0
                 rejected = rejected[~zero[rejected]]
