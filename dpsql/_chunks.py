@@ -148,12 +148,18 @@ def lattice(values: np.ndarray) -> tuple[int, np.ndarray] | None:
     lowest = np.frexp((mantissas & -mantissas).astype(np.float64))[1] - 1  # each mantissa's lowest set bit
     exponent = int((exponents - 53 + lowest).min())
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # out of range: checked next
-        units = np.ldexp(values, -exponent).astype(np.int32)
-    # the decoded bits, not the scaled values: -0.0 (whose unit is 0) must not pass for 0.0, nor a
-    # value that underflows to 0 units
-    if not np.array_equal(np.ldexp(units.astype(np.float64), exponent).view(np.int64), values.view(np.int64)):
+        # products with powers of two (exact, or rounded as ldexp rounds; several times faster)
+        units = (values * np.ldexp(1.0, -exponent)).astype(np.int32)
+    # the decoded bits (:func:`_lattice_values`), not the scaled values: -0.0 (whose unit is 0) must not
+    # pass for 0.0, nor a value that underflows to 0 units
+    if not np.array_equal(_lattice_values(units, exponent).view(np.int64), values.view(np.int64)):
         return None
     return exponent, units
+
+
+def _lattice_values(units: np.ndarray, exponent: int) -> np.ndarray:
+    """The floats :func:`lattice` stored as ``units`` of ``2.0**exponent``."""
+    return units.astype(np.float64) * np.ldexp(1.0, exponent)
 
 
 def distinct(bits: np.ndarray, seen: np.ndarray | None = None, *,
@@ -254,7 +260,7 @@ def _decoded(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Arr
     elif pa.types.is_dictionary(stored.type):
         stored = stored.dictionary_decode()
     if field.metadata.get(_ENCODING) == b"lattice":
-        values = np.ldexp(stored.to_numpy().astype(np.float64), int(field.metadata[_EXPONENT]))
+        values = _lattice_values(stored.to_numpy(), int(field.metadata[_EXPONENT]))
         return pa.field(field.name, pa.float64()), pa.array(values)
     bits = stored.to_numpy().astype(np.int64, copy=False)
     if field.metadata.get(_ENCODING) == b"delta":
