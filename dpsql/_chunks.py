@@ -36,7 +36,7 @@ import pyarrow.compute as pc
 from dpsql._memory import pooled_array
 
 #: Field metadata of a stored column: its type (present when it is stored as int64 bits) and,
-#: for the keys, ``delta`` and the first key.
+#: for the columns stored as differences, ``delta`` and the first value.
 _TYPE, _ENCODING, _FIRST = b"dpsql.type", b"dpsql.encoding", b"dpsql.first"
 #: A lattice-encoded column's power of two.
 _EXPONENT = b"dpsql.exponent"

@@ -295,9 +295,9 @@ def masks(aes: algorithms.AES, addresses: Sequence[bytes] | pa.Array) -> np.ndar
     for count in unique(blocks).tolist():
         if count == 0:
             continue
-        every = count == blocks[0] and (len(blocks) == 1 or (blocks == count).all())
-        rows = None if every else np.flatnonzero(blocks == count)
-        data = _padded(raw, offsets[:-1] if every else offsets[rows], lengths if every else lengths[rows], count)
+        rows = np.flatnonzero(blocks == count)
+        every = len(rows) == len(blocks)  # (then its rows' masks are the whole state: no gather, no scatter)
+        data = _padded(raw, offsets[rows], lengths[rows], count)
         chained = state if every else state[rows]
         for b in range(count):
             chained ^= data[:, 16 * b:16 * (b + 1)]

@@ -242,8 +242,10 @@ def _blocks_at(aes: algorithms.AES, masks: np.ndarray, rows: np.ndarray | None, 
     header_word = np.uint64(header & _MASK64)
     if not n:
         return result
-    mask_high, mask_low = masks[0, 0], masks[0, 1]
-    chosen = np.empty((step, 2), dtype=np.uint64)
+    if rows is None:
+        mask_high, mask_low = masks[0, 0], masks[0, 1]
+    else:
+        chosen = np.empty((step, 2), dtype=np.uint64)
     for at in range(0, n, step):
         m = min(step, n - at)
         if rows is not None:  # gathered a step at a time, in cache (take: a 2-D fancy index is 4x slower)

@@ -105,8 +105,13 @@ class _New:
     values: np.ndarray
     tags: np.ndarray  # the new rows', group after group
     draws: DrawsBatch
+    #: where each group's tags start in ``tags``
+    tag_starts: np.ndarray = field(init=False)
     #: the rows still provisional after this append, of the partitions it fed (position, index, key, tag)
     pending: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.tag_starts = np.cumsum(self.counts) - self.counts
 
 
 class RangeAppend:
@@ -333,7 +338,7 @@ class RangeAppend:
         old_keys, old_tags = _pending(shard, members, final, fed)
         keys_now = _interleaved(old_keys, _taken_rows(new.keys, _rows(new.starts[groups], np.full(k, n))), fed - final,
                                 n, k)
-        group_tags = new.tags[_rows((np.cumsum(new.counts) - new.counts)[groups], np.full(k, n))]
+        group_tags = new.tags[_rows(new.tag_starts[groups], np.full(k, n))]
         tags_now = np.concatenate([old_tags.reshape(k, -1), group_tags.reshape(k, n)], axis=1).reshape(-1)
         value_now = np.concatenate([out, waiting], axis=1).reshape(-1)
         final_now = np.tile(np.arange(count) < emitted, k)
