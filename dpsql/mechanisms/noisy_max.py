@@ -223,10 +223,13 @@ def nm_scores(holdout: np.ndarray, candidates: np.ndarray, slope: float, *,
 
 
 def score_units(holdout: np.ndarray, candidates: np.ndarray, public: np.ndarray, lap: LaplaceLattice, *,
-                is_sorted: bool = True) -> np.ndarray:
+                is_sorted: bool = True, clipped: str = "count") -> np.ndarray:
     """The scores ``public - m_theta`` of increasing ``candidates`` (``m_theta = #{v > theta}`` on
     the hold-out, ``public`` a finite data-independent part per candidate) in the lattice units of
     ``lap`` (the sensitivity-1 :func:`noisy_max_lattice`), exactly (int64), less a public constant.
+    ``clipped="excess"`` puts the clipped excess :func:`excess_units` in place of the count: each
+    value adds between 0 and ``1 / gamma`` units to it, more for a larger value, so everything
+    below holds for it word for word.
 
     The public part does not depend on the data, so rounding it to the lattice first is a
     public change of the scoring function; the private part ``m_theta / gamma`` is an exact
@@ -255,11 +258,56 @@ def score_units(holdout: np.ndarray, candidates: np.ndarray, public: np.ndarray,
     public -= public.max()
     reach = holdout.shape[-1] * inverse_gamma + 2 * draw_bound(lap.scale_units) + 1
     np.maximum(public, -reach, out=public)
+    if clipped == "excess":
+        return public.astype(np.int64) - excess_units(holdout, candidates, inverse_gamma)
     # -m_theta / gamma = (#{v <= theta} - m) / gamma: the hold-out length joins the public part
     units = _count_not_above(holdout, candidates, increasing=True, is_sorted=is_sorted)
     units *= inverse_gamma
     units += public.astype(np.int64) - holdout.shape[-1] * inverse_gamma
     return units
+
+
+#: What a threshold's score counts against each candidate: the values above it (``"count"``), or
+#: their excess above it in thresholds, at most one per value (``"excess"``, :func:`excess_units`).
+CLIPPED = ("count", "excess")
+#: Below ``_SURELY_DOUBLE * v`` a candidate ``theta`` has ``v - theta >= theta`` with room to spare
+#: for float rounding, so its term is a whole unit without being computed.
+_SURELY_DOUBLE = 0.49
+
+
+def excess_units(holdout: np.ndarray, candidates: np.ndarray, inverse_gamma: int) -> np.ndarray:
+    """``sum_v rint(inverse_gamma * min(v - theta, theta) / theta)`` over the values ``v > theta``
+    of each row of ``holdout`` (values >= 0), for every increasing positive candidate ``theta``
+    (int64): the clipped excess, each value's part above ``theta`` in thresholds, at most one, on
+    the lattice of ``1 / inverse_gamma``.
+
+    Each value's term lies in ``[0, inverse_gamma]`` and never decreases as the value grows (a
+    float difference, a division by the same ``theta`` and ``rint`` are monotone): replacing one
+    value moves every sum by at most ``inverse_gamma``, all in the same direction. A value is
+    computed against the candidates within a factor of about two below it only (8 of them on a
+    grid of 8 per octave); further below, its term is a whole unit (:data:`_SURELY_DOUBLE`), and
+    those are counted. O(m) per row for a geometric grid.
+
+    >>> excess_units(np.array([[1.0, 3.0, 10.0]]), np.array([2.0, 4.0, 8.0]), 4)  # 1/2 + 1, 1, 1/4
+    array([[6, 4, 1]])
+    """
+    rows = holdout.reshape(-1, holdout.shape[-1])
+    k, size = len(rows), len(candidates)
+    flat = rows.ravel()
+    near = _places(candidates, flat)  # #{theta < v}: the candidates v is above
+    whole = _places(candidates, flat * _SURELY_DOUBLE)  # the candidates certainly half v or less
+    row = np.repeat(np.arange(k), rows.shape[1])
+    # whole units: candidate j gets one from every value with whole > j
+    landed = np.bincount(whole + (size + 1) * row, minlength=k * (size + 1)).reshape(k, size + 1)
+    units = (rows.shape[1] - np.cumsum(landed, axis=1)[:, :-1]) * inverse_gamma
+    # the candidates in [whole, near) of each value: its term computed
+    spans = near - whole
+    owner = np.repeat(np.arange(len(flat)), spans)
+    at = np.arange(len(owner)) - np.repeat(np.cumsum(spans) - spans, spans) + whole[owner]
+    theta = candidates[at]
+    terms = np.rint(np.minimum(flat[owner] - theta, theta) / theta * inverse_gamma)
+    units += np.bincount(at + size * row[owner], weights=terms, minlength=k * size).reshape(k, size).astype(np.int64)
+    return units.reshape((*holdout.shape[:-1], size))
 
 
 def _count_not_above(holdout: np.ndarray, candidates: np.ndarray, *, increasing: bool,
@@ -380,9 +428,10 @@ def nm_thresholds(holdouts: np.ndarray, *, epsilon: float, upper: float, epsilon
 
 
 def noisy_max_thresholds(holdouts: np.ndarray, candidates: np.ndarray, public: np.ndarray, *, epsilon: float,
-                         is_sorted: bool, noise: BatchLaneDraws) -> np.ndarray:
+                         is_sorted: bool, noise: BatchLaneDraws, clipped: str = "count") -> np.ndarray:
     """Report-Noisy-Max over the scores ``public - #{v > theta}`` of increasing ``candidates``
-    (``public`` data-independent and finite) for every row of ``holdouts``, row ``k`` drawing
+    (``public`` data-independent and finite; ``clipped="excess"``: the clipped excess
+    :func:`excess_units` in place of the count) for every row of ``holdouts``, row ``k`` drawing
     from ``noise``'s partition ``k``: the chosen candidate of each row.
 
     Privacy: ``epsilon``-DP on each row (replace-one-value neighbours): the scores have
@@ -398,7 +447,7 @@ def noisy_max_thresholds(holdouts: np.ndarray, candidates: np.ndarray, public: n
     group = max(1, _SCORES_AT_ONCE // len(candidates))
     chosen = np.empty(len(holdouts), dtype=np.int64)
     for a in range(0, len(holdouts), group):
-        units = score_units(holdouts[a:a + group], candidates, public, lap, is_sorted=is_sorted)
+        units = score_units(holdouts[a:a + group], candidates, public, lap, is_sorted=is_sorted, clipped=clipped)
         alive = contenders(units, lap.scale_units)
         chosen[a:a + group] = _noisy_argmax(units.ravel()[alive], alive, units.shape, lap, noise, first_row=a)
     return candidates[chosen]

@@ -51,9 +51,28 @@ floor's 9.1, and the floor's own choice clipped about 15 times the values those 
 bear. Where the cap lowers ``beta`` below ``beta_mix`` nothing is lifted or lowered: the tail
 model is for the top of the hold-out, and the cap acts in its bulk.
 
+What is counted above a candidate (:attr:`QueryMix.clipped`). The count ``c`` stands for the
+clipped mass at one threshold per value: right on the model's own tail, on average, but a value
+just above ``theta`` loses far less. Calendar totals (``focus="mixed"`` on a calendar layout) count
+the *clipped excess* instead, ``E(theta) = sum_v min(v - theta, theta)+ / theta``: each value's part
+above ``theta`` in thresholds, at most one (:func:`~dpsql.mechanisms.noisy_max.excess_units`). It
+is exact for every value up to ``2 theta`` and equals the count for the values beyond, so it is
+never further from the clipped mass than the count is, value by value; in the formulas above
+``E`` takes ``c``'s place (on a tail of index 2, ``E`` falls as ``theta**-2`` too, and the lift
+stands). Calendar totals are short: their ``beta`` (about 140) puts the choice where a few percent
+of the hold-out is clipped, a part of the tail the hold-out shows, whose values mostly lie within
+a threshold of it; on a light tail the count there books each by a whole threshold, several times
+their excess, and the threshold came out 1.3 to 1.4 times what daily totals can bear
+(docs/algorithms.md). Long ranges keep the count: their ``beta`` (1 to 10) puts the choice among
+the hold-out's few largest values, where the mass that matters is the tail beyond what the
+hold-out shows, which only the tail model (one threshold per value clipped) speaks for, and the
+excess, capped at one threshold, would read it as half that: it chose thresholds too low for long
+ranges (BENCHMARKS.md, threshold section).
+
 Sensitivity: ``#{v > theta}`` moves by at most 1 for every ``theta`` when one value is
-replaced, all counts in the same direction; ``beta * ln(theta)`` does not depend on the data.
-The scores have sensitivity 1 and are monotone, so Report-Noisy-Max with Laplace noise of
+replaced, all counts in the same direction; so does ``E(theta)``, each value's term lying in
+``[0, 1]`` and never falling as the value grows. ``beta * ln(theta)`` does not depend on the
+data. The scores have sensitivity 1 and are monotone, so Report-Noisy-Max with Laplace noise of
 scale ``1 / epsilon`` is ``epsilon``-DP (Dwork and Roth, Claim 3.9), exactly as for ToPS Eq. 6,
 whose linear penalty ``slope * theta`` this replaces.
 """
@@ -67,7 +86,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dpsql.errors import InvalidParameter
-from dpsql.mechanisms.noisy_max import nm_scores, noisy_max_thresholds
+from dpsql.mechanisms.noisy_max import CLIPPED, excess_units, nm_scores, noisy_max_lattice, noisy_max_thresholds
 from dpsql.noise import BatchLaneDraws
 
 #: The rows a release's ranges are taken to fall in when it has fewer, or when its length is unknown
@@ -144,6 +163,17 @@ def focus_lengths(focus: str, span: int, *, calendar: bool = False) -> tuple[int
                  for length in FOCUS_LENGTHS[focus])
 
 
+def clipped_measure(lengths: tuple[int | str, ...]) -> str:
+    """What a threshold for the range sums ``lengths`` counts above a candidate
+    (:attr:`QueryMix.clipped`): the clipped excess for calendar totals alone (every length a unit
+    of :data:`CALENDAR_TOTALS`), the count of values otherwise (module docstring).
+
+    >>> clipped_measure(CALENDAR_TOTALS), clipped_measure((24, 168, 730, 26755)), clipped_measure(("day", 24))
+    ('excess', 'count', 'count')
+    """
+    return "excess" if lengths and all(length in CALENDAR_TOTALS for length in lengths) else "count"
+
+
 #: Candidates per octave: ``upper * 2**(-j / 8)``, so the best candidate is within 9 % of any threshold.
 PER_OCTAVE = 8
 #: The candidates reach down to ``upper * 2**-20``.
@@ -170,10 +200,15 @@ class QueryMix:
 
     lengths: tuple[int, ...]
     unit_variances: tuple[float, ...]
+    #: What a candidate's score counts above it: ``"count"``, the values, or ``"excess"``, their
+    #: clipped excess in thresholds (module docstring: calendar totals).
+    clipped: str = "count"
 
     def __post_init__(self):
         if not self.lengths or len(self.lengths) != len(self.unit_variances):
             raise InvalidParameter("a query mix needs one unit variance per range length, and at least one length")
+        if self.clipped not in CLIPPED:
+            raise InvalidParameter(f"clipped must be one of {CLIPPED}, got {self.clipped!r}")
         if min(self.lengths) < 1 or not all(v > 0 and math.isfinite(v) for v in self.unit_variances):
             raise InvalidParameter(f"a query mix needs lengths >= 1 and positive finite unit variances, got "
                                    f"{self.lengths!r} and {self.unit_variances!r}")
@@ -260,24 +295,30 @@ def _public_scores(penalty: float) -> np.ndarray:
     return penalty * np.arange(PER_OCTAVE * OCTAVES, -1, -1) * (math.log(2.0) / PER_OCTAVE)
 
 
-def mix_scores(holdout_sorted: np.ndarray, *, upper: float, penalty: float) -> np.ndarray:
+def mix_scores(holdout_sorted: np.ndarray, *, upper: float, penalty: float, clipped: str = "count") -> np.ndarray:
     """The scores ``-#{v > theta} - penalty * ln(theta / upper)`` of :func:`mix_candidates`
-    (floats, for inspection; the selection forms them exactly on the lattice).
+    (``clipped="excess"``: the clipped excess in place of the count, on the Noisy-Max lattice;
+    floats, for inspection; the selection forms them exactly on the lattice).
 
     >>> mix_candidates(8.0)[-9:].round(2)
     array([4.  , 4.36, 4.76, 5.19, 5.66, 6.17, 6.73, 7.34, 8.  ])
     >>> mix_scores(np.array([1.0, 3.0, 6.0]), upper=8.0, penalty=2.0)[-9:].round(2)
     array([ 0.39,  0.21,  0.04, -0.13, -0.31,  0.52,  0.35,  0.17,  0.  ])
     """
-    return nm_scores(holdout_sorted, mix_candidates(upper), 0.0, increasing=True) + _public_scores(penalty)
+    candidates = mix_candidates(upper)
+    if clipped == "excess":
+        unit = round(1.0 / noisy_max_lattice(1.0).granularity)  # the sensitivity-1 lattice, whatever epsilon
+        above = excess_units(np.asarray(holdout_sorted)[None], candidates, unit)[0] / unit
+        return _public_scores(penalty) - above
+    return nm_scores(holdout_sorted, candidates, 0.0, increasing=True) + _public_scores(penalty)
 
 
 def mix_thresholds(holdouts: np.ndarray, *, epsilon: float, upper: float, mix: QueryMix, is_sorted: bool = True,
                    noise: BatchLaneDraws) -> np.ndarray:
     """A threshold for each row of ``holdouts`` (hold-outs of one length ``m``, values in
     ``[0, upper]``; row ``k`` draws from ``noise``'s partition ``k``): Report-Noisy-Max over
-    :func:`mix_scores` with the penalty ``mix.penalty(m, epsilon=epsilon)``, the chosen candidate
-    times ``mix.lift(m, epsilon=epsilon)``, at most ``upper``.
+    :func:`mix_scores` with the penalty ``mix.penalty(m, epsilon=epsilon)`` (counting what
+    ``mix.clipped`` says), the chosen candidate times ``mix.lift(m, epsilon=epsilon)``, at most ``upper``.
 
     Privacy: ``epsilon``-DP on each row under replace-one-value neighbours (sensitivity 1,
     monotone scores: module docstring). ``mix`` and ``upper`` are public. A pooled hold-out
@@ -295,5 +336,5 @@ def mix_thresholds(holdouts: np.ndarray, *, epsilon: float, upper: float, mix: Q
     """
     m = holdouts.shape[-1]
     chosen = noisy_max_thresholds(holdouts, mix_candidates(upper), _public_scores(mix.penalty(m, epsilon=epsilon)),
-                                  epsilon=epsilon, is_sorted=is_sorted, noise=noise)
+                                  epsilon=epsilon, is_sorted=is_sorted, noise=noise, clipped=mix.clipped)
     return np.minimum(chosen * mix.lift(m, epsilon=epsilon), upper)

@@ -48,7 +48,7 @@ from dpsql.mechanisms.block_error import BlockStreamNoise, CalendarBlockNoise
 from dpsql.mechanisms.calendar import CALENDARS, DEFAULT_CALENDAR, CalendarLayout
 from dpsql.mechanisms.hierarchy import Chunk, Forest, Layout, predictive_depth, tree_height
 from dpsql.mechanisms.laplace import LatticeBatch
-from dpsql.mechanisms.query_mix import QueryMix, focus_lengths
+from dpsql.mechanisms.query_mix import QueryMix, clipped_measure, focus_lengths
 from dpsql.mechanisms.smoothers import MIN_ALPHA, SMOOTHERS, make_smoother
 from dpsql.noise import Draws, DrawsBatch, Lane
 from dpsql.release import StreamMachine
@@ -469,7 +469,9 @@ class HierarchyStream(StreamMachine):
         stream); a unit's, the mean over the whole units of that stream, whose length is the unit's
         mean number of rows. All rows released, spread evenly over their block (the flat spread, the
         default; a predictive smoother's windows carry more noise, and a median's depends on released
-        values): every variance is positive. Computed once per public layout (cached).
+        values): every variance is positive. Calendar totals alone count the clipped excess above a
+        candidate, other mixes the values (:func:`~dpsql.mechanisms.query_mix.clipped_measure`).
+        Computed once per public layout (cached).
 
         >>> import dpsql
         >>> stream = HierarchyStream(epsilon=1.0, upper=1.0, noise=dpsql.testing.draws(0))
@@ -510,7 +512,7 @@ class HierarchyStream(StreamMachine):
                                        "in 2262): choose focus='windows' or focus='long'")
             if len(_QUERY_MIXES) >= _QUERY_MIXES_KEPT:
                 _QUERY_MIXES.clear()
-            mix = _QUERY_MIXES[key] = QueryMix(tuple(spans), tuple(variances))
+            mix = _QUERY_MIXES[key] = QueryMix(tuple(spans), tuple(variances), clipped_measure(tuple(lengths)))
         return mix
 
     def focus_mix(self, focus: str, span: int) -> QueryMix:

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import dpsql
-from dpsql.mechanisms.noisy_max import nm_scores, noisy_max_lattice, noisy_max_thresholds, score_units
+from dpsql.mechanisms.noisy_max import excess_units, nm_scores, noisy_max_lattice, noisy_max_thresholds, score_units
 from dpsql.mechanisms.query_mix import (
+    CALENDAR_TOTALS,
     OCTAVES,
     PER_OCTAVE,
     STABILITY,
@@ -90,6 +91,78 @@ def test_candidates_are_a_public_geometric_grid():
     assert not candidates.flags.writeable and mix_candidates(300.0) is candidates
     with pytest.raises(dpsql.InvalidParameter, match="upper"):
         mix_candidates(5e-324)
+
+
+# --- the clipped excess (calendar totals) ---------------------------------------------------------
+
+def brute_excess(holdout, candidates):
+    """min(v - theta, theta)+ / theta summed over the values, for every candidate (floats)."""
+    return (np.minimum(np.maximum(holdout[..., :, None] - candidates, 0.0), candidates) / candidates).sum(axis=-2)
+
+
+@pytest.mark.parametrize("upper", [1000.0, 2.5, 1e6])
+def test_the_clipped_excess_is_each_values_excess_in_thresholds_at_most_one(upper):
+    """Exactly the brute-force sum on the lattice (values on, just off and between candidates, both
+    bounds, several rows, an uneven grid); and value by value never further from the clipped mass
+    (v - theta)+ / theta than the count is."""
+    rng = np.random.default_rng(5)
+    candidates = mix_candidates(upper)
+    row = np.clip(np.r_[rng.pareto(1.5, 400) * upper / 30, candidates[::3], np.nextafter(candidates[::5], 0.0),
+                        np.nextafter(candidates[::7], np.inf), 0.0, upper], 0.0, upper)
+    holdouts = np.stack([row, rng.permutation(row)])
+    unit = 4096
+    want = np.rint(np.minimum(np.maximum(holdouts[..., None] - candidates, 0), candidates) / candidates * unit)
+    np.testing.assert_array_equal(excess_units(holdouts, candidates, unit), want.sum(axis=1))
+    uneven = np.sort(rng.uniform(0, upper, 50))
+    np.testing.assert_allclose(excess_units(holdouts, uneven, unit) / unit, brute_excess(holdouts, uneven),
+                               atol=len(row) / unit)
+    excess = np.minimum(np.maximum(row[:, None] - candidates, 0), candidates) / candidates
+    mass = np.maximum(row[:, None] - candidates, 0) / candidates
+    count = (row[:, None] > candidates).astype(float)
+    assert np.all(np.abs(excess - mass) <= np.abs(count - mass))
+    assert np.any(np.abs(excess - mass) < np.abs(count - mass))
+
+
+@pytest.mark.parametrize("upper, epsilon, penalty", [(1000.0, 0.5, 142.0), (2.5, 1.0, 35.0)])
+def test_replacing_one_value_moves_every_excess_score_by_at_most_one_in_one_direction(upper, epsilon, penalty):
+    """The excess scores on the lattice: a replaced value moves each by at most one (1 / gamma
+    units), all the same way; a value moved from 0 to the bound moves the scores of the candidates
+    at half the bound or less by exactly one."""
+    rng = np.random.default_rng(6)
+    candidates = mix_candidates(upper)
+    holdout = np.clip(np.r_[rng.lognormal(0, 0.5, 60) * upper / 20, candidates[[40, 120, 150]], 0.0], 0.0, upper)
+    replacements = np.r_[0.0, upper, candidates[::13], np.nextafter(candidates[::17], np.inf),
+                         np.nextafter(candidates[5::17], 0.0), rng.uniform(0, upper, 5)]
+    lap = noisy_max_lattice(epsilon)
+    public = public_parts(upper, penalty)
+    base = score_units(holdout[None], candidates, public, lap, is_sorted=False, clipped="excess")
+    moved = score_units(neighbours(holdout, replacements), candidates, public, lap, is_sorted=False,
+                        clipped="excess") - base
+    unit = round(1 / lap.granularity)
+    assert np.abs(moved).max() == unit
+    assert np.all((moved >= 0).all(axis=1) | (moved <= 0).all(axis=1))
+    zero_to_upper = moved[(len(holdout) - 1) * len(replacements) + 1]  # the last value (0) replaced by upper
+    assert np.all(zero_to_upper[candidates <= upper / 2] == -unit)
+
+
+def test_calendar_totals_count_the_excess_and_other_mixes_the_values():
+    hourly = HierarchyStream(epsilon=1.0, upper=1.0, grid=("2024-01-01", "1h"), noise=draws(0))
+    calendar = hourly.query_mix(focus_lengths("mixed", 2**16, calendar=True))
+    assert calendar.lengths == (24, 168, 731) and calendar.clipped == "excess"
+    assert hourly.query_mix((24, 168)).clipped == "count"  # focus="windows" on a grid
+    assert HierarchyStream(epsilon=1.0, upper=1.0, noise=draws(0)).query_mix((24, 168, 730, 26755)).clipped == "count"
+    assert CALENDAR_TOTALS == ("day", "week", "month")
+    # the selection scores the excess: with no noise to speak of, its argmax
+    rng = np.random.default_rng(8)
+    holdout = np.minimum(rng.lognormal(1, 0.4, 4096), 100.0)
+    chosen = mix_thresholds(holdout[None], epsilon=1e6, upper=100.0, mix=calendar, is_sorted=False,
+                            noise=partitions_lane(1, 9))
+    scores = mix_scores(np.sort(holdout), upper=100.0, penalty=calendar.penalty(4096, epsilon=1e6), clipped="excess")
+    assert chosen[0] == mix_candidates(100.0)[np.argmax(scores)] * calendar.lift(4096, epsilon=1e6)
+    counted = mix_scores(np.sort(holdout), upper=100.0, penalty=calendar.penalty(4096, epsilon=1e6))
+    assert chosen[0] < mix_candidates(100.0)[np.argmax(counted)]  # values just above clip cost less than a count
+    with pytest.raises(dpsql.InvalidParameter, match="clipped"):
+        QueryMix((24,), (4.0,), "mass")
 
 
 # --- the selection's distribution --------------------------------------------------------------------
