@@ -292,6 +292,18 @@ def excess_units(holdout: np.ndarray, candidates: np.ndarray, inverse_gamma: int
     array([[6, 4, 1]])
     """
     rows = holdout.reshape(-1, holdout.shape[-1])
+    per_block = max(1, _EXCESS_VALUES_AT_ONCE // max(rows.shape[1], 1))
+    blocks = [_excess_block(rows[a:a + per_block], candidates, inverse_gamma) for a in range(0, len(rows), per_block)]
+    units = np.concatenate(blocks) if blocks else np.zeros((0, len(candidates)), dtype=np.int64)
+    return units.reshape((*holdout.shape[:-1], len(candidates)))
+
+
+#: Hold-out values whose clipped excess is computed at once: about 8 terms each (a few tens of MB).
+_EXCESS_VALUES_AT_ONCE = 1 << 18
+
+
+def _excess_block(rows: np.ndarray, candidates: np.ndarray, inverse_gamma: int) -> np.ndarray:
+    """:func:`excess_units` of the 2-D ``rows``."""
     k, size = len(rows), len(candidates)
     flat = rows.ravel()
     near = _places(candidates, flat)  # #{theta < v}: the candidates v is above
@@ -307,7 +319,7 @@ def excess_units(holdout: np.ndarray, candidates: np.ndarray, inverse_gamma: int
     theta = candidates[at]
     terms = np.rint(np.minimum(flat[owner] - theta, theta) / theta * inverse_gamma)
     units += np.bincount(at + size * row[owner], weights=terms, minlength=k * size).reshape(k, size).astype(np.int64)
-    return units.reshape((*holdout.shape[:-1], size))
+    return units
 
 
 def _count_not_above(holdout: np.ndarray, candidates: np.ndarray, *, increasing: bool,

@@ -43,7 +43,8 @@ class ToPS(ThresholdedStream):
     The threshold gets ``(1 - holdout_share) * epsilon``. ``focus="mixed"`` (the default:
     24-row windows, weeks and months of hourly rows, long ranges; with calendar blocks, the whole
     days, weeks and months they serve), ``"windows"`` or ``"long"``:
-    Report-Noisy-Max over ``-#{v > theta} - beta * ln(theta)`` on the candidates
+    Report-Noisy-Max over ``-#{v > theta} - beta * ln(theta)`` (for calendar totals the clipped
+    excess ``sum_v min(v - theta, theta)+ / theta`` in place of the count) on the candidates
     ``upper * 2**(-j / 8)``, ``beta`` from the stream phase's noise for those range lengths, the
     choice raised by ``sqrt(beta / beta_mix)`` where the stability floor raised ``beta`` above the
     mix's own (:mod:`dpsql.mechanisms.query_mix`; the long ranges are ranges anywhere in the
