@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 
 from dpsql import _validate
 from dpsql._groups import same_groups
+from dpsql._memory import pooled_array
 from dpsql.continual.fleet import SHARD, MachineClass, Shard, merge_classes, split_state
 from dpsql.continual.state import (
     FINAL,
@@ -30,7 +31,6 @@ from dpsql.continual.state import (
     numeric,
     refuse_null_keys,
     same_type,
-    value_tags,
 )
 from dpsql.errors import InvalidTimeKey
 from dpsql.noise import DrawsBatch
@@ -52,9 +52,10 @@ class Released:
         self.output: pa.Table | None = None  # what the append returns (made before its transaction ends)
 
     def add(self, ordinals, indices, keys: pa.Array, values, final, tags, public: dict | None = None) -> None:
+        """Rows released now; ``tags`` None for a stream that keeps no value tags."""
         if len(keys):
             self.pieces.append({"dp_partition": ordinals, "dp_index": indices, "key": keys, "value": values,
-                                FINAL: final, TAG: tags, **(public or {})})
+                                FINAL: final, **({} if tags is None else {TAG: tags}), **(public or {})})
 
     def chunk(self) -> pa.Table | None:
         if not self.pieces:
@@ -66,8 +67,10 @@ class Released:
             if isinstance(parts[0], (pa.Array, pa.ChunkedArray)):
                 columns[name] = pa.chunked_array([p for part in parts for p in (
                     part.chunks if isinstance(part, pa.ChunkedArray) else [part])])
+            elif len(parts) > 1:  # into pooled memory: a chunk's columns are megabytes (see dpsql._memory)
+                columns[name] = np.concatenate(parts, out=pooled_array(sum(len(p) for p in parts), parts[0].dtype))
             else:
-                columns[name] = np.concatenate(parts) if len(parts) > 1 else parts[0]
+                columns[name] = parts[0]
         table = pa.table(columns)
         if self._in_order():
             return table
@@ -103,7 +106,7 @@ class _New:
     counts: np.ndarray
     keys: pa.Array
     values: np.ndarray
-    tags: np.ndarray  # the new rows', group after group
+    tags: np.ndarray | None  # the new rows', group after group (None: the stream keeps no tags)
     draws: DrawsBatch
     #: where each group's tags start in ``tags``
     tag_starts: np.ndarray = field(init=False)
@@ -193,7 +196,7 @@ class RangeAppend:
         live = counts > 0
         ordinals, positions, starts, counts = ordinals[live], positions[live], starts[live], counts[live]
         draws = stream._draws(self.fleet, ordinals)
-        tags = value_tags(draws, np.repeat(np.arange(len(ordinals)), counts), values[_rows(starts, counts)])
+        tags = stream._tags(draws, np.repeat(np.arange(len(ordinals)), counts), values[_rows(starts, counts)])
         where = np.full(shard.size, -1, dtype=np.int64)  # each touched position's place among the groups
         where[positions] = np.arange(len(positions))
         new = _New(ordinals, starts, counts, keys, values, tags, draws)
@@ -299,7 +302,10 @@ class RangeAppend:
         k, n = len(members), int(new.counts[groups[0]])
         fed, final = int(shard.rows[members[0]]), int(shard.final[members[0]])
         machine = stream._batch_machine(new.draws.take(groups), state, params)
-        chunk = new.values[new.starts[groups][:, None] + np.arange(n)]
+        # the rows of partitions fed together usually follow one another: copied (machines own what
+        # they are fed), not gathered
+        rows = _rows(new.starts[groups], np.full(k, n))
+        chunk = (new.values[rows].copy() if isinstance(rows, slice) else new.values[rows]).reshape(k, n)
         if earlier is not None and earlier.shape[1]:
             chunk = np.concatenate([earlier.reshape(k, -1), chunk], axis=1)
         room = np.empty((k, fed - final + n))
@@ -338,8 +344,9 @@ class RangeAppend:
         old_keys, old_tags = _pending(shard, members, final, fed)
         keys_now = _interleaved(old_keys, _taken_rows(new.keys, _rows(new.starts[groups], np.full(k, n))), fed - final,
                                 n, k)
-        group_tags = new.tags[_rows(new.tag_starts[groups], np.full(k, n))]
-        tags_now = np.concatenate([old_tags.reshape(k, -1), group_tags.reshape(k, n)], axis=1).reshape(-1)
+        tags_now = None if new.tags is None else np.concatenate(
+            [old_tags.reshape(k, -1), new.tags[_rows(new.tag_starts[groups], np.full(k, n))].reshape(k, n)],
+            axis=1).reshape(-1)
         value_now = np.concatenate([out, waiting], axis=1).reshape(-1)
         final_now = np.tile(np.arange(count) < emitted, k)
         index_now = np.tile(np.arange(final, final + count, dtype=np.int64), k)
@@ -350,13 +357,15 @@ class RangeAppend:
         if not changed.all():
             picked = pa.array(np.flatnonzero(changed))
             released.add(np.repeat(new.ordinals[groups], count)[changed], index_now[changed], keys_now.take(picked),
-                         value_now[changed], final_now[changed], tags_now[changed],
+                         value_now[changed], final_now[changed], None if tags_now is None else tags_now[changed],
                          None if public is None else {c: v.take(picked) for c, v in public.items()})
         else:
             released.add(np.repeat(new.ordinals[groups], count), index_now, keys_now, value_now, final_now, tags_now,
                          public)
         shard.final[members] = final + emitted
         waiting_rows = np.flatnonzero(~final_now)
+        if not len(waiting_rows):
+            return
         new.pending.append(pa.table({"position": pa.array(np.repeat(members, count)[waiting_rows]),
                                      "index": pa.array(index_now[waiting_rows]),
                                      "key": keys_now.take(pa.array(waiting_rows)),
@@ -387,10 +396,9 @@ class RangeAppend:
         if len(again):
             raise InvalidTimeKey(f"stream {self.stream.name!r}: order key {row_keys[int(again[0])].as_py()!r} appears "
                                  "twice in one partition of this append; time keys must be unique within a partition")
-        draws = self.stream._draws(self.fleet, ordinals[old])
-        tags = value_tags(draws, group_of_row, self._values[rows])
-        recorded = self.stream._repeated(self.conn, shard, ordinals[old][group_of_row], row_keys, tags,
-                                         marks.take(pa.array(old[group_of_row])))
+        recorded = self.stream._repeated(self.conn, shard, ordinals[old][group_of_row], row_keys,
+                                         self.stream._draws(self.fleet, ordinals[old]), group_of_row,
+                                         self._values[rows], marks.take(pa.array(old[group_of_row])))
         if recorded is not None:
             released.recorded.append(recorded)
         starts[old] += repeated

@@ -28,7 +28,9 @@ partition's watermark is refused (:class:`~dpsql.LateRow`) unless it repeats, wi
 value, a row appended before (at-least-once ingestion): it is then not new, and the append
 returns its recorded value if it was released. The same key with another value is a
 :class:`~dpsql.ConflictingRow`. The ledger keeps a keyed tag of each appended value, not the
-value, for that check. Count streams bucket events by a public time grid (``every`` from
+value, for that check; a ``laplace`` stream keeps none: a repeated row's value is released again
+with the row's own draw and compared with the recorded release (values that clip and round to
+the same lattice point are the same value for it). Count streams bucket events by a public time grid (``every`` from
 ``start``): events of a closed bucket are late, ``until`` closes buckets, and empty buckets
 are released as zeros; events carry no identity, so every event appended is counted.
 
@@ -64,6 +66,7 @@ from dpsql.continual.state import (
     as_key,
     bucket_starts,
     scalar_like,
+    value_tags,
 )
 from dpsql.error_models import ProvisionalRows, SegmentedNoise, check_level
 from dpsql.errors import (
@@ -501,27 +504,52 @@ class Stream:
             machine.restore(state)
         return machine
 
-    def _repeated(self, conn, shard: Shard, ordinals: np.ndarray, keys: pa.Array, tags: np.ndarray,
-                  watermarks: pa.Array) -> pa.Table | None:
+    @property
+    def _tagged(self) -> bool:
+        """Does the ledger keep a keyed tag of each appended value? Not for machines that recognise
+        a repeated row by releasing it again (``repeats_by_release``: the release is then the tag)."""
+        return not getattr(METHODS[self.spec.method], "repeats_by_release", False)
+
+    def _tags(self, draws: DrawsBatch, groups: np.ndarray, values: np.ndarray) -> np.ndarray | None:
+        """The value tags of ``values[i]`` of partition ``groups[i]`` of ``draws`` (None: not kept)."""
+        return value_tags(draws, groups, values) if self._tagged else None
+
+    def _repeated(self, conn, shard: Shard, ordinals: np.ndarray, keys: pa.Array, draws: DrawsBatch,
+                  groups: np.ndarray, values: np.ndarray, watermarks: pa.Array) -> pa.Table | None:
         """The recorded rows that the rows ``keys`` of partitions ``ordinals`` (at or below their
-        watermarks, with value tags ``tags``; all in ``shard``) repeat; refuses any that is not a
-        repeat (late) or repeats a key with another value (conflicting). Rows appended but never
-        released (pending in a stream converted from an earlier version) are repeats with nothing
-        to return."""
+        watermarks, with ``values``, partition ``groups[i]`` of ``draws``; all in ``shard``) repeat;
+        refuses any that is not a repeat (late) or repeats a key with another value (conflicting).
+        Rows appended but never released (pending in a stream converted from an earlier version)
+        are repeats with nothing to return.
+
+        Another value is told by its tag, or, for a stream that keeps none, by its release: the
+        row's value released again with the row's own draw, compared bit for bit with the recorded
+        release (it is dropped either way: only the recorded one is returned)."""
         recorded, where = stored.recorded_rows(self._store.chunks(conn, self.release_id, newest_first=True),
                                                ordinals, keys)
         found = where >= 0
-        recorded_tags = np.zeros(len(keys), np.int64)
-        if recorded is not None:
-            recorded_tags[found] = recorded[TAG].to_numpy()[where[found]]
-        if shard.pending is not None and not found.all():
-            missing = np.flatnonzero(~found)
-            pending = shard.pending
-            wanted, at = stored.matching(ordinals[missing] - shard.index * SHARD, keys.take(pa.array(missing)),
-                                         pending["position"], pending["key"])
-            recorded_tags[missing[wanted]] = pending[TAG].to_numpy()[at]
-            found[missing[wanted]] = True
-        differs = np.flatnonzero(found & (recorded_tags != tags))
+        if not self._tagged:  # (such machines release every row at once: nothing is ever pending)
+            differs = np.zeros(len(keys), bool)
+            if recorded is not None:
+                machine = self._batch_machine(draws, None)
+                again = machine.release_at(values[found], groups[found],
+                                           recorded["dp_index"].to_numpy()[where[found]])
+                before = recorded["value"].to_numpy()[where[found]]
+                differs[found] = again.view(np.int64) != before.view(np.int64)
+            differs = np.flatnonzero(differs)
+        else:
+            tags = value_tags(draws, groups, values)
+            recorded_tags = np.zeros(len(keys), np.int64)
+            if recorded is not None:
+                recorded_tags[found] = recorded[TAG].to_numpy()[where[found]]
+            if shard.pending is not None and not found.all():
+                missing = np.flatnonzero(~found)
+                pending = shard.pending
+                wanted, at = stored.matching(ordinals[missing] - shard.index * SHARD, keys.take(pa.array(missing)),
+                                             pending["position"], pending["key"])
+                recorded_tags[missing[wanted]] = pending[TAG].to_numpy()[at]
+                found[missing[wanted]] = True
+            differs = np.flatnonzero(found & (recorded_tags != tags))
         if len(differs):
             raise ConflictingRow(f"stream {self.name!r}: order key {keys[int(differs[0])].as_py()!r} was appended "
                                  "before with another value; a released row never changes (nothing of this append "

@@ -19,7 +19,9 @@ from __future__ import annotations
 #: before is converted when next appended. 6: released rows' value tags (32 bits) and row numbers
 #: encoded by :mod:`dpsql._chunks` too, and values on a power-of-two lattice (Laplace releases) kept
 #: as its 32-bit units, which dpsql of version 5 would misread: it refuses a ledger of version 6.
-VERSION = 6
+#: 7: a ``laplace`` stream's chunks keep no value tags (a repeat is told by its release), where dpsql
+#: of version 6 would look for them.
+VERSION = 7
 
 TABLES = [
     # key/value facts about the ledger itself: version, id, next row handle

@@ -211,6 +211,23 @@ class LatticeBatch:
         noise = self.noise_units(draws, start, units[0].size if len(units) else 0).reshape(units.shape)
         return _add_draws(units, noise, gamma)
 
+    def release_at(self, values: np.ndarray, draws: BatchLaneDraws, partitions: np.ndarray,
+                   indices: np.ndarray) -> np.ndarray:
+        """``values[i]`` released in partition ``partitions[i]`` with its draw at ``indices[i]``:
+        bit for bit what :meth:`release` gives that value at that index (the same draw, lattice
+        and float path), for scattered rows."""
+        values = np.asarray(values, dtype=np.float64)
+        partitions, indices = np.asarray(partitions, dtype=np.intp), np.asarray(indices, dtype=np.int64)
+        gamma = self.granularity[partitions]
+        units = np.rint(values / gamma)
+        _refuse_inexact(units, float(self.scale_units.max()))
+        noise = np.empty(len(units), dtype=np.int64)
+        scales = self.scale_units[partitions]
+        for scale in np.unique(scales).tolist():  # one scale per distinct sensitivity
+            rows = np.flatnonzero(scales == scale)
+            noise[rows] = draws.discrete_laplace_at(scale, partitions[rows], indices[rows])
+        return _add_draws(units, noise, gamma)
+
 
 def _add_draws(units: np.ndarray, draws: np.ndarray, gamma) -> np.ndarray:
     """``gamma * (units + draws)`` for integral float ``units`` (overwritten), exact in float64;

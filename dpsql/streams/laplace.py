@@ -91,6 +91,10 @@ class LaplaceStream(RowNoiseStream):
 
     method = "laplace"
     component = "laplace"
+    #: A row's release is its own value's lattice point (clipped) plus its own addressed draw, final
+    #: when it arrives: a continual stream recognises a row appended again by releasing it again
+    #: (:meth:`release_at`) and comparing, so it keeps no value tag.
+    repeats_by_release = True
 
     def __init__(self, n: int | None = None, *, epsilon: float, upper: float, lower: float = 0.0,
                  noise: Draws):
@@ -115,6 +119,14 @@ class LaplaceStream(RowNoiseStream):
         if self.lower:
             released += self.lower
         return released
+
+    def release_at(self, values: np.ndarray, partitions: np.ndarray, indices: np.ndarray) -> np.ndarray:
+        """What :meth:`feed` released (or would release) for ``values[i]`` as row ``indices[i]`` of
+        partition ``partitions[i]`` of this machine's batch, bit for bit; the state is not changed.
+        Two values get the same release exactly when they clip and round to the same lattice point:
+        the draw is the row's own."""
+        shifted = self._values_to_release(np.asarray(values, dtype=np.float64))
+        return self._after_release(self._lattice.release_at(shifted, self._lane, partitions, indices))
 
     def params(self) -> dict:
         return {"epsilon": self.epsilon, "lower": self.lower, "upper": self.upper}

@@ -83,3 +83,18 @@ def test_a_round_two_count_stream_continues_exactly(ledger):
         machine = machine_for("count_laplace", 48, keystream.partition(b"i%d" % ap), {"epsilon": 1.0})
         expected = run_machine(machine, [counts[:48].astype(np.float64)], 48)
         assert np.array_equal(after.filter(pc.equal(after["ap"], ap))["count"].to_numpy(), expected)
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS))
+def test_a_changed_value_of_a_round_two_row_is_refused(ledger, name):
+    """Round 2 kept 64-bit tags; a ``laplace`` stream now tells a change by the row's release, drawn
+    from the address round 2 drew it from: either way, the recorded rows are kept and the change refused."""
+    frame = pl.read_parquet(DATA / "round2_streams.parquet").head(1_200)
+    stream = dpsql.Budget.open(ledger, scope="round2").stream(name)
+    recorded = stream.released()
+    assert stream.append(frame.filter(pl.col("meter") == 1)).num_rows > 0  # a repeat (converts the stream)
+    changed = frame.with_columns(pl.when(pl.int_range(pl.len()) == 450).then(pl.col("kwh") + 1.0)
+                                 .otherwise(pl.col("kwh")).alias("kwh"))
+    with pytest.raises(dpsql.ConflictingRow, match="appended before with another value"):
+        stream.append(changed)
+    assert stream.released().equals(recorded)

@@ -268,14 +268,14 @@ def test_a_version_two_ledger_is_upgraded_and_a_newer_one_refused(tmp_path):
         with contextlib.closing(sqlite3.connect(path)) as conn, conn:
             conn.execute("UPDATE ledger_meta SET value = ? WHERE key = 'version'", (str(v),))
 
-    assert version() == schema.VERSION == 6
-    for older in (2, 5):
+    assert version() == schema.VERSION == 7
+    for older in (2, 5, 6):
         set_version(older)
-        assert dpsql.Budget.open(path).spent == (0.25, 0.0) and version() == 6
-    set_version(7)
-    with pytest.raises(dpsql.LedgerError, match="version 7, newer than this dpsql understands"):
+        assert dpsql.Budget.open(path).spent == (0.25, 0.0) and version() == 7
+    set_version(8)
+    with pytest.raises(dpsql.LedgerError, match="version 8, newer than this dpsql understands"):
         dpsql.Budget.open(path)
-    assert version() == 7
+    assert version() == 8
 
 
 def test_a_charge_reads_the_running_total_not_the_history(tmp_path):
