@@ -11,6 +11,7 @@ recorded (``dp_final`` says which); a row's values never change once recorded.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ from dpsql.continual.state import (
     numeric,
     refuse_null_keys,
     same_type,
+    value_tags,
 )
 from dpsql.errors import InvalidTimeKey
 from dpsql.noise import DrawsBatch
@@ -39,6 +41,11 @@ from dpsql.timegrid import RowGrid, partition_grids, ticks
 
 if TYPE_CHECKING:
     from dpsql.continual.stream import Stream
+
+#: Partitions whose machines an append leaves warm for the same stream object's next append, which
+#: would otherwise restore them from the ledger and redraw what they derive from their noise (a
+#: calendar year's consistent noise forest: about 3 kB per partition).
+WARM_PARTITIONS = 1 << 14
 
 
 class Released:
@@ -133,12 +140,20 @@ class RangeAppend:
             fleet = stream._fleet(conn, row)
             self.fleet = fleet
             self.pool = stream._pool(fleet)
+            # the machines the stream object's last append left, when the ledger still holds the state it
+            # committed (else none: another object or process appended since, or the ledger was replaced);
+            # taken, so that an append that fails leaves none behind
+            warm, stream._warm = stream._warm, None
+            self.warm = warm[1] if warm is not None and warm[0] == fleet.facts.get("commit") else {}
+            self.cooled: dict = {}  # the machines this append fed, with the snapshots they left
             self.before: dict[int, pa.Array | None] = {}  # each shard's watermarks before this append
             for table in self.batches:  # one batch, or a lazy frame's sorted batches: one transaction
                 like = like or table
                 if table.num_rows:  # nothing new (a quiet day, a filter that kept nothing): nothing
                     self._batch(table, released)
             stream._commit(conn, row, fleet, released)
+        kept = self._still_warm()  # committed: its machines continue from it
+        stream._warm = (fleet.facts["commit"], kept) if kept else None
         return stream._appended(released, like)
 
     def _batch(self, table: pa.Table, released: Released) -> None:
@@ -196,7 +211,8 @@ class RangeAppend:
         live = counts > 0
         ordinals, positions, starts, counts = ordinals[live], positions[live], starts[live], counts[live]
         draws = stream._draws(self.fleet, ordinals)
-        tags = stream._tags(draws, np.repeat(np.arange(len(ordinals)), counts), values[_rows(starts, counts)])
+        tags = value_tags(draws, np.repeat(np.arange(len(ordinals)), counts), values[_rows(starts, counts)]) \
+            if stream._tagged else None
         where = np.full(shard.size, -1, dtype=np.int64)  # each touched position's place among the groups
         where[positions] = np.arange(len(positions))
         new = _New(ordinals, starts, counts, keys, values, tags, draws)
@@ -231,9 +247,10 @@ class RangeAppend:
                     [backlog[j][:int(shard.rows[members[s]])] for j, s in zip(picked, subset)])
                 for on_grid, grid in self._grids(shard, members[subset], where[members[subset]], new, params,
                                                  fresh=machine_class.state is None):
-                    classes.append(self._feed(shard, members[subset][on_grid], state if state is None else split_state(
+                    fed_now = members[subset][on_grid]
+                    classes.append(self._feed(shard, fed_now, state if state is None else split_state(
                         state, len(subset), on_grid), grid, None if earlier is None else earlier[on_grid],
-                        where[members[subset]][on_grid], new, released))
+                        where[fed_now], new, released, whole=len(fed_now) == len(members)))
         shard.classes = merge_classes(classes, stream._batchable)
         _replace_pending(shard, positions, new.pending)
         shard.rows[positions] += counts
@@ -293,15 +310,20 @@ class RangeAppend:
                                  "register the stream with calendar='none' for rows off a grid)")
 
     def _feed(self, shard: Shard, members: np.ndarray, state: dict | None, params: dict | None,
-              earlier: np.ndarray | None, groups: np.ndarray, new: _New, released: Released) -> MachineClass:
+              earlier: np.ndarray | None, groups: np.ndarray, new: _New, released: Released, *,
+              whole: bool) -> MachineClass:
         """Feed the new rows (as many for each) of the partitions ``members`` (one class, one
-        position; ``groups``: theirs among ``new``'s): their batched machine, restored (and first
-        fed their ``earlier`` rows, a fleet's pooled ones, when it starts), gives the final values it
+        position, all of it when ``whole``; ``groups``: theirs among ``new``'s): their batched
+        machine, restored (and first fed their ``earlier`` rows, a fleet's pooled ones, when it
+        starts) or the one this stream object's last append left warm, gives the final values it
         outputs and provisional ones for the rest; returns the class they form after."""
         stream = self.stream
         k, n = len(members), int(new.counts[groups[0]])
         fed, final = int(shard.rows[members[0]]), int(shard.final[members[0]])
-        machine = stream._batch_machine(new.draws.take(groups), state, params)
+        key = (shard.index, members.tobytes(), json.dumps(params, sort_keys=True, default=repr))
+        machine = self.warm.pop(key, None) if whole and state is not None else None
+        if machine is None:
+            machine = stream._batch_machine(new.draws.take(groups), state, params)
         # the rows of partitions fed together usually follow one another: copied (machines own what
         # they are fed), not gathered
         rows = _rows(new.starts[groups], np.full(k, n))
@@ -314,7 +336,21 @@ class RangeAppend:
         waiting = machine.provisional()
         waiting = np.empty((k, 0)) if waiting is None else np.asarray(waiting).reshape(k, -1)
         self._record(shard, members, groups, new, out, waiting, released, machine)
-        return MachineClass(members, machine.snapshot(), params)
+        snapshot = machine.snapshot()
+        if stream._batchable:
+            self.cooled[key] = (machine, snapshot, k)
+        return MachineClass(members, snapshot, params)
+
+    def _still_warm(self) -> dict:
+        """The machines fed by this append whose class is in the state it commits as they left it
+        (not split or merged since), for the stream object's next append: none when they hold
+        more than :data:`WARM_PARTITIONS` partitions."""
+        kept, partitions = {}, 0
+        for key, (machine, snapshot, members) in self.cooled.items():
+            if any(c.state is snapshot for c in self.fleet.shard(key[0]).classes):
+                kept[key] = machine
+                partitions += members
+        return kept if partitions <= WARM_PARTITIONS else {}
 
     def _hold(self, shard: Shard, members: np.ndarray, groups: np.ndarray, new: _New,
               released: Released) -> MachineClass:

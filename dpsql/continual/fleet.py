@@ -25,6 +25,7 @@ numbers of machine state, stored column by column (runs and repeats compress to 
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -184,6 +185,7 @@ class Fleet:
         self._partition_by = partition_by
         facts = store.state(conn, stream_row.release_id, _FACTS)
         self.facts: dict = {"partitions": 0, "appends": 0} if facts is None else _state.unpack(facts)
+        self._read: dict[int, bytes | None] = {}  # each shard's record as read (to write back only changes)
         self._directory: pa.Table | None = None
         self._directory_changed = False
         self._lookup: pa.Array | None = None
@@ -259,7 +261,7 @@ class Fleet:
     def shard(self, index: int) -> Shard:
         """Shard ``index``, read once in this append (and written back by :meth:`commit`)."""
         if index not in self._shards:
-            data = self._store.state(self._conn, self._row.release_id, index)
+            data = self._read[index] = self._store.state(self._conn, self._row.release_id, index)
             self._shards[index] = Shard(index) if data is None else Shard.unpack(index, data)
         return self._shards[index]
 
@@ -267,8 +269,14 @@ class Fleet:
         """Write back what this append changed: the shards it read, the directory when
         partitions were added, the facts."""
         release_id = self._row.release_id
+        changed = self._directory_changed
         for index, shard in self._shards.items():
-            self._store.save_state(self._conn, release_id, index, shard.pack())
+            data = shard.pack()
+            if data != self._read[index]:  # (an append of repeats only changes nothing)
+                self._store.save_state(self._conn, release_id, index, data)
+                changed = True
+        if changed:  # names the new state: a stream object keeps its machines warm while the ledger holds it
+            self.facts["commit"] = secrets.token_hex(16)
         if self._directory_changed:
             self._store.save_state(self._conn, release_id, _DIRECTORY, table_bytes(self._directory))
         self._store.save_state(self._conn, release_id, _FACTS, _state.pack(self.facts))

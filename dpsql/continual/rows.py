@@ -12,6 +12,7 @@ value. Streams stored per partition are converted to the columnar state
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import numpy as np
 import polars as pl
@@ -21,6 +22,7 @@ from dpsql._chunks import table_of
 from dpsql.addresses import partition_addresses
 from dpsql.continual.fleet import SHARD, Fleet, MachineClass, Shard, merge_classes
 from dpsql.continual.state import FINAL, TAG, PartitionState, arrow_type, short_tags, stored_keys
+from dpsql.errors import ConflictingRow, LateRow
 
 #: Columns every normalised chunk has, in this order (public columns of count machines follow).
 COLUMNS = ("dp_partition", "dp_index", "key", "value", FINAL, TAG)
@@ -178,3 +180,45 @@ def matching(ordinals: np.ndarray, keys: pa.Array, table_ordinals, table_keys) -
                                     "j": pa.array(np.arange(len(table_keys)))}))
     pairs = left.join(right, on=["p", "k"], how="inner")
     return pairs["i"].to_numpy(), pairs["j"].to_numpy()
+
+
+def repeated(chunks, shard: Shard, ordinals: np.ndarray, keys: pa.Array, watermarks: pa.Array, label: str, *,
+             tags: np.ndarray | None = None,
+             release: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> pa.Table | None:
+    """The recorded rows (read from ``chunks``, newest first) that the rows ``keys`` of partitions
+    ``ordinals`` (at or below their ``watermarks``; all in ``shard``) repeat; refuses any that is
+    not a repeat (:class:`~dpsql.LateRow`) or repeats a key with another value
+    (:class:`~dpsql.ConflictingRow`). Another value is told by the values' ``tags``, or by
+    ``release(rows, indices)``: the releases of rows ``rows`` as the rows ``indices`` of their
+    partitions, against the recorded releases (streams that keep no tags: nothing of theirs is
+    ever pending). Rows appended but never released (pending in a stream converted from an
+    earlier version) are repeats with nothing to return."""
+    recorded, where = recorded_rows(chunks, ordinals, keys)
+    found = where >= 0
+    differs = np.zeros(len(keys), bool)
+    if tags is None:
+        if recorded is not None:
+            again = release(np.flatnonzero(found), recorded["dp_index"].to_numpy()[where[found]])
+            differs[found] = again.view(np.int64) != recorded["value"].to_numpy()[where[found]].view(np.int64)
+    else:
+        recorded_tags = np.zeros(len(keys), np.int64)
+        if recorded is not None:
+            recorded_tags[found] = recorded[TAG].to_numpy()[where[found]]
+        if shard.pending is not None and not found.all():
+            missing = np.flatnonzero(~found)
+            pending = shard.pending
+            wanted, at = matching(ordinals[missing] - shard.index * SHARD, keys.take(pa.array(missing)),
+                                  pending["position"], pending["key"])
+            recorded_tags[missing[wanted]] = pending[TAG].to_numpy()[at]
+            found[missing[wanted]] = True
+        differs = found & (recorded_tags != tags)
+    if differs.any():
+        raise ConflictingRow(f"{label}: order key {keys[int(np.flatnonzero(differs)[0])].as_py()!r} was appended "
+                             "before with another value; a released row never changes (nothing of this append was "
+                             "kept)")
+    if not found.all():
+        late = int(np.flatnonzero(~found)[0])
+        raise LateRow(f"{label}: a row with order key {keys[late].as_py()!r} arrives at or below its partition's "
+                      f"watermark {watermarks[late].as_py()!r} and repeats no row appended before; nothing of this "
+                      "append was kept")
+    return recorded

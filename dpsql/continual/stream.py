@@ -61,7 +61,6 @@ from dpsql.continual.pool import Pool, pools
 from dpsql.continual.state import (
     FINAL,
     ROW_COLUMN,
-    TAG,
     StreamSpec,
     as_key,
     bucket_starts,
@@ -71,10 +70,8 @@ from dpsql.continual.state import (
 from dpsql.error_models import ProvisionalRows, SegmentedNoise, check_level
 from dpsql.errors import (
     BudgetExhausted,
-    ConflictingRow,
     InvalidData,
     InvalidParameter,
-    LateRow,
     LedgerError,
     UnknownStream,
     scrubbed,
@@ -174,9 +171,9 @@ class Stream:
         self._secret = row.secret
         self._store = StreamStore(budget.ledger)
         self.delay = StreamDelay.of(self.spec, f"stream {self.name!r}: order column {self.spec.order_by!r}")
-        # what this object's last appends committed (see RangeAppend): (release id, open partitions),
-        # each reused while its row in the ledger still holds the state it left
-        self._open: tuple[str, dict] | None = None
+        # the machines this object's last append left (see RangeAppend.run), with the commit they continue
+        # from: reused while the stream's state in the ledger is still that commit's
+        self._warm: tuple[str, dict] | None = None
 
     # -- what it is -----------------------------------------------------------------------
 
@@ -510,56 +507,23 @@ class Stream:
         a repeated row by releasing it again (``repeats_by_release``: the release is then the tag)."""
         return not getattr(METHODS[self.spec.method], "repeats_by_release", False)
 
-    def _tags(self, draws: DrawsBatch, groups: np.ndarray, values: np.ndarray) -> np.ndarray | None:
-        """The value tags of ``values[i]`` of partition ``groups[i]`` of ``draws`` (None: not kept)."""
-        return value_tags(draws, groups, values) if self._tagged else None
-
     def _repeated(self, conn, shard: Shard, ordinals: np.ndarray, keys: pa.Array, draws: DrawsBatch,
                   groups: np.ndarray, values: np.ndarray, watermarks: pa.Array) -> pa.Table | None:
         """The recorded rows that the rows ``keys`` of partitions ``ordinals`` (at or below their
         watermarks, with ``values``, partition ``groups[i]`` of ``draws``; all in ``shard``) repeat;
-        refuses any that is not a repeat (late) or repeats a key with another value (conflicting).
-        Rows appended but never released (pending in a stream converted from an earlier version)
-        are repeats with nothing to return.
-
-        Another value is told by its tag, or, for a stream that keeps none, by its release: the
-        row's value released again with the row's own draw, compared bit for bit with the recorded
-        release (it is dropped either way: only the recorded one is returned)."""
-        recorded, where = stored.recorded_rows(self._store.chunks(conn, self.release_id, newest_first=True),
-                                               ordinals, keys)
-        found = where >= 0
-        if not self._tagged:  # (such machines release every row at once: nothing is ever pending)
-            differs = np.zeros(len(keys), bool)
-            if recorded is not None:
-                machine = self._batch_machine(draws, None)
-                again = machine.release_at(values[found], groups[found],
-                                           recorded["dp_index"].to_numpy()[where[found]])
-                before = recorded["value"].to_numpy()[where[found]]
-                differs[found] = again.view(np.int64) != before.view(np.int64)
-            differs = np.flatnonzero(differs)
-        else:
-            tags = value_tags(draws, groups, values)
-            recorded_tags = np.zeros(len(keys), np.int64)
-            if recorded is not None:
-                recorded_tags[found] = recorded[TAG].to_numpy()[where[found]]
-            if shard.pending is not None and not found.all():
-                missing = np.flatnonzero(~found)
-                pending = shard.pending
-                wanted, at = stored.matching(ordinals[missing] - shard.index * SHARD, keys.take(pa.array(missing)),
-                                             pending["position"], pending["key"])
-                recorded_tags[missing[wanted]] = pending[TAG].to_numpy()[at]
-                found[missing[wanted]] = True
-            differs = np.flatnonzero(found & (recorded_tags != tags))
-        if len(differs):
-            raise ConflictingRow(f"stream {self.name!r}: order key {keys[int(differs[0])].as_py()!r} was appended "
-                                 "before with another value; a released row never changes (nothing of this append "
-                                 "was kept)")
-        if not found.all():
-            late = int(np.flatnonzero(~found)[0])
-            raise LateRow(f"stream {self.name!r}: a row with order key {keys[late].as_py()!r} arrives at or below its "
-                          f"partition's watermark {watermarks[late].as_py()!r} and repeats no row appended before; "
-                          "nothing of this append was kept")
-        return recorded
+        refuses any that is not a repeat (late) or repeats a key with another value (conflicting):
+        :func:`dpsql.continual.rows.repeated`. Another value is told by its tag, or, for a stream
+        that keeps none, by its release: the row's value released again with the row's own draw,
+        compared bit for bit with the recorded release (dropped either way: only the recorded one
+        is returned)."""
+        chunks = self._store.chunks(conn, self.release_id, newest_first=True)
+        label = f"stream {self.name!r}"
+        if self._tagged:
+            return stored.repeated(chunks, shard, ordinals, keys, watermarks, label,
+                                   tags=value_tags(draws, groups, values))
+        machine = self._batch_machine(draws, None)
+        return stored.repeated(chunks, shard, ordinals, keys, watermarks, label,
+                               release=lambda rows, indices: machine.release_at(values[rows], groups[rows], indices))
 
     def _commit(self, conn, row: StreamRow, fleet: Fleet, released) -> None:
         """Store an append: its chunk of released rows, the state it changed, the stream's counts."""
