@@ -504,8 +504,10 @@ class Stream:
     @property
     def _tagged(self) -> bool:
         """Does the ledger keep a keyed tag of each appended value? Not for machines that recognise
-        a repeated row by releasing it again (``repeats_by_release``: the release is then the tag)."""
-        return not getattr(METHODS[self.spec.method], "repeats_by_release", False)
+        a repeated row by releasing it again (``repeats_by_release``, given the stream's parameters:
+        the release is then the tag)."""
+        repeats_by_release = getattr(METHODS[self.spec.method], "repeats_by_release", None)
+        return repeats_by_release is None or not repeats_by_release(self.spec.params)
 
     def _repeated(self, conn, shard: Shard, ordinals: np.ndarray, keys: pa.Array, draws: DrawsBatch,
                   groups: np.ndarray, values: np.ndarray, watermarks: pa.Array) -> pa.Table | None:

@@ -16,7 +16,7 @@ import numpy as np
 from dpsql import _validate
 from dpsql._groups import unique
 from dpsql.error_models import IndependentNoise
-from dpsql.mechanisms.laplace import LatticeBatch
+from dpsql.mechanisms.laplace import LaplaceLattice, LatticeBatch, draw_bound
 from dpsql.noise import Draws, DrawsBatch, Lane
 from dpsql.release import StreamMachine
 
@@ -91,11 +91,6 @@ class LaplaceStream(RowNoiseStream):
 
     method = "laplace"
     component = "laplace"
-    #: A row's release is its own value's lattice point (clipped) plus its own addressed draw, final
-    #: when it arrives: a continual stream recognises a row appended again by releasing it again
-    #: (:meth:`release_at`) and comparing, so it keeps no value tag.
-    repeats_by_release = True
-
     def __init__(self, n: int | None = None, *, epsilon: float, upper: float, lower: float = 0.0,
                  noise: Draws):
         self.epsilon = _validate.epsilon(epsilon)
@@ -119,6 +114,20 @@ class LaplaceStream(RowNoiseStream):
         if self.lower:
             released += self.lower
         return released
+
+    @staticmethod
+    def repeats_by_release(params: dict) -> bool:
+        """Can a continual stream with ``params`` recognise a row appended again by releasing it
+        again (:meth:`release_at`) and comparing, keeping no value tag? A row's release is its own
+        value's lattice point (clipped) plus its own addressed draw, final when it arrives, then
+        ``lower`` added back: two lattice points give two releases unless that addition rounds
+        them together, which it cannot while every release stays below ``2**51`` lattice steps
+        (its rounding, at most ``2**-53`` of it, then moves two releases a step apart by less than
+        half a step). Beyond (``lower`` some ``2**38`` times its range from 0), the stream keeps tags."""
+        lower, upper = _validate.bounds(params.get("lower", 0.0), params["upper"])
+        lattice = LaplaceLattice.shared(upper - lower, _validate.epsilon(params["epsilon"]))
+        step = lattice.granularity
+        return abs(lower) + (upper - lower) + step * (draw_bound(lattice.scale_units) + 1) <= step * 2.0**51
 
     def release_at(self, values: np.ndarray, partitions: np.ndarray, indices: np.ndarray) -> np.ndarray:
         """What :meth:`feed` released (or would release) for ``values[i]`` as row ``indices[i]`` of

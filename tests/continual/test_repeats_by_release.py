@@ -159,3 +159,30 @@ def test_other_methods_keep_value_tags(tmp_path):
     assert all("dp_tag" in table_of(bytes(data)).column_names for *_, data in _stored(path)[1])
     with pytest.raises(dpsql.ConflictingRow):
         stream.append(_day(10, 0).with_columns(pl.col("kwh") + STEP / 8))  # below a lattice step: still told
+
+
+def test_a_value_on_another_lattice_point_is_refused_where_adding_lower_back_rounds(tmp_path):
+    """With ``lower`` far from 0 for its range (here just below 2**40, the range 1), adding it back
+    to a release that lands above 2**40 rounds to a float step as wide as the lattice step: two
+    neighbouring lattice points can give the same release. A stream whose release cannot tell its
+    lattice points apart keeps value tags, so a changed value is still a ConflictingRow."""
+    power, step = 2.0**40, 2.0**-12  # the lattice step at sensitivity 1; above 2**40, the float step too
+    lower = power - 2000.5 * step  # the lower bound is a multiple of 2**-13 only: sums above 2**40 round
+    path = tmp_path / "l.sqlite"
+    stream = dpsql.Budget.open(path, epsilon=10.0).stream("far", method="laplace", epsilon=1.0, order_by="t",
+                                                          value="v", lower=lower, upper=lower + 1.0)
+    units = 1000 + np.arange(300) % 999  # values below 2**40, each exactly its lattice point
+    frame = pl.DataFrame({"t": np.arange(300), "v": lower + units * step})
+    assert np.array_equal(frame["v"].to_numpy() - lower, units * step)
+    first = stream.append(frame)
+    stored = _stored(path)
+    rounded = np.flatnonzero(first["v"].to_numpy() >= power + 2 * step)[:4]  # releases where lower's addition rounds
+    assert len(rounded)
+    for row in rounded.tolist():
+        for delta in (step, -step):  # the neighbouring lattice points: one of them gives the same release
+            changed = frame.with_columns(pl.when(pl.col("t") == row).then(pl.col("v") + delta).otherwise(pl.col("v")))
+            assert changed["v"][row] - lower == (units[row] + np.sign(delta)) * step
+            with pytest.raises(dpsql.ConflictingRow, match="appended before with another value"):
+                stream.append(changed)
+            assert _stored(path) == stored
+    assert pl.from_arrow(stream.append(frame)).equals(pl.from_arrow(first))  # the same values: a repeat
