@@ -4,6 +4,7 @@ state between appends, and the small conversions of keys and times they share.""
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,7 +14,7 @@ import pyarrow as pa
 
 from dpsql import _state
 from dpsql._chunks import distinct, table_of
-from dpsql.errors import InvalidData, InvalidTimeKey
+from dpsql.errors import InvalidData, InvalidParameter, InvalidTimeKey
 from dpsql.methods import COUNT_METHODS
 from dpsql.ordering import refuse_rows_without_keys
 from dpsql.timegrid import TimeGrid
@@ -97,6 +98,23 @@ class StreamSpec:
     @classmethod
     def from_json(cls, data: dict) -> StreamSpec:
         return cls(**{**data, "partition_by": tuple(data["partition_by"])})
+
+
+def storable(params: dict, name: str) -> dict:
+    """``params`` as the ledger keeps them (JSON): numpy scalars and other real numbers (``Fraction``)
+    as Python numbers; any other value refused, naming the parameter."""
+    out = {}
+    for key, given in params.items():
+        value = given.item() if isinstance(given, np.generic) else given
+        if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+            value = float(value)
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            raise InvalidParameter(f"stream {name!r}: parameter {key}={given!r} is not a number, string, list or "
+                                   "mapping the ledger can keep") from None
+        out[key] = value
+    return out
 
 
 def plain(params: dict) -> dict:

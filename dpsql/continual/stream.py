@@ -65,6 +65,7 @@ from dpsql.continual.state import (
     as_key,
     bucket_starts,
     scalar_like,
+    storable,
     value_tags,
 )
 from dpsql.error_models import ProvisionalRows, SegmentedNoise, check_level
@@ -111,7 +112,7 @@ def open_stream(budget, name: str, *, method: str | None = None, epsilon: float 
     check_method(method, per_row=True, online=True)
     spec = _spec(method, order_by=order_by, value=value, partition_by=partition_by, every=every, start=start,
                  max_delay=registered(max_delay, method, method in COUNT_METHODS),
-                 params={"epsilon": epsilon, **({"delta": delta} if delta else {}), **params})
+                 params=storable({"epsilon": epsilon, **({"delta": delta} if delta else {}), **params}, name))
     keystream = Keystream.fresh()
     own = {**spec.params, **StreamDelay.of(spec).machine_params()}  # a layout its max_delay forbids: refused now
     charge = unsized_charge(method, own, keystream, public_params=spec.recorded_params(), kind=Kind.STREAM,

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -831,3 +832,18 @@ def test_a_refused_append_leaves_no_noisy_value_reachable_from_its_exception(cou
     released = stream.append(good, **kwargs)
     noisy = released.column("count" if counts else "v").to_pylist()
     assert noisy and not set(noisy) & reachable
+
+
+def test_numpy_and_fraction_parameters_register_and_other_objects_are_refused_before_the_charge(tmp_path):
+    path = tmp_path / "l.sqlite"
+    budget = dpsql.Budget.open(path, epsilon=5.0)
+    stream = budget.stream("s", method="laplace", epsilon=np.float32(0.5), order_by="ts", value="v",
+                           upper=np.int64(7), lower=Fraction(1, 2))
+    assert budget.spent == (0.5, 0.0)
+    again = dpsql.Budget.open(path).stream("s")  # kept as plain numbers: another object reads them
+    params = again.spec.params
+    assert params == {"epsilon": 0.5, "upper": 7, "lower": 0.5} and isinstance(params["upper"], int)
+    assert stream.append(pl.DataFrame({"ts": [1, 2], "v": [3.0, 9.0]})).num_rows == 2
+    with pytest.raises(dpsql.InvalidParameter, match=r"stream 't': parameter r=<object"):
+        budget.stream("t", method="hierarchy", epsilon=0.5, order_by="ts", value="v", upper=7.0, r=object())
+    assert dpsql.Budget.open(path).spent == (0.5, 0.0)
