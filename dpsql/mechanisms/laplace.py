@@ -187,9 +187,16 @@ class LatticeBatch:
         self.granularity = np.array([lap.granularity for lap in lattices])[which]
         self.scale_units = np.array([lap.scale_units for lap in lattices])[which]
         self.variance = np.array([lap.variance for lap in lattices])[which]
+        # one lattice for all (one sensitivity, the usual case): array code with a scalar, not a
+        # column broadcast over the rows
+        self._granularity = lattices[0].granularity if len(lattices) == 1 else None
 
     def _per_partition(self, attribute: np.ndarray, ndim: int) -> np.ndarray:
         return attribute.reshape((self.partitions,) + (1,) * (ndim - 1))
+
+    def _gammas(self, ndim: int):
+        """Each partition's granularity against arrays of ``ndim`` dimensions (leading axis the partition)."""
+        return self._granularity if self._granularity is not None else self._per_partition(self.granularity, ndim)
 
     def noise_units(self, draws: BatchLaneDraws, start: int, size: int) -> np.ndarray:
         """``(partitions, size)`` draws in lattice units (int64): partition ``j``'s are the draws at
@@ -198,15 +205,16 @@ class LatticeBatch:
 
     def from_units(self, units: np.ndarray) -> np.ndarray:
         """Lattice units (leading axis the partition) back to data units, exactly."""
-        return units.astype(np.float64) * self._per_partition(self.granularity, units.ndim)
+        return units.astype(np.float64) * self._gammas(units.ndim)
 
     def release(self, values: np.ndarray, draws: BatchLaneDraws, start: int = 0) -> np.ndarray:
         """``values`` (leading axis the partition) plus noise on each partition's lattice, as
         :meth:`LaplaceLattice.release` would give partition by partition (same float path
         condition, now for the largest scale)."""
         values = np.asarray(values, dtype=np.float64)
-        gamma = self._per_partition(self.granularity, values.ndim)
-        units = np.rint(values / gamma)
+        gamma = self._gammas(values.ndim)
+        units = values / gamma  # exact: a power of two
+        np.rint(units, out=units)
         _refuse_inexact(units, float(self.scale_units.max()))  # before any noise is drawn
         noise = self.noise_units(draws, start, units[0].size if len(units) else 0).reshape(units.shape)
         return _add_draws(units, noise, gamma)
