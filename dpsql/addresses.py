@@ -286,11 +286,17 @@ def masks(aes: algorithms.AES, addresses: Sequence[bytes] | pa.Array) -> np.ndar
     addresses = addresses.cast(pa.large_binary())
     offsets = np.frombuffer(addresses.buffers()[1], np.int64)[addresses.offset:addresses.offset + len(addresses) + 1]
     lengths = np.diff(offsets)
-    blocks = -(-lengths // 16)
-    state = np.zeros((len(lengths), 2), dtype=">u8")
-    state[:, 1] = lengths
+    blocks = (lengths + 15) >> 4
     encryptor = Cipher(aes, modes.ECB()).encryptor()
-    state = _encrypted(encryptor, state.view(np.uint8))
+    longest = int(lengths.max()) if len(lengths) else 0
+    if longest <= _LENGTH_TABLE:  # the first block holds the length alone: each distinct one encrypted once
+        first = np.zeros((longest + 1, 2), dtype=">u8")
+        first[:, 1] = np.arange(longest + 1)
+        state = _encrypted(encryptor, first.view(np.uint8))[lengths]
+    else:
+        state = np.zeros((len(lengths), 2), dtype=">u8")
+        state[:, 1] = lengths
+        state = _encrypted(encryptor, state.view(np.uint8))
     raw = np.frombuffer(addresses.buffers()[2], np.uint8) if len(addresses) else np.empty(0, np.uint8)
     for count in unique(blocks).tolist():
         if count == 0:
@@ -316,11 +322,21 @@ def _padded(raw: np.ndarray, starts: np.ndarray, lengths: np.ndarray, count: int
     buffer = np.concatenate([raw, np.zeros(16 * count + 8, np.uint8)])
     words = np.ndarray((len(buffer) - 7,), dtype="<u8", buffer=buffer, strides=(1,))
     data = np.empty((len(starts), 2 * count), dtype="<u8")
+    shortest, longest = (int(lengths.min()), int(lengths.max())) if len(lengths) else (0, 0)
     for w in range(2 * count):
-        kept = np.clip(lengths - 8 * w, 0, 8).astype(np.uint64)  # this word's bytes inside the string
-        mask = np.where(kept == 8, ~np.uint64(0), (np.uint64(1) << (np.uint64(8) * kept)) - np.uint64(1))
-        np.bitwise_and(words[starts + 8 * w], mask, out=data[:, w])
+        if longest <= 8 * w:  # past every string's end
+            data[:, w] = 0
+        elif shortest >= 8 * (w + 1):  # inside every string
+            np.take(words, starts + 8 * w, out=data[:, w])
+        else:  # each string's bytes of this word kept, the rest masked off
+            np.bitwise_and(words[starts + 8 * w], _KEPT[np.clip(lengths - 8 * w, 0, 8)], out=data[:, w])
     return data.view(np.uint8)
+
+
+#: The mask keeping a word's first ``j`` bytes (little-endian), ``j = 0 .. 8``.
+_KEPT = np.array([(1 << (8 * j)) - 1 for j in range(9)], dtype=np.uint64)
+#: Addresses up to this length have their length block encrypted once per distinct length.
+_LENGTH_TABLE = 1 << 12
 
 
 def _encrypted(encryptor, blocks: np.ndarray) -> np.ndarray:

@@ -168,3 +168,8 @@ def test_masks_of_any_length_and_any_slice_are_the_cbc_mac_of_their_bytes():
     whole = pa.array([b"ahead", *addresses, b"behind" * 5], pa.large_binary())
     for array in (pa.array(addresses, pa.large_binary()), whole.slice(1, len(addresses)), pa.array(addresses)):
         assert masks(aes, array).tolist() == [cbc_mac(a) for a in addresses]
+    # groups whose words are all inside or all past their strings (8, 16, 24 and 3 bytes each), and
+    # addresses too long for the table of length blocks
+    for lengths in ([8] * 5, [16] * 5, [24] * 4, [3] * 6, [4096, 4097, 5000], [1, 4097]):
+        same = [rng.integers(0, 256, length, dtype=np.uint8).tobytes() for length in lengths]
+        assert masks(aes, pa.array(same, pa.large_binary())).tolist() == [cbc_mac(a) for a in same]
