@@ -126,8 +126,18 @@ def test_an_interrupt_aborts_an_append_while_it_computes_and_leaves_nothing_lock
     assert _consistent(path)[0] == 3  # the stream and the other process's two releases
 
 
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler (KeyboardInterrupt) for the test, whatever the runner was started
+    with: a process started in the background by a non-interactive shell ignores SIGINT, and Python
+    then installs no handler, so a SIGINT would do nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("own_handler", [False, True])
-def test_an_interrupt_while_committing_is_handled_once_committed(tmp_path, monkeypatch, own_handler):
+def test_an_interrupt_while_committing_is_handled_once_committed(tmp_path, monkeypatch, own_handler, python_sigint):
     """Python's handler (KeyboardInterrupt) or the program's own: held while the charge commits,
     handled right after, and the program's handler is installed again after."""
     budget = dpsql.Budget.open(tmp_path / "l.sqlite", epsilon=1.0)
@@ -159,7 +169,7 @@ def test_an_interrupt_while_committing_is_handled_once_committed(tmp_path, monke
     assert _consistent(tmp_path / "l.sqlite")[0] == 1 and not budget.ledger._conn.in_transaction
 
 
-def test_the_body_of_a_transaction_is_interrupted_at_once_and_rolled_back(tmp_path):
+def test_the_body_of_a_transaction_is_interrupted_at_once_and_rolled_back(tmp_path, python_sigint):
     budget = dpsql.Budget.open(tmp_path / "l.sqlite", epsilon=1.0)
     with pytest.raises(KeyboardInterrupt), budget.ledger.transaction("compute inside a transaction") as conn:
         budget.ledger.execute(conn, "UPDATE scopes SET spent_epsilon = '1/2'")
