@@ -196,7 +196,7 @@ def repeated(chunks, shard: Shard, ordinals: np.ndarray, keys: pa.Array, waterma
     recorded, where = recorded_rows(chunks, ordinals, keys)
     found = where >= 0
     differs = np.zeros(len(keys), bool)
-    if tags is None:
+    if release is not None:
         if recorded is not None:
             again = release(np.flatnonzero(found), recorded["dp_index"].to_numpy()[where[found]])
             differs[found] = again.view(np.int64) != recorded["value"].to_numpy()[where[found]].view(np.int64)

@@ -30,9 +30,10 @@ returns its recorded value if it was released. The same key with another value i
 :class:`~dpsql.ConflictingRow`. The ledger keeps a keyed tag of each appended value, not the
 value, for that check; a ``laplace`` stream keeps none: a repeated row's value is released again
 with the row's own draw and compared with the recorded release (values that clip and round to
-the same lattice point are the same value for it). Count streams bucket events by a public time grid (``every`` from
-``start``): events of a closed bucket are late, ``until`` closes buckets, and empty buckets
-are released as zeros; events carry no identity, so every event appended is counted.
+the same lattice point are the same value for it). Count streams bucket events by a public time
+grid (``every`` from ``start``): events of a closed bucket are late, ``until`` closes buckets,
+and empty buckets are released as zeros; events carry no identity, so every event appended is
+counted.
 
 The ledger file holds the streams' keys and open state: it is as sensitive as the raw
 table. Only released rows may leave it.
