@@ -289,14 +289,14 @@ def masks(aes: algorithms.AES, addresses: Sequence[bytes] | pa.Array) -> np.ndar
     blocks = (lengths + 15) >> 4
     encryptor = Cipher(aes, modes.ECB()).encryptor()
     longest = int(lengths.max()) if len(lengths) else 0
-    if longest <= _LENGTH_TABLE:  # the first block holds the length alone: each distinct one encrypted once
-        first = np.zeros((longest + 1, 2), dtype=">u8")
-        first[:, 1] = np.arange(longest + 1)
-        state = _encrypted(encryptor, first.view(np.uint8))[lengths]
-    else:
-        state = np.zeros((len(lengths), 2), dtype=">u8")
-        state[:, 1] = lengths
-        state = _encrypted(encryptor, state.view(np.uint8))
+    # the first block holds the length alone: for addresses of up to _LENGTH_TABLE bytes, each
+    # possible length's is encrypted once and looked up
+    tabled = longest <= _LENGTH_TABLE
+    first = np.zeros((longest + 1 if tabled else len(lengths), 2), dtype=">u8")
+    first[:, 1] = np.arange(longest + 1) if tabled else lengths
+    state = _encrypted(encryptor, first.view(np.uint8))
+    if tabled:
+        state = state[lengths]
     raw = np.frombuffer(addresses.buffers()[2], np.uint8) if len(addresses) else np.empty(0, np.uint8)
     for count in unique(blocks).tolist():
         if count == 0:

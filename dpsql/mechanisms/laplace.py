@@ -213,11 +213,17 @@ class LatticeBatch:
         condition, now for the largest scale)."""
         values = np.asarray(values, dtype=np.float64)
         gamma = self._gammas(values.ndim)
-        units = values / gamma  # exact: a power of two
-        np.rint(units, out=units)
-        _refuse_inexact(units, float(self.scale_units.max()))  # before any noise is drawn
+        units = self._units(values, gamma)
         noise = self.noise_units(draws, start, units[0].size if len(units) else 0).reshape(units.shape)
         return _add_draws(units, noise, gamma)
+
+    def _units(self, values: np.ndarray, gamma) -> np.ndarray:
+        """``values`` rounded to the lattice of granularity ``gamma`` (exact: a power of two), as
+        integral floats; values too large for any draw to be added exactly are refused first."""
+        units = values / gamma
+        np.rint(units, out=units)
+        _refuse_inexact(units, float(self.scale_units.max()))  # before any noise is drawn
+        return units
 
     def release_at(self, values: np.ndarray, draws: BatchLaneDraws, partitions: np.ndarray,
                    indices: np.ndarray) -> np.ndarray:
@@ -227,8 +233,7 @@ class LatticeBatch:
         values = np.asarray(values, dtype=np.float64)
         partitions, indices = np.asarray(partitions, dtype=np.intp), np.asarray(indices, dtype=np.int64)
         gamma = self.granularity[partitions]
-        units = np.rint(values / gamma)
-        _refuse_inexact(units, float(self.scale_units.max()))
+        units = self._units(values, gamma)
         noise = np.empty(len(units), dtype=np.int64)
         scales = self.scale_units[partitions]
         for scale in np.unique(scales).tolist():  # one scale per distinct sensitivity

@@ -91,6 +91,7 @@ class LaplaceStream(RowNoiseStream):
 
     method = "laplace"
     component = "laplace"
+
     def __init__(self, n: int | None = None, *, epsilon: float, upper: float, lower: float = 0.0,
                  noise: Draws):
         self.epsilon = _validate.epsilon(epsilon)
