@@ -197,24 +197,10 @@ def _column_addresses(column: pa.Array) -> pa.Array:
 
 
 def _tagged(tag: bytes, column: pa.Array) -> pa.Array:
-    """``tag`` (one byte) followed by each value's text (numbers: their decimal digits) or bytes,
-    laid out by numpy (Arrow's element-wise join takes three times as long)."""
+    """``tag`` (one byte) followed by each value's text (numbers: their decimal digits) or bytes."""
     text = column if pa.types.is_large_string(column.type) or pa.types.is_large_binary(column.type) else \
         column.cast(pa.large_string())
-    binary = text.cast(pa.large_binary())
-    if binary.null_count:
-        return pc.binary_join_element_wise(pa.scalar(tag, pa.large_binary()), binary, pa.scalar(b"", pa.large_binary()))
-    n = len(binary)
-    offsets = np.frombuffer(binary.buffers()[1], np.int64)[binary.offset:binary.offset + n + 1]
-    data = binary.buffers()[2]
-    body = np.frombuffer(data, np.uint8)[offsets[0]:offsets[-1]] if data is not None else np.empty(0, np.uint8)
-    tagged_offsets = offsets - offsets[0] + np.arange(n + 1)
-    out = np.empty(len(body) + n, np.uint8)
-    is_tag = np.zeros(len(out), bool)
-    is_tag[tagged_offsets[:-1]] = True
-    out[is_tag] = tag[0]
-    out[~is_tag] = body
-    return pa.Array.from_buffers(pa.large_binary(), n, [None, pa.py_buffer(tagged_offsets), pa.py_buffer(out)])
+    return pc.binary_replace_slice(text.cast(pa.large_binary()), 0, 0, tag)
 
 
 def _scaled(tag: bytes, column: pa.Array, unit: str) -> pa.Array:
@@ -296,15 +282,16 @@ def masks(aes: algorithms.AES, addresses: Sequence[bytes] | pa.Array) -> np.ndar
     first[:, 1] = np.arange(longest + 1) if tabled else lengths
     state = _encrypted(encryptor, first.view(np.uint8))
     if tabled:
-        state = state[lengths]
+        state = _rows(state, lengths)
     raw = np.frombuffer(addresses.buffers()[2], np.uint8) if len(addresses) else np.empty(0, np.uint8)
-    for count in unique(blocks).tolist():
+    counts = unique(blocks).tolist()
+    for count in counts:
         if count == 0:
             continue
-        rows = np.flatnonzero(blocks == count)
-        every = len(rows) == len(blocks)  # (then its rows' masks are the whole state: no gather, no scatter)
-        data = _padded(raw, offsets[rows], lengths[rows], count)
-        chained = state if every else state[rows]
+        every = len(counts) == 1  # (then its rows' masks are the whole state: no gather, no scatter)
+        rows = None if every else np.flatnonzero(blocks == count)
+        data = _padded(raw, offsets[:-1] if every else offsets[rows], lengths if every else lengths[rows], count)
+        chained = state if every else _rows(state, rows)
         for b in range(count):
             chained ^= data[:, 16 * b:16 * (b + 1)]
             chained = _encrypted(encryptor, chained)
@@ -313,6 +300,12 @@ def masks(aes: algorithms.AES, addresses: Sequence[bytes] | pa.Array) -> np.ndar
         else:
             state[rows] = chained
     return state.view(">u8").astype(np.uint64)
+
+
+def _rows(blocks: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The rows ``rows`` of ``blocks`` (``(n, 16)`` uint8), taken as 16-byte items (a 2-D fancy
+    index copies them a byte at a time, eight times slower)."""
+    return np.take(blocks.view(np.complex128).reshape(-1), rows).view(np.uint8).reshape(-1, 16)
 
 
 def _padded(raw: np.ndarray, starts: np.ndarray, lengths: np.ndarray, count: int) -> np.ndarray:

@@ -271,9 +271,9 @@ class _GridBlocks:
         self._encryptor = Cipher(aes, modes.ECB()).encryptor()
         self._header = np.uint64(header & _MASK64)
         self._indices = indices
+        # a mask's low word above this wraps when the last index is added: its high word takes a carry
+        self._no_carry_below = np.uint64(_MASK64 - int(indices[-1])) if len(indices) else np.uint64(_MASK64)
         self._counters = np.empty((group, len(indices), 2), dtype=">u8")
-        self._low = np.empty((group, len(indices)), dtype=np.uint64)
-        self._carry = np.empty((group, len(indices)), dtype=np.uint64)
         self._out = np.empty(2 * group * len(indices) + 2, dtype=np.uint64)  # update_into wants a block to spare
 
     def blocks(self, masks: np.ndarray) -> np.ndarray:
@@ -281,11 +281,11 @@ class _GridBlocks:
         each index, as ``(k, len(indices), 2)`` words (a view of scratch memory, valid until the
         next call): AES of the counters ``mask + (header << 64 | index)``, built by broadcasting."""
         k, n = len(masks), len(self._indices)
-        low, carry, counters = self._low[:k], self._carry[:k], self._counters[:k]
-        np.add(masks[:, 1:2], self._indices, out=low)  # the low words' sums wrap; their carry goes up
-        counters[..., 1] = low
-        np.less(low, self._indices, out=carry)
-        np.add(masks[:, 0:1] + self._header, carry, out=counters[..., 0])
+        counters = self._counters[:k]
+        np.add(masks[:, 1:2], self._indices, out=counters[..., 1])
+        counters[..., 0] = (masks[:, 0] + self._header)[:, None]
+        if masks[:, 1].max(initial=0) > self._no_carry_below:  # about one group in 2**64 / (group * last index)
+            counters[..., 0] += counters[..., 1] < self._indices  # the low words' sums that wrapped carry up
         out = self._out[:2 * k * n + 2]
         self._encryptor.update_into(counters.reshape(-1).view(np.uint8), out.view(np.uint8))
         return out[:2 * k * n].reshape(k, n, 2)

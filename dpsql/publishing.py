@@ -157,12 +157,15 @@ class _Request:
     def release(self, budget: Budget | None, *, fresh: bool) -> Release | PartitionedRelease:
         keystream = Keystream.fresh()
         plan = self._plan(keystream)
-        levels = np.zeros(len(self.lengths), np.int64) if self.levels is None else np.asarray(self.levels, np.int64)
-        if levels.shape != self.lengths.shape:
-            raise InvalidParameter(f"partition_levels must give one level per partition ({len(self.lengths)}), "
-                                   f"got {len(levels)}")
         # the cost of each (level, group) pair present: machines of one group cost the same
-        present = unique(levels * len(plan.templates) + plan.groups).tolist()
+        if self.levels is None:  # level 0, and every group is some partition's
+            present = list(range(len(plan.templates)))
+        else:
+            levels = np.asarray(self.levels, np.int64)
+            if levels.shape != self.lengths.shape:
+                raise InvalidParameter(f"partition_levels must give one level per partition ({len(self.lengths)}), "
+                                       f"got {len(levels)}")
+            present = unique(levels * len(plan.templates) + plan.groups).tolist()
         costs = [plan.templates[p % len(plan.templates)].cost for p in present]
         pairs = [(p // len(plan.templates), p % len(plan.templates)) for p in present]
         first = plan.templates[int(plan.groups[0])]
@@ -449,10 +452,12 @@ def _run_partitions(method: str, plan: _Plan, data: np.ndarray, offsets: np.ndar
     """
     lengths = np.diff(offsets)
     groups: list[tuple[int, np.ndarray]] = []  # (group, its partitions)
-    order = np.argsort(plan.groups, kind="stable")
-    bounds = np.flatnonzero(np.diff(plan.groups[order])) + 1
-    for members in np.split(order, bounds):
-        groups.append((int(plan.groups[members[0]]), members))
+    if len(plan.templates) == 1:
+        groups.append((int(plan.groups[0]), np.arange(len(lengths))))
+    else:
+        order = np.argsort(plan.groups, kind="stable")
+        for members in np.split(order, np.flatnonzero(np.diff(plan.groups[order])) + 1):
+            groups.append((int(plan.groups[members[0]]), members))
     kinds = np.empty(len(lengths), dtype=np.int64)
     makers: list = []
     templates = plan.templates

@@ -411,8 +411,10 @@ def release_from(machine: StreamMachine, chunks, n: int, *, private: bool) -> Re
 #: is paid once for all partitions, and the temporaries stay a fraction of the input
 #: (1,000 x 10^4 rows: peak about 2.5 times the input, run time flat from 2^20 to 2^24).
 #: Many short partitions are released in batches of about this many values, whole rows each
-#: (a chunk of a few columns of 10^6 partitions would be read with a stride).
-BATCHED_CHUNK = 1 << 22
+#: (a chunk of a few columns of 10^6 partitions would be read with a stride). As many as a
+#: single stream's chunks (:func:`chunks_of`): 10^6 partitions of 10 rows run about 10 %
+#: faster than in chunks of 2^22, whose temporaries of 32 MB leave the cache.
+BATCHED_CHUNK = 1 << 20
 
 
 def release_batched(machine: StreamMachine, rows: np.ndarray, out: np.ndarray, draws) -> StreamMachine:

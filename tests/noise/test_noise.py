@@ -6,6 +6,7 @@ import threading
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.ciphers import algorithms
 from scipy import stats
 
 import dpsql
@@ -174,6 +175,24 @@ def test_a_batch_of_partitions_draws_each_partitions_own_noise():
     for j in (0, 1, 1_637, 1_638, 1_639, 2_499):  # either side of the first group's end (16,384 draws / 10)
         own = keys.partition(many[j]).lane(Lane.ROWS).discrete_laplace(float(scales[j]), 11, 10)
         np.testing.assert_array_equal(drawn[j], own)
+
+
+
+def test_a_batch_carries_into_the_high_word_where_a_partitions_counters_wrap():
+    """Short rows of many partitions are drawn by ECB over counters built in numpy: where a mask's
+    low word plus an index passes 2**64, the carry goes into the high word, as counter mode
+    (one partition alone) carries it. Groups with and without a wrap are both checked."""
+    aes = algorithms.AES(bytes(range(32)))
+    top = 2**64 - 1
+    lows = [top - 3, top, 2**63, 5, top - 12, top - 13]  # wrap inside the row, at its start, never
+    masks = np.array([[2**64 - 1 - j, low] for j, low in enumerate(lows)], dtype=np.uint64)
+    masks = np.concatenate([masks, np.array([[7, 9]] * 3000, dtype=np.uint64)])  # later groups: no wrap
+    batch = noise.DrawsBatch.masked(aes, masks, private=False).lane(Lane.ROWS, level=3)
+    drawn, uniforms = batch.discrete_laplace(40.0, 2, 10), batch.uniform(2, 10)
+    for j in [*range(len(lows)), len(masks) - 1]:
+        alone = noise.Draws(aes, (int(masks[j, 0]) << 64) | int(masks[j, 1]), private=False).lane(Lane.ROWS, 3)
+        np.testing.assert_array_equal(drawn[j], alone.discrete_laplace(40.0, 2, 10))
+        np.testing.assert_array_equal(uniforms[j], alone.uniform(2, 10))
 
 
 # -- the discrete Laplace sampler -----------------------------------------------------------------
