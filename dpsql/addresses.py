@@ -170,6 +170,9 @@ def _column_addresses(column: pa.Array) -> pa.Array:
         return _column_addresses(column.dictionary_decode())
     if pa.types.is_null(kind):
         return pa.array([b"n"] * len(column), pa.large_binary())
+    if column.null_count:  # NULL is ``n``, as for a key Python holds as None: the others encoded by type
+        return pc.replace_with_mask(pa.array([b"n"] * len(column), pa.large_binary()), column.is_valid(),
+                                    _column_addresses(column.drop_null()))
     if pa.types.is_boolean(kind):
         encoded = pc.if_else(column, pa.scalar(b"b1", pa.large_binary()), pa.scalar(b"b0", pa.large_binary()))
     elif pa.types.is_integer(kind):
@@ -207,7 +210,8 @@ def _tagged(tag: bytes, column: pa.Array) -> pa.Array:
 def _scaled(tag: bytes, column: pa.Array, unit: str) -> pa.Array:
     """Timestamps, times and durations as ``tag`` and their nanoseconds (exact: Python's
     integers where nanoseconds would pass an int64)."""
-    raw = column.cast(pa.int64()).to_numpy(zero_copy_only=False)
+    raw = (column.cast(pa.int32()) if pa.types.is_time32(column.type) else column).cast(pa.int64()).to_numpy(
+        zero_copy_only=False)  # (Arrow casts time32 to int32 only)
     factor = _NANOSECONDS[unit]
     if factor == 1 or not len(raw) or np.abs(raw).max() < _INT64_LIMIT // factor:
         return _tagged(tag, pa.array(raw * factor, pa.int64()))

@@ -161,11 +161,7 @@ class _Request:
         if self.levels is None:  # level 0, and every group is some partition's
             present = list(range(len(plan.templates)))
         else:
-            levels = np.asarray(self.levels, np.int64)
-            if levels.shape != self.lengths.shape:
-                raise InvalidParameter(f"partition_levels must give one level per partition ({len(self.lengths)}), "
-                                       f"got {len(levels)}")
-            present = unique(levels * len(plan.templates) + plan.groups).tolist()
+            present = unique(_levels(self.levels, len(self.lengths)) * len(plan.templates) + plan.groups).tolist()
         costs = [plan.templates[p % len(plan.templates)].cost for p in present]
         pairs = [(p // len(plan.templates), p % len(plan.templates)) for p in present]
         first = plan.templates[int(plan.groups[0])]
@@ -535,6 +531,20 @@ def _addresses(partition_offsets, partition_keys, count: int) -> tuple[pa.Array,
         raise InvalidParameter(f"partition_keys must give one key per partition ({count}), got {len(keys)}")
     refuse_repeated(addresses, keys)
     return addresses, keys
+
+
+def _levels(levels, count: int) -> np.ndarray:
+    """``partition_levels`` as int64, one whole number per partition, else InvalidParameter (a
+    level truncated to another would be charged as the other's)."""
+    given = np.asarray(levels)
+    if given.ndim != 1 or len(given) != count:
+        raise InvalidParameter(f"partition_levels must give one level per partition ({count}), got "
+                               f"{len(given) if given.ndim == 1 else repr(levels)}")
+    whole = given.dtype.kind in "iu" or (given.dtype.kind == "f" and bool(
+        np.all(np.isfinite(given) & (given == np.trunc(given)) & (np.abs(given) < 2.0**63))))
+    if not whole:
+        raise InvalidParameter(f"partition_levels must be whole numbers, got {levels!r}")
+    return given.astype(np.int64)
 
 
 def _offsets(partition_offsets, n: int) -> np.ndarray:
