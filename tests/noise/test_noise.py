@@ -177,7 +177,6 @@ def test_a_batch_of_partitions_draws_each_partitions_own_noise():
         np.testing.assert_array_equal(drawn[j], own)
 
 
-
 def test_a_batch_carries_into_the_high_word_where_a_partitions_counters_wrap():
     """Short rows of many partitions are drawn by ECB over counters built in numpy: where a mask's
     low word plus an index passes 2**64, the carry goes into the high word, as counter mode
