@@ -5,38 +5,21 @@ release of identical data, so the second may be answered with the first's values
 from its key; the digest of a release's values (:func:`values_digest`) checks the recomputation.
 
 SHA-256 as a two-level tree: the data are cut into 4 MiB leaves, hashed on two threads
-(hashlib releases the GIL), and the root hashes the header and the leaf digests with their
-lengths, leaves and root under distinct prefixes. Collision resistance is SHA-256's; current
-x86 and ARM processors compute it in hardware, about twice as fast as BLAKE2b (see
-BENCHMARKS.md, "Answer cache").
+(hashlib releases the GIL) when they hold more than two leaves' worth, and the root hashes the
+header and the leaf digests with their lengths, leaves and root under distinct prefixes.
+Collision resistance is SHA-256's; current x86 and ARM processors compute it in hardware, about
+twice as fast as BLAKE2b (see BENCHMARKS.md, "Answer cache").
 """
 
 from __future__ import annotations
 
+import _thread
 import hashlib
 import json
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 _LEAF = 1 << 22
-_pool: ThreadPoolExecutor | None = None
-
-
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dpsql-fingerprint")
-    return _pool
-
-
-def _forget_pool() -> None:
-    global _pool
-    _pool = None
-
-
-os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _contents(array) -> list[np.ndarray]:
@@ -84,10 +67,39 @@ def fingerprint(header: dict, arrays) -> str:
         view = memoryview(array).cast("B")
         root.update(f"|{array.dtype.str}:{array.size}|".encode())
         pieces += [view[a:a + _LEAF] for a in range(0, len(view), _LEAF)]
-    digests = list(_executor().map(_leaf, pieces)) if len(pieces) > 2 else [_leaf(p) for p in pieces]
-    for digest in digests:
+    for digest in _leaves(pieces):
         root.update(digest)
     return root.hexdigest()
+
+
+def _leaves(pieces: list[memoryview]) -> list[bytes]:
+    """Each piece's leaf digest; above two leaves' worth, the second half on a thread of its own
+    while this one hashes the first.
+
+    This thread then waits on a plain lock, and nothing else: a Ctrl-C raises KeyboardInterrupt
+    there at once. A future, or ``threading.Thread.start``, waits on a condition variable, and a
+    Ctrl-C arriving just as that lets go of its lock makes its ``with`` raise RuntimeError
+    ("cannot release un-acquired lock") instead."""
+    if sum(len(p) for p in pieces) <= 2 * _LEAF:
+        return [_leaf(p) for p in pieces]
+    half = len(pieces) // 2
+    done, outcome = _thread.allocate_lock(), []
+    done.acquire()
+
+    def hash_second_half() -> None:
+        try:
+            outcome.append([_leaf(p) for p in pieces[half:]])
+        except BaseException as error:  # (MemoryError): raised in the caller's thread
+            outcome.append(error)
+        finally:
+            done.release()
+
+    _thread.start_new_thread(hash_second_half, ())
+    first = [_leaf(p) for p in pieces[:half]]
+    done.acquire()
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return first + outcome[0]
 
 
 def values_digest(values: np.ndarray) -> bytes:

@@ -5,6 +5,7 @@ nothing is half written: totals equal the recorded charges and other processes c
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -88,6 +89,61 @@ def test_interrupts_at_random_instants_never_leave_the_sqlite_ledger_locked(tmp_
 
 def test_interrupts_at_random_instants_never_leave_the_postgres_ledger_locked(postgres_url):
     _interrupted_while_another_releases(postgres_url, interrupts=100)
+
+
+def test_ctrl_c_at_each_line_of_a_large_fingerprint_raises_keyboard_interrupt_and_charges_nothing(tmp_path):
+    """A release's fingerprint (the answer cache's key) hashes more than two leaves' worth of data
+    on two threads. Ctrl-C at each line the releasing thread runs there (and in ``threading`` and
+    ``concurrent.futures``), one release at a time, must raise KeyboardInterrupt and charge
+    nothing: never another error (a future's condition variable, interrupted just as it lets go
+    of its lock, raises RuntimeError)."""
+    code = f"""
+        import faulthandler, json, signal, sys
+        import numpy as np
+        import dpsql
+        faulthandler.register(signal.SIGUSR1)
+        budget = dpsql.Budget.open({str(tmp_path / "l.sqlite")!r}, epsilon=1e6)
+        values = np.ones((1 << 20) + 1)  # just over two leaves: hashed on two threads
+        watched = ("threading.py", "concurrent/futures", "dpsql/_fingerprint.py")
+        outcomes = []
+        while True:
+            lines = [0]
+            def line(frame, event, arg):
+                if event == "line":
+                    lines[0] += 1
+                    if lines[0] == len(outcomes) + 1:
+                        signal.raise_signal(signal.SIGINT)
+                return line
+            def call(frame, event, arg):
+                return line if any(w in frame.f_code.co_filename for w in watched) else None
+            spent = budget.spent
+            sys.settrace(call)
+            try:
+                dpsql.laplace(values, epsilon=1.0, upper=1.0, budget=budget, fresh=True)
+                outcome = "released"
+            except KeyboardInterrupt:
+                outcome = "interrupted" if budget.spent == spent else "interrupted, charged"
+            except BaseException as error:
+                outcome = repr(error)
+            finally:
+                sys.settrace(None)
+            outcomes.append(outcome)
+            if lines[0] < len(outcomes):  # released without reaching the next line: each was tried
+                break
+        print(json.dumps(outcomes))
+    """
+    done = _python(code, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = done.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        done.send_signal(signal.SIGUSR1)  # where it is stuck (the program dumps its stacks)
+        time.sleep(0.5)
+        done.kill()
+        pytest.fail(f"a release stuck after a Ctrl-C: {done.communicate()[1][-3000:]}")
+    assert done.returncode == 0, err[-3000:]
+    outcomes = json.loads(out)
+    assert len(outcomes) > 20  # the lines were tried, each in turn
+    assert outcomes[:-1] == ["interrupted"] * (len(outcomes) - 1) and outcomes[-1] == "released", outcomes
 
 
 def test_an_interrupt_aborts_an_append_while_it_computes_and_leaves_nothing_locked(tmp_path):
