@@ -13,11 +13,12 @@ twice as fast as BLAKE2b (see BENCHMARKS.md, "Answer cache").
 
 from __future__ import annotations
 
-import _thread
 import hashlib
 import json
 
 import numpy as np
+
+from dpsql._parallel import in_two_halves
 
 _LEAF = 1 << 22
 
@@ -73,33 +74,10 @@ def fingerprint(header: dict, arrays) -> str:
 
 
 def _leaves(pieces: list[memoryview]) -> list[bytes]:
-    """Each piece's leaf digest; above two leaves' worth, the second half on a thread of its own
-    while this one hashes the first.
-
-    This thread then waits on a plain lock, and nothing else: a Ctrl-C raises KeyboardInterrupt
-    there at once. A future, or ``threading.Thread.start``, waits on a condition variable, and a
-    Ctrl-C arriving just as that lets go of its lock makes its ``with`` raise RuntimeError
-    ("cannot release un-acquired lock") instead."""
+    """Each piece's leaf digest: on two threads above two leaves' worth."""
     if sum(len(p) for p in pieces) <= 2 * _LEAF:
         return [_leaf(p) for p in pieces]
-    half = len(pieces) // 2
-    done, outcome = _thread.allocate_lock(), []
-    done.acquire()
-
-    def hash_second_half() -> None:
-        try:
-            outcome.append([_leaf(p) for p in pieces[half:]])
-        except BaseException as error:  # (MemoryError): raised in the caller's thread
-            outcome.append(error)
-        finally:
-            done.release()
-
-    _thread.start_new_thread(hash_second_half, ())
-    first = [_leaf(p) for p in pieces[:half]]
-    done.acquire()
-    if isinstance(outcome[0], BaseException):
-        raise outcome[0]
-    return first + outcome[0]
+    return in_two_halves(_leaf, pieces)
 
 
 def values_digest(values: np.ndarray) -> bytes:

@@ -104,7 +104,7 @@ def test_ctrl_c_at_each_line_of_a_large_fingerprint_raises_keyboard_interrupt_an
         faulthandler.register(signal.SIGUSR1)
         budget = dpsql.Budget.open({str(tmp_path / "l.sqlite")!r}, epsilon=1e6)
         values = np.ones((1 << 20) + 1)  # just over two leaves: hashed on two threads
-        watched = ("threading.py", "concurrent/futures", "dpsql/_fingerprint.py")
+        watched = ("threading.py", "concurrent/futures", "dpsql/_fingerprint.py", "dpsql/_parallel.py")
         outcomes = []
         while True:
             lines = [0]
