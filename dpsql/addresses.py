@@ -73,6 +73,8 @@ def partition_address(key) -> bytes:
         return b"T" + b"".join(len(p).to_bytes(4, "big") + p for p in map(partition_address, key))
     if isinstance(key, (bool, np.bool_)):
         return b"b1" if key else b"b0"
+    if isinstance(key, np.timedelta64):  # (before integers: numpy's timedelta64 is a signed integer type)
+        return b"D" + str(_numpy_nanoseconds(key, "timedelta64")).encode()
     if isinstance(key, (int, np.integer)):
         return b"i" + str(int(key)).encode()
     if isinstance(key, (float, np.floating)):
@@ -88,8 +90,6 @@ def partition_address(key) -> bytes:
         return b"y" + bytes(key)
     if isinstance(key, np.datetime64):
         return b"t" + str(_numpy_nanoseconds(key, "datetime64")).encode()
-    if isinstance(key, np.timedelta64):
-        return b"D" + str(_numpy_nanoseconds(key, "timedelta64")).encode()
     if isinstance(key, dt.datetime):
         return b"t" + str(_datetime_nanoseconds(key)).encode()
     if isinstance(key, dt.date):
@@ -170,6 +170,8 @@ def _column_addresses(column: pa.Array) -> pa.Array:
         return _column_addresses(column.dictionary_decode())
     if pa.types.is_null(kind):
         return pa.array([b"n"] * len(column), pa.large_binary())
+    if pa.types.is_string_view(kind) or pa.types.is_binary_view(kind):  # (Arrow cannot filter views: drop_null)
+        return _column_addresses(column.cast(pa.large_string() if pa.types.is_string_view(kind) else pa.large_binary()))
     if column.null_count:  # NULL is ``n``, as for a key Python holds as None: the others encoded by type
         return pc.replace_with_mask(pa.array([b"n"] * len(column), pa.large_binary()), column.is_valid(),
                                     _column_addresses(column.drop_null()))
@@ -213,7 +215,8 @@ def _scaled(tag: bytes, column: pa.Array, unit: str) -> pa.Array:
     raw = (column.cast(pa.int32()) if pa.types.is_time32(column.type) else column).cast(pa.int64()).to_numpy(
         zero_copy_only=False)  # (Arrow casts time32 to int32 only)
     factor = _NANOSECONDS[unit]
-    if factor == 1 or not len(raw) or np.abs(raw).max() < _INT64_LIMIT // factor:
+    limit = _INT64_LIMIT // factor  # (not np.abs: the abs of int64's minimum is itself, negative)
+    if factor == 1 or not len(raw) or (raw.max() < limit and raw.min() > -limit):
         return _tagged(tag, pa.array(raw * factor, pa.int64()))
     return pa.array([tag + str(int(v) * factor).encode() for v in raw.tolist()], pa.large_binary())
 

@@ -536,7 +536,10 @@ def _addresses(partition_offsets, partition_keys, count: int) -> tuple[pa.Array,
 def _levels(levels, count: int) -> np.ndarray:
     """``partition_levels`` as int64, one whole number per partition, else InvalidParameter (a
     level truncated to another would be charged as the other's)."""
-    given = np.asarray(levels)
+    try:
+        given = np.asarray(levels)
+    except (ValueError, TypeError):  # ragged
+        raise InvalidParameter(f"partition_levels must give one whole number per partition, got {levels!r}") from None
     if given.ndim != 1 or len(given) != count:
         raise InvalidParameter(f"partition_levels must give one level per partition ({count}), got "
                                f"{len(given) if given.ndim == 1 else repr(levels)}")
@@ -544,7 +547,8 @@ def _levels(levels, count: int) -> np.ndarray:
         np.all(np.isfinite(given) & (given == np.trunc(given)) & (np.abs(given) < 2.0**63))))
     if not whole:
         raise InvalidParameter(f"partition_levels must be whole numbers, got {levels!r}")
-    return given.astype(np.int64)
+    # levels only compare for equality: numbered 0, 1, ... so that level * groups + group cannot overflow
+    return np.unique(given, return_inverse=True)[1].reshape(-1).astype(np.int64)
 
 
 def _offsets(partition_offsets, n: int) -> np.ndarray:

@@ -254,7 +254,8 @@ def test_composed_level_costs_are_never_recorded_below_their_exact_sum():
     assert budget.spent == (0.9, 0.0)
 
 
-@pytest.mark.parametrize("levels", [0, [0.5, 0.9, 0.9], ["0", "1", "1"], [0, float("nan"), 1], [0, 1], [[0], [1], [1]]])
+@pytest.mark.parametrize("levels", [0, [0.5, 0.9, 0.9], ["0", "1", "1"], [0, float("nan"), 1], [0, 1], [[0], [1], [1]],
+                                    [np.array([0]), 1, 1]])
 def test_partition_levels_that_are_not_one_whole_number_per_partition_are_refused_before_the_charge(levels):
     """A level truncated to another (0.5 to 0) would be charged as that level: refused, as are a
     single level, texts, NaN and a wrong count, with nothing spent."""
@@ -266,6 +267,18 @@ def test_partition_levels_that_are_not_one_whole_number_per_partition_are_refuse
     release = dpsql.publish("laplace", np.ones(30), partition_offsets=[0, 10, 20, 30],
                             partition_levels=np.array([0.0, 1.0, 1.0]), epsilon=1.0, upper=1.0, budget=budget)
     assert release.epsilon == budget.spent[0] == 2.0  # whole numbers held as floats are levels
+
+
+@pytest.mark.parametrize("levels", [[-(2**63), 0, 0], [2**62, -(2**62), 0], np.array([2**63, 0, 0], np.uint64),
+                                    [2**63 - 1, -(2**63), 0]])
+def test_extreme_partition_levels_are_charged_as_distinct_levels(levels):
+    """Levels are only told apart: however far apart they are (the ends of int64, uint64 above
+    it), distinct levels add up, as ``compose`` says, with partitions of two lengths (two
+    groups of machines, numbered with the levels)."""
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
+    dpsql.publish("laplace", np.ones(35), partition_offsets=[0, 10, 20, 35], partition_levels=levels, epsilon=0.5,
+                  upper=1.0, budget=budget)
+    assert budget.spent[0] == compose([0.5] * 3, [int(v) for v in levels])
 
 
 def test_partitions_are_described_when_looked_at_and_error_models_do_not_hold_values():

@@ -47,6 +47,11 @@ NS = np.array(["2024-03-01T00:00:00.000000001", "2024-03-01T00:00:00.000000002"]
     (pa.array([None, dt.datetime(2024, 1, 1)], pa.timestamp("ms")), [None, dt.datetime(2024, 1, 1)]),
     (pa.array([dt.time(1), None], pa.time32("s")), [dt.time(1), None]),
     (pa.array(["a", None]).dictionary_encode(), ["a", None]),
+    (pa.array(["a", None, ""], pa.string_view()), ["a", None, ""]),
+    (pa.array([b"a", None], pa.binary_view()), [b"a", None]),
+    # numpy's timedelta64 is an integer type to numpy: still a duration
+    (pa.array([5, -7], pa.duration("ns")), [np.timedelta64(5, "ns"), np.timedelta64(-7, "ns")]),
+    (pa.array([5], pa.duration("us")), [np.timedelta64(5, "us")]),
 ])
 def test_arrow_and_python_keys_get_the_same_exact_address(column, python):
     addresses = partition_addresses([column]).to_pylist()
@@ -55,6 +60,15 @@ def test_arrow_and_python_keys_get_the_same_exact_address(column, python):
     else:
         assert addresses == [partition_address(key) for key in python]
     assert len(set(addresses)) == len(addresses) - python.count(None) + min(python.count(None), 1)
+
+
+@pytest.mark.parametrize("kind, tag", [(pa.duration("us"), b"D"), (pa.timestamp("ms"), b"t"), (pa.time64("us"), b"h")])
+def test_the_earliest_int64_instant_keeps_its_exact_nanoseconds(kind, tag):
+    """-2**63 in a coarser unit than nanoseconds has no int64 nanoseconds: it is written exactly
+    (its absolute value, in int64, is itself: negative), not wrapped onto another key's address."""
+    factor = {"us": 1000, "ms": 10**6}[kind.unit]
+    addresses = partition_addresses([pa.array([-(2**63), 0, 1], pa.int64()).cast(kind)]).to_pylist()
+    assert addresses == [tag + str(v * factor).encode() for v in (-(2**63), 0, 1)]
 
 
 def test_addresses_of_several_columns_are_tuples_and_cannot_be_confused():
