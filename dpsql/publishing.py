@@ -534,8 +534,9 @@ def _addresses(partition_offsets, partition_keys, count: int) -> tuple[pa.Array,
 
 
 def _levels(levels, count: int) -> np.ndarray:
-    """``partition_levels`` as int64, one whole number per partition, else InvalidParameter (a
-    level truncated to another would be charged as the other's)."""
+    """Each partition's level among the distinct ``partition_levels`` (0, 1, ... in their order:
+    levels are only told apart), which must be one whole number per partition, else
+    InvalidParameter (a level truncated to another would be charged as the other's)."""
     try:
         given = np.asarray(levels)
     except (ValueError, TypeError):  # ragged
@@ -547,7 +548,7 @@ def _levels(levels, count: int) -> np.ndarray:
         np.all(np.isfinite(given) & (given == np.trunc(given)) & (np.abs(given) < 2.0**63))))
     if not whole:
         raise InvalidParameter(f"partition_levels must be whole numbers, got {levels!r}")
-    # levels only compare for equality: numbered 0, 1, ... so that level * groups + group cannot overflow
+    # numbered, so that level * groups + group cannot overflow (levels 2**63 apart would meet)
     return np.unique(given, return_inverse=True)[1].reshape(-1).astype(np.int64)
 
 
