@@ -25,7 +25,9 @@ _LEAF = 1 << 22
 
 def _contents(array) -> list[np.ndarray]:
     """Contiguous numpy arrays holding exactly ``array``'s values (an Arrow string column: its
-    offsets from 0 and its characters)."""
+    offsets from 0 and its characters); for an Arrow array with NULLs, its valid values and
+    which rows are valid (a NULL's slot holds anything: ``["a", NULL]`` must not pass for
+    ``["a", ""]``, nor ``[1.0, NULL]`` for ``[1.0, NaN]``)."""
     import pyarrow as pa
 
     if isinstance(array, np.ndarray):
@@ -37,6 +39,9 @@ def _contents(array) -> list[np.ndarray]:
 
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
+    if array.null_count:  # the valid values, and where they are
+        valid = array.is_valid().to_numpy(zero_copy_only=False).astype(np.uint8)
+        return [valid] if pa.types.is_null(array.type) else [*_contents(array.drop_null()), valid]
     if pa.types.is_string(array.type) or pa.types.is_binary(array.type) or pa.types.is_large_string(
             array.type) or pa.types.is_large_binary(array.type):
         width = np.int64 if pa.types.is_large_string(array.type) or pa.types.is_large_binary(array.type) else np.int32

@@ -155,6 +155,23 @@ def test_parameters_are_compared_by_their_exact_value():
     assert budget.spent == (2.0, 0.0)
 
 
+def test_order_keys_with_nulls_are_other_data_than_with_what_their_slots_hold():
+    """A NULL order key's slot holds anything (an empty string, 0.0): a release whose keys hold a
+    NULL there is another request than one with that value, charged anew; an identical repeat
+    is still free."""
+    import pyarrow as pa
+
+    values = np.arange(4.0)
+    for with_null, filled in ((pa.array(["a", None, "c", "d"]), pa.array(["a", "", "c", "d"])),
+                              (pa.array([1.0, None, 3.0, 4.0]), pa.array([1.0, float("nan"), 3.0, 4.0]))):
+        budget = dpsql.Budget.in_memory(epsilon=10.0)
+        first = dpsql.publish("laplace", values, order_keys=[with_null], epsilon=1.0, upper=5.0, budget=budget)
+        other = dpsql.publish("laplace", values, order_keys=[filled], epsilon=1.0, upper=5.0, budget=budget)
+        assert other.release_id != first.release_id and budget.spent == (2.0, 0.0)
+        again = dpsql.publish("laplace", values, order_keys=[with_null], epsilon=1.0, upper=5.0, budget=budget)
+        assert again.release_id == first.release_id and budget.spent == (2.0, 0.0)
+
+
 def _ledger_bytes(path) -> int:
     """The ledger's size with every committed page in the main file."""
     with contextlib.closing(sqlite3.connect(path)) as conn:
