@@ -93,7 +93,7 @@ def breakdown(table: pa.Table, values: np.ndarray, batch: int, directory: Path) 
 
     phases = Phases()
     phases.wrap(appends.RangeAppend, "_ordered", "read, validate and order the batch (Polars)")
-    phases.wrap(appends, "group_starts", "partitions and the unique-key check")
+    phases.wrap(appends, "group_starts", "partitions and the unique-key check (when not found while ordering)")
     phases.wrap(DrawsBatch, "tags", "keyed value tags (AES of each value)")
     phases.wrap(Stream, "_batch_machine", "ToPS machine: restore from the open state")
     phases.wrap(appends, "feed_into", "ToPS machine: feed")

@@ -15,16 +15,25 @@ value tags), without nulls, in a table of at least 256 rows (a smaller one is st
 stored as its bits (``int64``), the ``key`` and ``dp_index`` columns as the differences of
 consecutive values (the first one in the field's metadata), in the first of these that applies:
 
-- run-length encoded, when there are fewer than a third as many runs as rows;
+- run-length encoded, when there are fewer than a third as many runs as rows (the runs of a
+  column of differences divided by their common step, in the field's metadata: an hourly grid of
+  keys in microseconds runs in steps of 1);
 - dictionary encoded with 8- or 16-bit indices, when few distinct values are seen in the
   first rows and the whole column has at most 65,536 (a column may also come encoded so);
-- as 32-bit integers, when every value fits;
-- floats as 32-bit multiples of a power of two (the exponent in the field's metadata), when every
-  value is one (the Laplace mechanism's releases: the values of a lattice);
+- integers (not floats' bits) in the narrowest that holds them all, when 32 bits do;
+- floats as multiples of a power of two (the exponent in the field's metadata), their units in
+  the narrowest integers that hold them, when every value is one on a lattice of 32-bit units
+  (the Laplace mechanism's releases: about 18 bits a value);
 - as it is.
 
+The narrowest integers are 8, 16, 24 or 32 bits; 24 as two planes, the low 16 bits and a byte for
+the rest (a struct column; not for runs, whose ends take 32 bits anyway). Bytes saved are worth
+more than they cost to find: the ledger writes each byte twice (its write-ahead log, then the
+file), about 5 ms a megabyte on a virtual machine's disk.
+
 Bits, not values, so that ``-0.0`` and ``0.0`` stay apart and every float round-trips exactly;
-two's complement differences, so any ``int64`` keys do.
+two's complement differences, so any ``int64`` keys do. A large table's columns are encoded on two
+threads (numpy lets go of the GIL in its loops).
 """
 
 from __future__ import annotations
@@ -34,13 +43,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dpsql._memory import pooled_array
+from dpsql._parallel import on_two_threads
 
 #: Field metadata of a stored column: its type (present when it is stored as int64 bits) and,
 #: for the columns stored as differences, ``delta`` and the first value.
 _TYPE, _ENCODING, _FIRST = b"dpsql.type", b"dpsql.encoding", b"dpsql.first"
+#: A column of differences stored divided by their common step (in its runs).
+_STEP = b"dpsql.step"
 #: A lattice-encoded column's power of two.
 _EXPONENT = b"dpsql.exponent"
 _INT32 = np.iinfo(np.int32)
+#: Integers of 17 to 24 bits stored in two planes: their low 16 bits, and the rest in a byte.
+_PLANES = (pa.field("low", pa.uint16(), nullable=False), pa.field("high", pa.int8(), nullable=False))
 #: Columns stored as differences: the order keys, and each partition's row numbers (which count up
 #: by one along a partition's rows: one run per partition).
 _ASCENDING = ("key", "dp_index")
@@ -50,6 +64,9 @@ _SAMPLE, _FEW = 1024, 256
 #: Rows from which a table's columns are encoded: below, finding an encoding costs more time than
 #: the bytes it saves are worth (a partition's few pending keys, rewritten at every append).
 _ENCODED_FROM = 256
+#: Rows from which a table's columns are encoded on two threads (below, starting one costs more
+#: than it saves).
+_THREADED_FROM = 1 << 16
 #: Fibonacci hashing's multiplier (2**64 over the golden ratio, odd): spreads any bits to the top.
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
@@ -64,7 +81,8 @@ def table_bytes(table: pa.Table) -> bytes:
 
 def table_buffer(table: pa.Table) -> pa.Buffer:
     """:func:`table_bytes` in Arrow's memory, not copied: for a chunk of released rows, megabytes
-    that the ledger's driver copies itself."""
+    that the ledger's driver copies itself. A large table's columns are encoded on two threads."""
+    encoded = []
     for at, field in enumerate(table.schema):
         column = table.column(at)
         if pa.types.is_dictionary(field.type) and _as_bits(field.type.value_type):
@@ -72,7 +90,16 @@ def table_buffer(table: pa.Table) -> pa.Buffer:
             table = table.set_column(at, field, stored)
             column = table.column(at)
         if table.num_rows >= _ENCODED_FROM and column.null_count == 0 and _as_bits(field.type):
-            table = table.set_column(at, *_encoded(field, column))
+            encoded.append(at)
+    # floats first: checking a lattice costs the most, and each thread takes the next column
+    encoded.sort(key=lambda at: not pa.types.is_float64(table.schema.field(at).type))
+    columns = [(table.schema.field(at), table.column(at)) for at in encoded]
+    if table.num_rows >= _THREADED_FROM and len(columns) > 1:
+        stored = on_two_threads(_encoded_column, columns)
+    else:
+        stored = [_encoded_column(c) for c in columns]
+    for at, (field, column) in zip(encoded, stored):
+        table = table.set_column(at, field, column)
     sink = pa.BufferOutputStream()
     # one thread: handing a table's few buffers to Arrow's pool costs more than it saves, and
     # far more on a busy machine (each task waits for a core)
@@ -96,35 +123,111 @@ def _as_bits(kind: pa.DataType) -> bool:
             or pa.types.is_timestamp(kind) or pa.types.is_duration(kind) or pa.types.is_int32(kind))
 
 
+def _encoded_column(column: tuple[pa.Field, pa.ChunkedArray]) -> tuple[pa.Field, pa.Array]:
+    return _encoded(*column)
+
+
 def _encoded(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Array]:
     narrow = pa.types.is_int32(field.type)  # the value tags: only a run-length or dictionary encoding is smaller
-    bits = column.to_numpy().astype(np.int64) if narrow else np.ascontiguousarray(column.to_numpy()).view(np.int64)
     metadata = {_TYPE: str(field.type).encode()}
     if field.name in _ASCENDING:
-        metadata.update({_ENCODING: b"delta", _FIRST: str(int(bits[0])).encode()})
-        deltas = pooled_array(len(bits), np.int64)
-        deltas[0] = 0
-        np.subtract(bits[1:], bits[:-1], out=deltas[1:])
-        bits = deltas
-    changed = bits[1:] != bits[:-1]
+        bits, first = _differences(column, narrow)
+        metadata.update({_ENCODING: b"delta", _FIRST: str(first).encode()})
+    else:
+        bits = _bits(column, narrow)
+    changed = np.not_equal(bits[1:], bits[:-1], out=pooled_array(len(bits) - 1, np.bool_))
     stored = None
     if 3 * (1 + np.count_nonzero(changed)) < len(bits):
         ends = np.append(np.flatnonzero(changed) + 1, len(bits)).astype(np.int32)
-        stored = pa.RunEndEncodedArray.from_arrays(ends, bits[ends - 1])
+        runs = bits[ends - 1]
+        if field.name in _ASCENDING and (step := _common_step(runs)) > 1:
+            metadata[_STEP] = str(step).encode()
+            runs //= step
+        stored = pa.RunEndEncodedArray.from_arrays(ends, _narrowest(runs, planes=False))
     elif (found := distinct(bits)) is not None:
         stored = _dictionary(*found)
     floats = pa.types.is_float64(field.type)  # (whose bits fit 32 only for 0.0 and tiny subnormals)
     if stored is None and not (narrow or floats) and _INT32.min <= bits.min() and bits.max() <= _INT32.max:
-        stored = pa.array(bits.astype(np.int32))
+        stored = _narrowest(bits)
     if stored is None and floats and (found_lattice := lattice(bits.view(np.float64))):
         exponent, units = found_lattice
         metadata.update({_ENCODING: b"lattice", _EXPONENT: str(exponent).encode()})
-        stored = pa.array(units)
+        stored = _narrowest(units)
     if stored is None:
         if field.name not in _ASCENDING:
             return field, column
         stored = pa.array(bits)
     return pa.field(field.name, stored.type, nullable=field.nullable, metadata=metadata), stored
+
+
+def _common_step(differences: np.ndarray) -> int:
+    """The greatest common divisor of ``differences`` (the runs of a column of order keys on a grid:
+    an hour in microseconds, and the step back to the next partition), 0 when there is none
+    that divides them all exactly (all 0, or int64's least value)."""
+    step = int(np.gcd.reduce(differences))
+    return step if step > 0 and (differences // step * step == differences).all() else 0
+
+
+def _bits(column: pa.ChunkedArray, narrow: bool) -> np.ndarray:
+    """A column of 8-byte items (or 32-bit integers, when ``narrow``) as one array of ``int64``:
+    a view of its one chunk, else its chunks copied into pooled memory."""
+    if column.num_chunks == 1 and not narrow:
+        return np.ascontiguousarray(column.chunk(0).to_numpy()).view(np.int64)
+    bits, at = pooled_array(len(column), np.int64), 0
+    for chunk in column.chunks:
+        np.copyto(bits[at:at + len(chunk)], _chunk_bits(chunk, narrow))
+        at += len(chunk)
+    return bits
+
+
+def _differences(column: pa.ChunkedArray, narrow: bool) -> tuple[np.ndarray, int]:
+    """The differences of consecutive items of a column (:func:`_bits`; the first one 0) and its
+    first item, computed chunk by chunk (not from the chunks copied into one array first)."""
+    deltas, at, first, last = pooled_array(len(column), np.int64), 0, 0, None
+    for chunk in column.chunks:
+        if not len(chunk):
+            continue
+        bits = _chunk_bits(chunk, narrow)
+        if last is None:
+            first = last = int(bits[0])
+        # arrays, not scalars: numpy warns of a scalar difference that wraps (two's complement)
+        np.subtract(bits[:1], last, out=deltas[at:at + 1])
+        np.subtract(bits[1:], bits[:-1], out=deltas[at + 1:at + len(bits)])
+        at, last = at + len(bits), bits[-1:]
+    return deltas, first
+
+
+def _chunk_bits(chunk: pa.Array, narrow: bool) -> np.ndarray:
+    items = chunk.to_numpy()
+    return items.astype(np.int64) if narrow else items.view(np.int64)
+
+
+def _narrowest(integers: np.ndarray, *, planes: bool = True) -> pa.Array:
+    """Integers in the narrowest of 8, 16, 24 (two planes: :data:`_PLANES`, when ``planes``),
+    32 or 64 bits that holds them all (:func:`_integers` restores them)."""
+    if not len(integers):
+        return pa.array(integers)
+    low, high = int(integers.min()), int(integers.max())
+    for kind in (np.int8, np.int16):
+        if np.iinfo(kind).min <= low and high <= np.iinfo(kind).max:
+            return pa.array(integers.astype(kind))
+    if planes and low >= -(1 << 23) and high < 1 << 23:
+        # the low 16 bits as they are, the high ones (sign included) in a byte
+        return pa.StructArray.from_arrays([pa.array(integers.astype(np.uint16)),
+                                           pa.array((integers >> 16).astype(np.int8))], fields=list(_PLANES))
+    if _INT32.min <= low and high <= _INT32.max:
+        return pa.array(integers.astype(np.int32))
+    return pa.array(integers.astype(np.int64))
+
+
+def _integers(stored: pa.Array) -> np.ndarray:
+    """The integers :func:`_narrowest` stored, as ``int64`` (or ``int32`` for two planes)."""
+    if pa.types.is_struct(stored.type):
+        integers = stored.field("high").to_numpy().astype(np.int32)
+        integers <<= 16
+        integers |= stored.field("low").to_numpy()
+        return integers
+    return stored.to_numpy()
 
 
 def lattice(values: np.ndarray) -> tuple[int, np.ndarray] | None:
@@ -147,12 +250,16 @@ def lattice(values: np.ndarray) -> tuple[int, np.ndarray] | None:
     mantissas = np.ldexp(fractions, 53).astype(np.int64)  # exactly: 53 significant bits
     lowest = np.frexp((mantissas & -mantissas).astype(np.float64))[1] - 1  # each mantissa's lowest set bit
     exponent = int((exponents - 53 + lowest).min())
+    # in pooled memory, computed in place: fresh arrays of a column's size would be faulted in
+    scaled, units = pooled_array(len(values)), pooled_array(len(values), np.int32)
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # out of range: checked next
         # products with powers of two (exact, or rounded as ldexp rounds; several times faster)
-        units = (values * np.ldexp(1.0, -exponent)).astype(np.int32)
+        np.multiply(values, np.ldexp(1.0, -exponent), out=scaled)
+        np.copyto(units, scaled, casting="unsafe")
     # the decoded bits (:func:`_lattice_values`), not the scaled values: -0.0 (whose unit is 0) must not
     # pass for 0.0, nor a value that underflows to 0 units
-    if not np.array_equal(_lattice_values(units, exponent).view(np.int64), values.view(np.int64)):
+    decoded = np.multiply(units, np.ldexp(1.0, exponent), out=scaled)
+    if not np.equal(decoded.view(np.int64), values.view(np.int64), out=pooled_array(len(values), np.bool_)).all():
         return None
     return exponent, units
 
@@ -260,10 +367,12 @@ def _decoded(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Arr
     elif pa.types.is_dictionary(stored.type):
         stored = stored.dictionary_decode()
     if field.metadata.get(_ENCODING) == b"lattice":
-        values = _lattice_values(stored.to_numpy(), int(field.metadata[_EXPONENT]))
+        values = _lattice_values(_integers(stored), int(field.metadata[_EXPONENT]))
         return pa.field(field.name, pa.float64()), pa.array(values)
-    bits = stored.to_numpy().astype(np.int64, copy=False)
+    bits = _integers(stored).astype(np.int64, copy=False)
     if field.metadata.get(_ENCODING) == b"delta":
+        if _STEP in field.metadata:
+            bits = bits * np.int64(int(field.metadata[_STEP]))
         bits = np.cumsum(bits, dtype=np.int64)
         bits += np.int64(int(field.metadata.get(_FIRST, b"0")))
     kind = _stored_type(field.metadata[_TYPE].decode())

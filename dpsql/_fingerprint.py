@@ -18,7 +18,7 @@ import json
 
 import numpy as np
 
-from dpsql._parallel import in_two_halves
+from dpsql._parallel import on_two_threads
 
 _LEAF = 1 << 22
 
@@ -82,7 +82,7 @@ def _leaves(pieces: list[memoryview]) -> list[bytes]:
     """Each piece's leaf digest: on two threads above two leaves' worth."""
     if sum(len(p) for p in pieces) <= 2 * _LEAF:
         return [_leaf(p) for p in pieces]
-    return in_two_halves(_leaf, pieces)
+    return on_two_threads(_leaf, pieces)
 
 
 def values_digest(values: np.ndarray) -> bytes:

@@ -27,7 +27,7 @@ import zlib
 import numpy as np
 import pyarrow as pa
 
-from dpsql._parallel import in_two_halves
+from dpsql._parallel import on_two_threads
 
 _MAGIC_V1 = b"DPS1"
 _MAGIC = b"DPS2"
@@ -55,7 +55,7 @@ def pack(value) -> bytes:
     buffers: list = []
     header = json.dumps(_encode(value, buffers, [0]), separators=(",", ":"), allow_nan=False).encode()
     frames = _frames([len(header).to_bytes(8, "little") + header, *buffers])
-    stored = in_two_halves(_frame, frames) if len(frames) > 1 else [_frame(f) for f in frames]
+    stored = on_two_threads(_frame, frames) if len(frames) > 1 else [_frame(f) for f in frames]
     out = [_MAGIC, len(stored).to_bytes(4, "little")]
     for (codec, payload), raw in zip(stored, frames):
         out += [_FRAME_HEADER.pack(codec, len(payload), len(raw)), payload]

@@ -24,6 +24,7 @@ from dpsql import _validate
 from dpsql._groups import same_groups
 from dpsql._memory import pooled_array
 from dpsql.continual.fleet import SHARD, MachineClass, Shard, merge_classes, split_state
+from dpsql.continual.order import group_starts, in_stream_order
 from dpsql.continual.state import (
     FINAL,
     TAG,
@@ -157,9 +158,10 @@ class RangeAppend:
         return stream._appended(released, like)
 
     def _batch(self, table: pa.Table, released: Released) -> None:
-        frame, value = self._ordered(table)
+        frame, value, starts = self._ordered(table)
         label = f"stream {self.stream.name!r}"
-        starts = group_starts(frame, self.spec, label)
+        if starts is None:
+            starts = group_starts(frame, self.spec, label)
         stops = np.append(starts[1:], frame.height)
         keys = frame.get_column(self.spec.order_by).to_arrow()
         values = self._values = frame.get_column(value).to_numpy()
@@ -182,9 +184,10 @@ class RangeAppend:
             self._advance(shard, ordinals[groups], first, stops[groups], keys_by_shard[shard.index], values,
                           released)
 
-    def _ordered(self, table: pa.Table) -> tuple[pl.DataFrame, str]:
-        """The batch validated, in (partition, order key) order, and the name of its column of
-        values as float64 (the value column itself when it is float64: shared, not copied)."""
+    def _ordered(self, table: pa.Table) -> tuple[pl.DataFrame, str, np.ndarray | None]:
+        """The batch validated, in (partition, order key) order, the name of its column of values
+        as float64 (the value column itself when it is float64: shared, not copied), and the first
+        row of each partition when found on the way (else None: :func:`group_starts`)."""
         spec, label = self.spec, f"stream {self.stream.name!r}"
         frame = decoded(pl.from_arrow(table), spec.partition_by)
         refuse_null_keys(frame, spec, label)
@@ -194,9 +197,8 @@ class RangeAppend:
         if column.dtype != pl.Float64:
             value = "__value"
             frame = frame.with_columns(pl.Series(value, values))
-        if _ascending(frame, [*spec.partition_by, spec.order_by]):
-            return frame, value  # rows usually arrive in order (by time; a fleet's by meter, then time)
-        return frame.sort([*spec.partition_by, spec.order_by], maintain_order=True), value
+        frame, starts = in_stream_order(frame, spec)
+        return frame, value, starts
 
     def _advance(self, shard: Shard, ordinals: np.ndarray, starts: np.ndarray, stops: np.ndarray,
                  keys: pa.Array, values: np.ndarray, released: Released) -> None:
@@ -383,14 +385,15 @@ class RangeAppend:
         tags_now = None if new.tags is None else np.concatenate(
             [old_tags.reshape(k, -1), new.tags[_rows(new.tag_starts[groups], np.full(k, n))].reshape(k, n)],
             axis=1).reshape(-1)
-        value_now = np.concatenate([out, waiting], axis=1).reshape(-1)
+        value_now = (np.concatenate([out, waiting], axis=1) if provisional else out).reshape(-1)
         final_now = np.tile(np.arange(count) < emitted, k)
         index_now = np.tile(np.arange(final, final + count, dtype=np.int64), k)
         public = {f"dp_{c}": pa.array(v) for c, v in machine.take_public().items()} if getattr(
             machine, "public_columns", ()) else None
-        # rows still provisional from earlier appends keep the value they were released at: not again
-        changed = final_now | (index_now >= fed)
-        if not changed.all():
+        # rows still provisional from earlier appends (indices final .. fed) keep the value they were
+        # released at: not again
+        changed = final_now | (index_now >= fed) if final < fed else None
+        if changed is not None and not changed.all():
             picked = pa.array(np.flatnonzero(changed))
             released.add(np.repeat(new.ordinals[groups], count)[changed], index_now[changed], keys_now.take(picked),
                          value_now[changed], final_now[changed], None if tags_now is None else tags_now[changed],
@@ -448,48 +451,6 @@ def units(classes: list[MachineClass], batchable: bool) -> list[MachineClass]:
         return classes
     return [c if len(c.members) == 1 else MachineClass(c.members[j:j + 1], None, c.params) for c in classes
             for j in range(len(c.members) if c.state is None else 1)]
-
-
-def group_starts(frame: pl.DataFrame, spec: StreamSpec, label: str, *, order: str | None = None,
-                  unique_keys: bool = True) -> np.ndarray:
-    """The first row of each partition of a sorted batch; refuses a key twice in one partition."""
-    order = order or spec.order_by
-    n = frame.height
-    new = np.zeros(n, dtype=bool)
-    new[0] = True
-    for column in spec.partition_by:
-        c = frame.get_column(column)
-        new[1:] |= c.slice(1).ne_missing(c.slice(0, n - 1)).to_numpy()
-    if unique_keys:
-        key = frame.get_column(order)
-        if key.dtype.is_numeric() or key.dtype.is_temporal():  # no nulls (refused): numpy's view, no copy
-            keys = key.to_numpy()
-            same = keys[1:] == keys[:-1]
-        else:
-            same = key.slice(1).eq_missing(key.slice(0, n - 1)).to_numpy()
-        repeated = np.flatnonzero(~new[1:] & same) if same.any() else np.empty(0, np.int64)
-        if repeated.size:
-            raise InvalidTimeKey(f"{label}: order key {key[int(repeated[0]) + 1]!r} appears twice in one partition of "
-                                 "this append; time keys must be unique within a partition")
-    return np.flatnonzero(new)
-
-
-def _ascending(frame: pl.DataFrame, columns: list[str]) -> bool:
-    """Whether ``frame``'s rows are in ascending order of ``columns`` (lexicographic), checked
-    without sorting for columns of numbers and times (a column of another type: False)."""
-    if frame.height < 2:
-        return True
-    equal_so_far = np.ones(frame.height - 1, bool)  # rows equal to their predecessor in the columns so far
-    for name in columns:
-        column = frame.get_column(name)
-        if not (column.dtype.is_numeric() or column.dtype.is_temporal()):
-            return False
-        values = column.to_numpy()
-        before, after = values[:-1], values[1:]
-        if (equal_so_far & (before > after)).any():
-            return False
-        equal_so_far &= before == after
-    return True
 
 
 def _taken(column: pa.Array | None, positions: np.ndarray, kind: pa.DataType) -> pa.Array:

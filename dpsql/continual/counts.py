@@ -12,8 +12,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dpsql import _validate
-from dpsql.continual.appends import Released, group_starts, units
+from dpsql.continual.appends import Released, units
 from dpsql.continual.fleet import SHARD, Fleet, MachineClass, Shard, merge_classes, split_state
+from dpsql.continual.order import group_starts
 from dpsql.continual.state import StreamSpec, bucket_starts, decoded, refuse_null_keys
 from dpsql.errors import InvalidParameter, LateRow
 from dpsql.timegrid import instant, ticks

@@ -50,6 +50,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dpsql._chunks import table_buffer
+from dpsql._memory import pooled_array
 from dpsql._tables import arrow_batches
 from dpsql.accounting import Kind
 from dpsql.addresses import partition_address, partition_addresses
@@ -557,7 +558,10 @@ class Stream:
         if rows is None or directory is None:
             return None
         ordinals = rows["dp_partition"].to_numpy()
-        handles = directory["__first_handle"].to_numpy()[ordinals] + rows["dp_index"].to_numpy()
+        # gathered into pooled memory (dpsql._memory): mode clip writes into it directly, raise buffers first
+        handles = pooled_array(len(ordinals), np.int64)
+        np.take(directory["__first_handle"].to_numpy(), ordinals, mode="clip", out=handles)
+        handles += rows["dp_index"].to_numpy()
         columns = [directory[c].take(pa.array(ordinals)) for c in self.spec.partition_by]
         columns += [rows["key"], rows["value"], pa.array(handles, pa.int64()), rows[FINAL]]
         names = [*self.spec.partition_by, self.spec.order_by, self._value_column(), ROW_COLUMN, FINAL]

@@ -12,6 +12,10 @@ from dpsql._chunks import distinct, table_bytes, table_of
 
 INT64 = np.iinfo(np.int64)
 REE = pa.run_end_encoded(pa.int32(), pa.int64())
+#: Runs whose values fit a byte (grids of order keys, divided by their step; row numbers).
+REE8 = pa.run_end_encoded(pa.int32(), pa.int8())
+#: Integers of 17 to 24 bits: their low 16 bits and a byte for the rest.
+PLANES = pa.struct([pa.field("low", pa.uint16(), nullable=False), pa.field("high", pa.int8(), nullable=False)])
 
 
 def _chunk(keys, kind=None, values=None, tags=None) -> pa.Table:
@@ -38,9 +42,15 @@ def _round_trip(chunk: pa.Table) -> dict[str, pa.DataType]:
 
 
 @pytest.mark.parametrize(("keys", "encoding"), [
-    (np.arange(10_000) * 60 + 1_700_000_000_000_000, REE),  # a grid: two runs of differences
+    (np.arange(10_000) * 60 + 1_700_000_000_000_000, REE8),  # a grid: two runs of differences (0, then 1 step)
+    (np.arange(10_000) * 3_600_000_000 + 1_700_000_000_000_000, REE8),  # hourly, in microseconds
+    (np.cumsum(np.repeat(np.resize([2**40 + 1, -(2**40)], 20), 50)), REE),  # runs without a common step
+    # runs of int64's least difference (whose absolute value numpy's gcd cannot take), wrapping
+    (np.cumsum(np.repeat(np.array([INT64.min, 2, INT64.min, 6]), 100)), REE),
+    (np.cumsum(np.repeat(np.array([INT64.min, 0, INT64.min]), 100)), REE),
     (np.cumsum(np.random.default_rng(1).choice([60, 61, 59], 10_000)) + 2**60, pa.dictionary(pa.uint8(), pa.int64())),
-    (np.cumsum(np.random.default_rng(1).integers(1, 10**6, 10_000)) + 2**60, pa.int32()),
+    (np.cumsum(np.random.default_rng(1).integers(1, 10**6, 10_000)) + 2**60, PLANES),
+    (np.cumsum(np.random.default_rng(1).integers(1, 2**30, 10_000)), pa.int32()),
     (np.cumsum(np.random.default_rng(2).integers(1, 2**40, 10_000)), pa.int64()),
     # differences wrap around: two's complement restores them
     (np.resize([INT64.min, -1, 0, INT64.max], 256), pa.dictionary(pa.uint8(), pa.int64())),
@@ -269,15 +279,16 @@ def test_row_numbers_are_stored_as_runs_of_differences(partitions):
     chunk = pa.table({"dp_partition": np.repeat(np.arange(partitions), per), "dp_index": index,
                       "key": pa.array(np.tile(np.arange(per), partitions))})
     stored = _round_trip(chunk)
-    assert stored["dp_index"] == REE
-    # 24 bytes a row as they are; runs of 12 bytes: two per partition for the keys and the row
-    # numbers (one up the partition, one back to the next), one for the partition
-    assert len(table_bytes(chunk)) < 64 * partitions + 2_000
+    assert stored["dp_index"] == REE8
+    # 24 bytes a row as they are; runs of 5 bytes: two per partition for the keys and the row
+    # numbers (one up the partition, one back to the next), one of 6 for the partition
+    assert len(table_bytes(chunk)) < 26 * partitions + 2_000
 
 
 def test_laplace_releases_are_stored_as_lattice_units_and_restored_bit_for_bit():
-    """A Laplace release's values are multiples of its lattice's power of two: four bytes a row.
-    Values off every such 32-bit lattice, or a -0.0, are stored as they are."""
+    """A Laplace release's values are multiples of its lattice's power of two: three bytes a row
+    (units of up to 24 bits). Values off every such 32-bit lattice, or a -0.0, are stored as they
+    are."""
     import dpsql
     from dpsql.mechanisms.laplace import LaplaceLattice
 
@@ -286,8 +297,8 @@ def test_laplace_releases_are_stored_as_lattice_units_and_restored_bit_for_bit()
     draws = dpsql.noise.Keystream.fresh().partition().lane(dpsql.noise.Lane.ROWS)
     released = LaplaceLattice(sensitivity=1000.0, epsilon=0.5).release(rng.uniform(0, 1000, n), draws)
     stored = _round_trip(_chunk(np.arange(n), values=released))
-    assert stored["value"] == pa.int32()
-    assert len(table_bytes(_chunk(np.arange(n), values=released))) < 12 * n + 2_000  # and the 8-byte tags
+    assert stored["value"] == PLANES
+    assert len(table_bytes(_chunk(np.arange(n), values=released))) < 11 * n + 2_000  # and the 8-byte tags
     finer = released.copy()
     finer[n - 1] += 2.0**-30  # beyond the first rows: found by the check of every value
     signed = released.copy()
@@ -295,3 +306,70 @@ def test_laplace_releases_are_stored_as_lattice_units_and_restored_bit_for_bit()
     huge = released + 2.0**40  # units beyond 32 bits
     for values in (finer, signed, huge):
         assert _round_trip(_chunk(np.arange(n), values=values))["value"] == pa.float64()
+
+
+@pytest.mark.parametrize(("units", "stored"), [
+    ([-(2**15), 2**15 - 1], pa.int16()),
+    ([-(2**15), 2**15], PLANES),
+    ([-(2**23), 2**23 - 1], PLANES),
+    ([-(2**23) - 1, 0], pa.int32()),
+    ([0, 2**23], pa.int32()),
+    ([-(2**31), 2**31 - 1], pa.int32()),
+])
+def test_lattice_units_are_stored_in_the_narrowest_integers_that_hold_them(units, stored):
+    """Units up to each width's bounds (both signs): each value comes back bit for bit. (Units of
+    8 bits are few: a dictionary, as any column of few values.)"""
+    picked = np.random.default_rng(13).integers(units[0], units[1] + 1, 5_000)
+    picked[:2] = units
+    values = picked * 0.125  # on the lattice of 2**-3 (exactly: units of at most 32 bits)
+    values[values == 0] = 0.0  # (not -0.0, stored as it is)
+    assert _round_trip(_chunk(np.arange(5_000), values=values))["value"] == stored
+
+
+@pytest.mark.parametrize(("runs", "stored"), [
+    ([2**7 - 1, -(2**7)], pa.int8()),
+    ([2**15 - 1, -(2**15)], pa.int16()),
+    ([2**15, -(2**15)], pa.int32()),  # (runs take no planes: a run costs four bytes of its end anyway)
+    ([2**31, 1], pa.int64()),
+])
+def test_runs_are_stored_in_the_narrowest_integers_that_hold_them(runs, stored):
+    values = np.repeat(np.resize(np.array(runs, dtype=np.int64), 100), 50)
+    chunk = pa.table({"dp_partition": values})
+    assert _round_trip(chunk)["dp_partition"] == pa.run_end_encoded(pa.int32(), stored)
+
+
+def test_columns_in_several_chunks_round_trip_with_the_differences_across_chunks():
+    """A chunk of released rows holds one piece per batch of partitions fed together: the
+    differences of its keys and row numbers run across the pieces (an empty one included)."""
+    keys = np.arange(3_000, dtype=np.int64) * 3_600 + 2**40
+    pieces = [keys[:1_000], keys[:0], keys[1_000:1_001], keys[1_001:]]
+    index = np.tile(np.arange(100, dtype=np.int64), 30)
+    values = np.random.default_rng(14).integers(-5_000, 5_000, 3_000) / 8.0 + 0.0
+    chunk = pa.table({"key": pa.chunked_array([pa.array(p).view(pa.timestamp("s")) for p in pieces]),
+                      "dp_index": pa.chunked_array([index[:1_500], index[1_500:]]),
+                      "value": pa.chunked_array([values[:10], values[10:]]),
+                      "dp_tag": pa.chunked_array([pa.array(np.arange(3_000)[:7], pa.int32()),
+                                                  pa.array(np.arange(3_000)[7:], pa.int32())])})
+    restored = table_of(table_bytes(chunk))
+    assert restored.schema == chunk.schema
+    for name in chunk.column_names:
+        assert np.array_equal(np.asarray(restored[name].to_numpy()).view(np.uint64) if name != "dp_tag" else
+                              restored[name].to_numpy(), np.asarray(chunk[name].to_numpy()).view(np.uint64)
+                              if name != "dp_tag" else chunk[name].to_numpy()), name
+    stored = _stored_types(table_bytes(chunk))
+    assert stored["key"] == REE8 and stored["dp_index"] == REE8 and stored["value"] == pa.int16()
+
+
+def test_large_tables_encoded_on_two_threads_come_back_as_encoded_on_one(monkeypatch):
+    """From :data:`_THREADED_FROM` rows, the columns are encoded on two threads: the same bytes."""
+    from dpsql import _chunks
+
+    n = 1 << 17
+    rng = np.random.default_rng(15)
+    chunk = pa.table({"dp_partition": np.repeat(np.arange(n // 24 + 1), 24)[:n], "dp_index": np.arange(n),
+                      "key": pa.array(np.arange(n) * 60).view(pa.timestamp("s")),
+                      "value": rng.integers(-2**20, 2**20, n) / 4.0 + 0.0, "dp_final": np.ones(n, bool)})
+    threaded = table_bytes(chunk)
+    monkeypatch.setattr(_chunks, "_THREADED_FROM", 2 * n)
+    assert threaded == table_bytes(chunk)
+    assert table_of(threaded).equals(chunk)

@@ -1,0 +1,85 @@
+"""An append's batch in stream order: the partitions' first rows found while checking the order
+agree with sorting and finding them afterwards, whatever the batch (in order or not, keys
+repeated, partitions out of order or split), and through the public append."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+
+import dpsql
+from dpsql.continual.order import group_starts, in_stream_order, starts_in_order
+from dpsql.continual.state import StreamSpec
+
+
+def _spec(partition_by: tuple[str, ...]) -> StreamSpec:
+    return StreamSpec(method="laplace", params={"epsilon": 1.0}, order_by="ts", value="v", partition_by=partition_by)
+
+
+def _expected(frame: pl.DataFrame, partition_by: tuple[str, ...]) -> tuple[pl.DataFrame, np.ndarray | None]:
+    """The oracle: sorted by partition and key, then each partition's first row; None when a key
+    repeats in a partition."""
+    ordered = frame.sort([*partition_by, "ts"], maintain_order=True)
+    keys = ordered.select([*partition_by, "ts"]).rows()
+    if len(set(keys)) < len(keys):
+        return ordered, None
+    parts = [tuple(r) for r in ordered.select(list(partition_by)).rows()] if partition_by else [()] * len(keys)
+    return ordered, np.array([i for i in range(len(parts)) if i == 0 or parts[i] != parts[i - 1]])
+
+
+@pytest.mark.parametrize("partition_by", [(), ("meter",)])
+@pytest.mark.parametrize("case", ["in_order", "shuffled", "repeated_key", "descending_partitions", "split_partition",
+                                  "floats", "datetimes", "one_row_each"])
+def test_partitions_found_while_checking_the_order_are_those_found_after_sorting(partition_by, case):
+    rng = np.random.default_rng(abs(hash((case, partition_by))) % 2**32)
+    meters, hours = 50, 24
+    meter = np.repeat(np.arange(meters), hours)
+    ts = np.tile(np.arange(hours), meters) * 3_600 + rng.integers(0, 3_600, meters * hours)
+    if case == "shuffled":
+        order = rng.permutation(len(ts))
+        meter, ts = meter[order], ts[order]
+    elif case == "repeated_key":
+        ts[7 * hours + 5] = ts[7 * hours + 4]
+    elif case == "descending_partitions":
+        meter = meter[::-1].copy()
+    elif case == "split_partition":  # meter 3's rows again after meter 4's (keys rising within each run)
+        meter[4 * hours + 12:5 * hours] = 3
+        ts[4 * hours + 12:5 * hours] += 10**6
+    elif case == "one_row_each":
+        meter, ts = np.arange(meters), np.zeros(meters, np.int64)
+    frame = pl.DataFrame({"meter": meter, "ts": ts, "v": np.ones(len(ts))})
+    if case == "floats":
+        frame = frame.with_columns(pl.col("meter") * 0.5 - 3.0, pl.col("ts") / 7.0)
+    if case == "datetimes":
+        frame = frame.with_columns(pl.from_epoch("ts", "s").dt.replace_time_zone("Europe/Zurich"))
+    if not partition_by:
+        frame = frame.unique("ts", keep="first", maintain_order=True) if case != "repeated_key" else frame
+        frame = frame.sort("ts") if case in ("in_order", "floats", "datetimes") else frame
+    spec = _spec(partition_by)
+    expected, starts = _expected(frame, partition_by)
+    ordered, found = in_stream_order(frame, spec)
+    assert ordered.equals(expected)
+    if starts is None:  # a key twice in a partition: refused by group_starts
+        assert found is None
+        with pytest.raises(dpsql.InvalidTimeKey, match="appears twice in one partition"):
+            group_starts(ordered, spec, "stream 's'")
+        return
+    if found is None:
+        found = group_starts(ordered, spec, "stream 's'")
+    assert np.array_equal(found, starts)
+    # rows in order are recognised without sorting (no copy); a single row needs no check
+    in_order = case in ("in_order", "floats", "datetimes", "one_row_each") and frame.height > 1
+    assert (starts_in_order(frame, partition_by, "ts") is not None) == in_order
+
+
+def test_an_append_whose_partitions_come_split_releases_each_row_once_under_its_meter():
+    budget = dpsql.Budget.in_memory(epsilon=10.0)
+    stream = budget.stream("fleet", method="laplace", epsilon=1.0, order_by="ts", value="v", partition_by="meter",
+                           upper=10.0)
+    frame = pl.DataFrame({"meter": [1, 1, 2, 2, 1, 1], "ts": [0, 1, 0, 1, 2, 3], "v": [1.0] * 6})
+    out = pl.from_arrow(stream.append(frame))
+    assert out.select("meter", "ts").rows() == [(1, 0), (1, 1), (1, 2), (1, 3), (2, 0), (2, 1)]
+    assert out["dp_row"].n_unique() == 6
+    with pytest.raises(dpsql.InvalidTimeKey, match="appears twice in one partition"):
+        stream.append(pl.DataFrame({"meter": [3, 3, 4], "ts": [5, 5, 5], "v": [1.0] * 3}))
