@@ -79,15 +79,15 @@ class Released:
                 columns[name] = np.concatenate(parts, out=pooled_array(sum(len(p) for p in parts), parts[0].dtype))
             else:
                 columns[name] = parts[0]
-        table = pa.table(columns)
         if self._in_order():
-            return table
-        # a row released twice in one append (a lazy frame's later batch completed its block)
-        # keeps its last version
-        partition, index = table["dp_partition"].to_numpy(), table["dp_index"].to_numpy()
-        order = np.lexsort((index, partition))
-        last = np.append((np.diff(partition[order]) != 0) | (np.diff(index[order]) != 0), True)
-        return table.take(pa.array(order[last]))
+            return pa.table(columns)
+        partition, index = np.asarray(columns["dp_partition"]), np.asarray(columns["dp_index"])
+        if (order := _runs_in_turn(partition)) is None:
+            # a row released twice in one append (a lazy frame's later batch completed its block)
+            # keeps its last version
+            order = np.lexsort((index, partition))
+            order = order[np.append((np.diff(partition[order]) != 0) | (np.diff(index[order]) != 0), True)]
+        return pa.table({name: _rows_of(column, order) for name, column in columns.items()})
 
     def _in_order(self) -> bool:
         """Whether the pieces' rows are by partition, then row, each once: each piece's partitions
@@ -462,12 +462,34 @@ def _taken(column: pa.Array | None, positions: np.ndarray, kind: pa.DataType) ->
     return taken if inside.all() else pc.if_else(pa.array(inside), taken, pa.nulls(len(positions), taken.type))
 
 
+def _runs_in_turn(partition: np.ndarray) -> np.ndarray | None:
+    """The rows by partition, when each partition's rows come together once (pieces of classes of
+    partitions fed one after the other: interleaved, each in order): the runs put in turn, not
+    the rows sorted (a tenth of the time); else None."""
+    starts = np.flatnonzero(np.not_equal(partition[1:], partition[:-1])) + 1
+    starts = np.concatenate([[0], starts])
+    owners = partition[starts]
+    turn = np.argsort(owners, kind="stable")
+    if (owners[turn][1:] == owners[turn][:-1]).any():  # a partition in two runs
+        return None
+    return _ranges(starts[turn], np.diff(np.append(starts, len(partition)))[turn])
+
+
+def _rows_of(column: np.ndarray | pa.Array | pa.ChunkedArray, rows: np.ndarray) -> np.ndarray | pa.Array:
+    """``column[rows]``; numpy's gathered into pooled memory (see dpsql._memory): a chunk's columns
+    are megabytes (mode clip, every row being one of the column's, gathers directly into it)."""
+    if isinstance(column, np.ndarray):
+        return np.take(column, rows, mode="clip", out=pooled_array(len(rows), column.dtype))
+    return column.take(pa.array(rows))
+
+
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """``concatenate([arange(s, s + c) for s, c in zip(starts, counts)])``, vectorised."""
     if len(starts) == 1:
         return np.arange(starts[0], starts[0] + counts[0])
-    total = int(counts.sum())
-    return np.repeat(starts, counts) + (np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts))
+    ranges = np.repeat(starts - (np.cumsum(counts) - counts), counts)  # each row's start, less its place
+    ranges += np.arange(len(ranges))
+    return ranges
 
 
 def _rows(starts: np.ndarray, counts: np.ndarray) -> slice | np.ndarray:

@@ -4,11 +4,14 @@ repeated, partitions out of order or split), and through the public append."""
 
 from __future__ import annotations
 
+import sqlite3
+
 import numpy as np
 import polars as pl
 import pytest
 
 import dpsql
+from dpsql._chunks import table_of
 from dpsql.continual.order import group_starts, in_stream_order, starts_in_order
 from dpsql.continual.state import StreamSpec
 
@@ -83,3 +86,37 @@ def test_an_append_whose_partitions_come_split_releases_each_row_once_under_its_
     assert out["dp_row"].n_unique() == 6
     with pytest.raises(dpsql.InvalidTimeKey, match="appears twice in one partition"):
         stream.append(pl.DataFrame({"meter": [3, 3, 4], "ts": [5, 5, 5], "v": [1.0] * 3}))
+
+
+def test_interleaved_classes_of_a_fleet_are_stored_and_returned_by_partition(tmp_path, monkeypatch):
+    """A tops fleet's partitions fall in classes by how many of their rows went to the pooled
+    hold-out: their rows come interleaved, and are put in partition order by moving runs. The
+    chunk and the rows returned are those of sorting every row (the general path), in order."""
+    from dpsql.continual import appends
+
+    budget = dpsql.Budget.open(tmp_path / "moved.sqlite", epsilon=100.0)
+    moved = budget.stream("fleet", method="tops", epsilon=1.0, order_by="ts", value="v", partition_by="meter",
+                          upper=50.0)
+    with sqlite3.connect(tmp_path / "moved.sqlite") as source, sqlite3.connect(tmp_path / "sorted.sqlite") as copy:
+        source.backup(copy)  # the same stream, its secret key too: the two paths must give the same rows
+    sorted_ = dpsql.Budget.open(tmp_path / "sorted.sqlite").stream("fleet")
+    rng = np.random.default_rng(16)
+    days = [pl.DataFrame({"meter": np.repeat(np.arange(300), 24), "ts": np.tile(np.arange(24), 300) + 24 * d,
+                          "v": rng.gamma(2.0, 2.0, 7_200)}) for d in range(3)]
+    seen = []
+    runs_in_turn = appends._runs_in_turn
+    monkeypatch.setattr(appends, "_runs_in_turn", lambda p: seen.append(o := runs_in_turn(p)) or o)
+    returned = [pl.from_arrow(moved.append(day)) for day in days]
+    assert any(o is not None for o in seen)  # the classes interleaved: runs moved
+    monkeypatch.setattr(appends, "_runs_in_turn", lambda p: None)
+    expected = [pl.from_arrow(sorted_.append(day)) for day in days]
+    for got, want, day in zip(returned, expected, days):
+        assert got.equals(want)
+        assert got.select("meter", "ts").rows() == sorted(day.select("meter", "ts").rows())
+    assert pl.from_arrow(moved.released()).equals(pl.from_arrow(sorted_.released()))
+    for stream in (moved, sorted_):  # each append's chunk is stored by partition, then row
+        with stream.budget.ledger.reading("test") as conn:
+            for _, _, _, data in stream._store.chunks(conn, stream.release_id):
+                chunk = table_of(data)
+                partition, index = chunk["dp_partition"].to_numpy(), chunk["dp_index"].to_numpy()
+                assert (np.diff(partition) > 0).sum() == 299 and (np.diff(index)[np.diff(partition) == 0] == 1).all()
