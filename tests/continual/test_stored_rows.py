@@ -114,6 +114,27 @@ def test_chunks_of_earlier_versions_are_read():
     assert pa.concat_tables([restored, later]).num_rows == 6  # a stream's chunks, old and new, read as one
 
 
+def test_chunks_of_the_version_before_narrow_integers_are_read():
+    """Before narrow integers, runs held 64-bit values (differences not divided by a step) and
+    lattice units 32 bits: a ledger written then reads back the same rows."""
+    keys = np.arange(1_000, dtype=np.int64) * 3_600_000_000 + 1_700_000_000_000_000
+    values = np.arange(1_000) * 0.25 - 100.0
+    ends = pa.array([1, 1_000], pa.int32())
+    schema = pa.schema([
+        pa.field("key", REE, metadata={b"dpsql.type": b"timestamp[us]", b"dpsql.encoding": b"delta",
+                                       b"dpsql.first": str(keys[0]).encode()}),
+        pa.field("value", pa.int32(), metadata={b"dpsql.type": b"double", b"dpsql.encoding": b"lattice",
+                                                b"dpsql.exponent": b"-2"})])
+    old = pa.table([pa.RunEndEncodedArray.from_arrays(ends, pa.array([0, 3_600_000_000], pa.int64())),
+                    pa.array((values * 4).astype(np.int32))], schema=schema)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, old.schema) as writer:
+        writer.write_table(old)
+    restored = table_of(sink.getvalue().to_pybytes())
+    assert restored["key"].to_numpy().view(np.int64).tolist() == keys.tolist()
+    assert restored["key"].type == pa.timestamp("us") and restored["value"].to_pylist() == values.tolist()
+
+
 def test_repeats_and_conflicts_are_recognised_whichever_way_tags_were_stored():
     """Values that repeat get their tags as a dictionary (one cipher block per distinct value);
     values that do not get a tag per row. Appends of either kind, their pending rows and their
