@@ -20,7 +20,8 @@ consecutive values (the first one in the field's metadata), in the first of thes
   keys in microseconds runs in steps of 1);
 - dictionary encoded with 8- or 16-bit indices, when few distinct values are seen in the
   first rows and the whole column has at most 65,536 (a column may also come encoded so);
-- integers (not floats' bits) in the narrowest that holds them all, when 32 bits do;
+- integers (not floats' bits; but a float key's differences) in the narrowest that holds them all,
+  when 32 bits do;
 - floats as multiples of a power of two (the exponent in the field's metadata), their units in
   the narrowest integers that hold them, when every value is one on a lattice of 32-bit units
   (the Laplace mechanism's releases: about 18 bits a value);
@@ -146,7 +147,9 @@ def _encoded(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Arr
         stored = pa.RunEndEncodedArray.from_arrays(ends, _narrowest(runs, planes=False))
     elif (found := distinct(bits)) is not None:
         stored = _dictionary(*found)
-    floats = pa.types.is_float64(field.type)  # (whose bits fit 32 only for 0.0 and tiny subnormals)
+    # floats' bits (which fit 32 only for 0.0 and tiny subnormals), not the differences of a float key's bits:
+    # as floats those are not the values, so their lattice would restore them, not the keys
+    floats = pa.types.is_float64(field.type) and field.name not in _ASCENDING
     if stored is None and not (narrow or floats) and _INT32.min <= bits.min() and bits.max() <= _INT32.max:
         stored = _narrowest(bits)
     if stored is None and floats and (found_lattice := lattice(bits.view(np.float64))):

@@ -394,3 +394,29 @@ def test_large_tables_encoded_on_two_threads_come_back_as_encoded_on_one(monkeyp
     monkeypatch.setattr(_chunks, "_THREADED_FROM", 2 * n)
     assert threaded == table_bytes(chunk)
     assert table_of(threaded).equals(chunk)
+
+
+def test_float_order_keys_whose_differences_look_like_a_lattice_come_back_bit_for_bit(tmp_path):
+    """Float keys are stored as differences of their bits; those differences, read as floats,
+    can be multiples of one power of two (keys that grow by whole binades: here each difference
+    reads as a multiple of 2**-1023). Stored as lattice units, they came back as the
+    differences themselves, not the keys: another key released than the one appended."""
+    import polars as pl
+
+    import dpsql
+
+    n = 260  # more distinct differences than a dictionary takes, too many runs to run-length encode
+    rng = np.random.default_rng(16)
+    steps = (rng.integers(2, 128, n - 1) * np.ldexp(1.0, -1023)).view(np.int64)
+    keys = np.concatenate([[0], np.cumsum(steps)]).view(np.float64)
+    assert np.isfinite(keys).all() and (np.diff(keys) > 0).all()
+    _round_trip(pa.table({"key": keys}))
+    path = tmp_path / "l.sqlite"
+    stream = dpsql.Budget.open(path, epsilon=1.0).stream("s", method="laplace", epsilon=1.0, order_by="t",
+                                                         value="v", upper=10.0)
+    frame = pl.DataFrame({"t": keys, "v": rng.uniform(0.0, 10.0, n)})
+    appended = stream.append(frame)
+    released = dpsql.Budget.open(path).stream("s").released()
+    assert np.array_equal(released["t"].to_numpy().view(np.uint64), keys.view(np.uint64))
+    assert released.equals(appended)
+    assert stream.append(frame).equals(appended)  # a repeat, recognised as one
