@@ -192,7 +192,7 @@ def _differences(column: pa.ChunkedArray, narrow: bool) -> tuple[np.ndarray, int
             continue
         bits = _chunk_bits(chunk, narrow)
         if last is None:
-            first = last = int(bits[0])
+            first, last = int(bits[0]), bits[:1]
         # arrays, not scalars: numpy warns of a scalar difference that wraps (two's complement)
         np.subtract(bits[:1], last, out=deltas[at:at + 1])
         np.subtract(bits[1:], bits[:-1], out=deltas[at + 1:at + len(bits)])
