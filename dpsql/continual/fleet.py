@@ -208,6 +208,23 @@ class Fleet:
             raise LookupError("no partitions yet")
         return self._directory
 
+    def in_order(self, key_columns: list[pa.Array]) -> bool:
+        """Whether ``key_columns`` are every partition's keys in ordinal order (a fleet's day, its
+        meters as they were first registered), value for value and of the directory's types:
+        integers, text or times, whose equal values are one key (not floats: -0.0 equals 0.0). Their
+        ordinals are then 0, 1, ... with no address computed."""
+        if not self.partitions or len(key_columns[0]) != self.partitions:
+            return False
+        for name, column in zip(self._partition_by, key_columns):
+            stored = self.directory[name]
+            kind = column.type
+            if kind != stored.type or not (pa.types.is_integer(kind) or pa.types.is_string(kind)
+                                           or pa.types.is_large_string(kind) or pa.types.is_temporal(kind)):
+                return False
+            if not column.equals(stored.combine_chunks()):
+                return False
+        return True
+
     def ordinals(self, addresses: pa.Array) -> np.ndarray:
         """The ordinal of each address's partition, -1 where it has none yet."""
         if not self.partitions:

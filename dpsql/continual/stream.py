@@ -71,14 +71,7 @@ from dpsql.continual.state import (
     value_tags,
 )
 from dpsql.error_models import ProvisionalRows, SegmentedNoise, check_level
-from dpsql.errors import (
-    BudgetExhausted,
-    InvalidData,
-    InvalidParameter,
-    LedgerError,
-    UnknownStream,
-    scrubbed,
-)
+from dpsql.errors import BudgetExhausted, InvalidData, InvalidParameter, LedgerError, UnknownStream, scrubbed
 from dpsql.ledger.streams import StreamRow, StreamStore
 from dpsql.mechanisms.calendar import calendar_by_default
 from dpsql.methods import COUNT_METHODS, GRID_METHODS, METHODS, check_method, machine_for, unsized_charge
@@ -447,6 +440,8 @@ class Stream:
         """The ordinals of the partitions whose rows start at ``starts`` in ``frame``, new ones
         registered (their keys typed as the stream's first partitions')."""
         columns = [frame.get_column(c).gather(starts).to_arrow() for c in self.spec.partition_by]
+        if columns and fleet.in_order(columns):
+            return np.arange(len(starts), dtype=np.int64)
         addresses = partition_addresses(columns) if columns else pa.array([b""], pa.large_binary())
         ordinals = fleet.ordinals(addresses)
         new = np.flatnonzero(ordinals < 0)

@@ -120,3 +120,39 @@ def test_interleaved_classes_of_a_fleet_are_stored_and_returned_by_partition(tmp
                 chunk = table_of(data)
                 partition, index = chunk["dp_partition"].to_numpy(), chunk["dp_index"].to_numpy()
                 assert (np.diff(partition) > 0).sum() == 299 and (np.diff(index)[np.diff(partition) == 0] == 1).all()
+
+
+@pytest.mark.parametrize("kind", ["int", "text", "datetime", "float"])
+def test_a_day_of_every_meter_in_order_gets_their_ordinals_without_addresses(tmp_path, monkeypatch, kind):
+    """A fleet's day holds every meter, as the directory holds them: ordinals 0, 1, ... without
+    addresses. The same stream (a copy of its ledger) through the addresses gives the same rows,
+    for days that hold every meter, one meter swapped for a new one, or one more."""
+    from dpsql.continual.fleet import Fleet
+
+    def meters(ids):
+        ids = np.asarray(ids)
+        return {"int": ids, "text": np.char.add("m", ids.astype(str)),
+                "datetime": ids.astype("datetime64[D]").astype("datetime64[us]"), "float": ids * 1.5}[kind]
+
+    def day(number, ids):
+        return pl.DataFrame({"meter": np.repeat(meters(ids), 4), "ts": np.tile(np.arange(4), len(ids)) + 4 * number,
+                             "v": np.arange(4 * len(ids)) % 7 * 1.0})
+
+    budget = dpsql.Budget.open(tmp_path / "fast.sqlite", epsilon=100.0)
+    fast = budget.stream("fleet", method="laplace", epsilon=1.0, order_by="ts", value="v", partition_by="meter",
+                         upper=10.0)
+    fast.append(day(0, np.arange(40)))
+    with sqlite3.connect(tmp_path / "fast.sqlite") as source, sqlite3.connect(tmp_path / "slow.sqlite") as copy:
+        source.backup(copy)
+    slow = dpsql.Budget.open(tmp_path / "slow.sqlite").stream("fleet")
+    days = [day(1, np.arange(40)), day(2, [*range(39), 77]), day(3, [*range(40), 78]), day(4, [*range(40), 77, 78])]
+    used = []
+    in_order = Fleet.in_order
+    monkeypatch.setattr(Fleet, "in_order", lambda self, columns: used.append(o := in_order(self, columns)) or o)
+    returned = [pl.from_arrow(fast.append(d)) for d in days]
+    # (the meters added since sort last as numbers and times, but "m77" before "m8" as text)
+    assert used == [kind != "float", False, False, kind in ("int", "datetime")]
+    monkeypatch.setattr(Fleet, "in_order", lambda self, columns: False)
+    for got, d in zip(returned, days):
+        assert got.equals(pl.from_arrow(slow.append(d)))
+    assert pl.from_arrow(fast.released()).equals(pl.from_arrow(slow.released()))
