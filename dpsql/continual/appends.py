@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 
 from dpsql import _validate
 from dpsql._groups import same_groups
-from dpsql._memory import pooled_array
+from dpsql._memory import gathered, pooled_array
 from dpsql.continual.fleet import SHARD, MachineClass, Shard, merge_classes, split_state
 from dpsql.continual.order import group_starts, in_stream_order
 from dpsql.continual.state import (
@@ -476,11 +476,8 @@ def _runs_in_turn(partition: np.ndarray) -> np.ndarray | None:
 
 
 def _rows_of(column: np.ndarray | pa.Array | pa.ChunkedArray, rows: np.ndarray) -> np.ndarray | pa.Array:
-    """``column[rows]``; numpy's gathered into pooled memory (see dpsql._memory): a chunk's columns
-    are megabytes (mode clip, every row being one of the column's, gathers directly into it)."""
-    if isinstance(column, np.ndarray):
-        return np.take(column, rows, mode="clip", out=pooled_array(len(rows), column.dtype))
-    return column.take(pa.array(rows))
+    """``column[rows]`` (numpy's: a chunk's columns are megabytes, gathered into pooled memory)."""
+    return gathered(column, rows) if isinstance(column, np.ndarray) else column.take(pa.array(rows))
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -34,6 +34,7 @@ import pyarrow.compute as pc
 
 from dpsql import _state
 from dpsql._chunks import table_bytes, table_of
+from dpsql._memory import gathered, pooled_array
 from dpsql.ledger.streams import PARTITION_HANDLES
 
 #: Partitions per shard of the stored state: an append rewrites the shards it touches.
@@ -297,3 +298,18 @@ class Fleet:
         if self._directory_changed:
             self._store.save_state(self._conn, release_id, _DIRECTORY, table_bytes(self._directory))
         self._store.save_state(self._conn, release_id, _FACTS, _state.pack(self.facts))
+
+
+def row_handles(first_handles: np.ndarray, ordinals: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """Each row's handle (``dp_row``): its partition's first handle plus its index; by arithmetic
+    when the first handles are evenly spaced (partitions registered together, as a fleet's are:
+    :data:`PARTITION_HANDLES` apart), where gathering millions of rows' first handles takes three
+    times as long."""
+    step = int(first_handles[1] - first_handles[0]) if len(first_handles) > 1 else 0
+    if len(first_handles) > 1 and (np.diff(first_handles) == step).all():
+        handles = np.multiply(ordinals, step, out=pooled_array(len(ordinals), np.int64))
+        handles += int(first_handles[0])
+    else:
+        handles = gathered(first_handles, ordinals)
+    handles += indices
+    return handles

@@ -50,7 +50,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dpsql._chunks import table_buffer
-from dpsql._memory import pooled_array
+from dpsql._memory import gathered
 from dpsql._tables import arrow_batches
 from dpsql.accounting import Kind
 from dpsql.addresses import partition_address, partition_addresses
@@ -58,7 +58,7 @@ from dpsql.continual import rows as stored
 from dpsql.continual.appends import RangeAppend
 from dpsql.continual.counts import CountAppend
 from dpsql.continual.delay import MaxDelay, StreamDelay, registered
-from dpsql.continual.fleet import SHARD, Fleet, Shard, split_state
+from dpsql.continual.fleet import SHARD, Fleet, Shard, row_handles, split_state
 from dpsql.continual.pool import Pool, pools
 from dpsql.continual.state import (
     FINAL,
@@ -553,11 +553,10 @@ class Stream:
         if rows is None or directory is None:
             return None
         ordinals = rows["dp_partition"].to_numpy()
-        # gathered into pooled memory (dpsql._memory): mode clip writes into it directly, raise buffers first
-        handles = pooled_array(len(ordinals), np.int64)
-        np.take(directory["__first_handle"].to_numpy(), ordinals, mode="clip", out=handles)
-        handles += rows["dp_index"].to_numpy()
-        columns = [directory[c].take(pa.array(ordinals)) for c in self.spec.partition_by]
+        handles = row_handles(directory["__first_handle"].to_numpy(), ordinals, rows["dp_index"].to_numpy())
+        # integer keys (no nulls: refused) by numpy, others by Arrow
+        columns = [pa.array(gathered(directory[c].to_numpy(), ordinals)) if pa.types.is_integer(directory[c].type)
+                   else directory[c].take(pa.array(ordinals)) for c in self.spec.partition_by]
         columns += [rows["key"], rows["value"], pa.array(handles, pa.int64()), rows[FINAL]]
         names = [*self.spec.partition_by, self.spec.order_by, self._value_column(), ROW_COLUMN, FINAL]
         return pa.Table.from_arrays(columns, names=names)

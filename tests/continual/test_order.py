@@ -156,3 +156,14 @@ def test_a_day_of_every_meter_in_order_gets_their_ordinals_without_addresses(tmp
     for got, d in zip(returned, days):
         assert got.equals(pl.from_arrow(slow.append(d)))
     assert pl.from_arrow(fast.released()).equals(pl.from_arrow(slow.released()))
+
+
+@pytest.mark.parametrize("first_handles", [np.arange(5) * 2**32 + 7, np.array([7, 2**32 + 7, 5 * 2**32, 6 * 2**32]),
+                                           np.array([2**40])])
+def test_row_handles_by_arithmetic_are_the_gathered_ones(first_handles):
+    from dpsql.continual.fleet import row_handles
+
+    rng = np.random.default_rng(18)
+    ordinals = np.sort(rng.integers(0, len(first_handles), 1_000))
+    indices = rng.integers(0, 2**20, 1_000)
+    assert np.array_equal(row_handles(first_handles, ordinals, indices), first_handles[ordinals] + indices)
