@@ -105,10 +105,10 @@ def test_interleaved_classes_of_a_fleet_are_stored_and_returned_by_partition(tmp
                           "v": rng.gamma(2.0, 2.0, 7_200)}) for d in range(3)]
     seen = []
     runs_in_turn = appends._runs_in_turn
-    monkeypatch.setattr(appends, "_runs_in_turn", lambda p: seen.append(o := runs_in_turn(p)) or o)
+    monkeypatch.setattr(appends, "_runs_in_turn", lambda *a: seen.append(o := runs_in_turn(*a)) or o)
     returned = [pl.from_arrow(moved.append(day)) for day in days]
     assert any(o is not None for o in seen)  # the classes interleaved: runs moved
-    monkeypatch.setattr(appends, "_runs_in_turn", lambda p: None)
+    monkeypatch.setattr(appends, "_runs_in_turn", lambda *a: None)
     expected = [pl.from_arrow(sorted_.append(day)) for day in days]
     for got, want, day in zip(returned, expected, days):
         assert got.equals(want)
@@ -167,3 +167,28 @@ def test_row_handles_by_arithmetic_are_the_gathered_ones(first_handles):
     ordinals = np.sort(rng.integers(0, len(first_handles), 1_000))
     indices = rng.integers(0, 2**20, 1_000)
     assert np.array_equal(row_handles(first_handles, ordinals, indices), first_handles[ordinals] + indices)
+
+
+@pytest.mark.parametrize(("method", "meters"), [("tops", 0), ("hierarchy", 0), ("tops", 1), ("tops", 3)])
+def test_a_lazy_frame_whose_later_batch_completes_rows_returns_and_stores_each_row_once(method, meters):
+    """A lazy frame comes in batches (Polars splits even 1,000 rows); a later batch completes rows
+    an earlier one released provisionally (a hold-out filled, a block completed), in the same
+    partition as the earlier batch's last rows: one run of the partition, holding two versions of
+    a row. The append returns each row once, at its latest version, as :meth:`released` does."""
+    budget = dpsql.Budget.in_memory(epsilon=100.0)
+    partitioned = {"partition_by": "meter"} if meters else {}
+    stream = budget.stream("s", method=method, epsilon=1.0, order_by="ts", value="v", upper=10.0, **partitioned,
+                           **({"m": 300} if method == "tops" else {}))
+    n = 1_000 // max(meters, 1)
+    frame = pl.DataFrame({"ts": np.tile(np.arange(n), max(meters, 1)),
+                          "v": np.random.default_rng(19).uniform(0.0, 10.0, n * max(meters, 1))})
+    if meters:
+        frame = frame.with_columns(meter=np.repeat(np.arange(meters), n))
+    returned = pl.from_arrow(stream.append(frame.lazy()))
+    released = pl.from_arrow(stream.released())
+    assert returned.height == frame.height and returned["dp_row"].n_unique() == frame.height
+    assert returned.select(released.columns).equals(released)
+    with budget.ledger.reading("test") as conn:
+        (_, _, _, data), = stream._store.chunks(conn, stream.release_id)
+    chunk = table_of(data)
+    assert chunk.num_rows == frame.height
