@@ -307,7 +307,7 @@ def row_handles(first_handles: np.ndarray, ordinals: np.ndarray, indices: np.nda
     times as long."""
     step = int(first_handles[1] - first_handles[0]) if len(first_handles) > 1 else 0
     if len(first_handles) > 1 and (np.diff(first_handles) == step).all():
-        handles = np.multiply(ordinals, step, out=pooled_array(len(ordinals), np.int64))
+        handles = np.multiply(ordinals, step, out=pooled_array(len(ordinals), np.int64), dtype=np.int64)
         handles += int(first_handles[0])
     else:
         handles = gathered(first_handles, ordinals)

@@ -167,6 +167,8 @@ def test_row_handles_by_arithmetic_are_the_gathered_ones(first_handles):
     ordinals = np.sort(rng.integers(0, len(first_handles), 1_000))
     indices = rng.integers(0, 2**20, 1_000)
     assert np.array_equal(row_handles(first_handles, ordinals, indices), first_handles[ordinals] + indices)
+    narrow = ordinals.astype(np.uint16)  # (in int64 throughout, whatever the ordinals' type)
+    assert np.array_equal(row_handles(first_handles, narrow, indices), first_handles[ordinals] + indices)
 
 
 @pytest.mark.parametrize(("method", "meters"), [("tops", 0), ("hierarchy", 0), ("tops", 1), ("tops", 3)])
