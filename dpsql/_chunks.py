@@ -96,9 +96,9 @@ def table_buffer(table: pa.Table) -> pa.Buffer:
     encoded.sort(key=lambda at: not pa.types.is_float64(table.schema.field(at).type))
     columns = [(table.schema.field(at), table.column(at)) for at in encoded]
     if table.num_rows >= _THREADED_FROM and len(columns) > 1:
-        stored = on_two_threads(_encoded_column, columns)
+        stored = on_two_threads(lambda c: _encoded(*c), columns)
     else:
-        stored = [_encoded_column(c) for c in columns]
+        stored = [_encoded(*c) for c in columns]
     for at, (field, column) in zip(encoded, stored):
         table = table.set_column(at, field, column)
     sink = pa.BufferOutputStream()
@@ -122,10 +122,6 @@ def table_of(data: bytes) -> pa.Table:
 def _as_bits(kind: pa.DataType) -> bool:
     return (pa.types.is_int64(kind) or pa.types.is_uint64(kind) or pa.types.is_float64(kind)
             or pa.types.is_timestamp(kind) or pa.types.is_duration(kind) or pa.types.is_int32(kind))
-
-
-def _encoded_column(column: tuple[pa.Field, pa.ChunkedArray]) -> tuple[pa.Field, pa.Array]:
-    return _encoded(*column)
 
 
 def _encoded(field: pa.Field, column: pa.ChunkedArray) -> tuple[pa.Field, pa.Array]:
@@ -261,15 +257,15 @@ def lattice(values: np.ndarray) -> tuple[int, np.ndarray] | None:
         np.copyto(units, scaled, casting="unsafe")
     # the decoded bits (:func:`_lattice_values`), not the scaled values: -0.0 (whose unit is 0) must not
     # pass for 0.0, nor a value that underflows to 0 units
-    decoded = np.multiply(units, np.ldexp(1.0, exponent), out=scaled)
+    decoded = _lattice_values(units, exponent, out=scaled)
     if not np.equal(decoded.view(np.int64), values.view(np.int64), out=pooled_array(len(values), np.bool_)).all():
         return None
     return exponent, units
 
 
-def _lattice_values(units: np.ndarray, exponent: int) -> np.ndarray:
-    """The floats :func:`lattice` stored as ``units`` of ``2.0**exponent``."""
-    return units.astype(np.float64) * np.ldexp(1.0, exponent)
+def _lattice_values(units: np.ndarray, exponent: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The floats :func:`lattice` stored as ``units`` of ``2.0**exponent`` (into ``out`` when given)."""
+    return np.multiply(units, np.ldexp(1.0, exponent), out=out)
 
 
 def distinct(bits: np.ndarray, seen: np.ndarray | None = None, *,
